@@ -1,0 +1,117 @@
+"""Cluster: a private GKE Standard cluster with dataplane v2, multi-networking and workload identity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra.config import EnvironmentSpec
+from infra.network import POD_RANGE, SERVICE_RANGE
+
+OAUTH_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
+
+
+@dataclass(frozen=True)
+class ClusterArgs:
+    spec: EnvironmentSpec
+    network: pulumi.Input[str]
+    subnetwork: pulumi.Input[str]
+    node_service_account: pulumi.Input[str]
+
+
+def kubeconfig(name: str, endpoint: pulumi.Input[str], ca: pulumi.Input[str]) -> pulumi.Output[str]:
+    # Uses the gke-gcloud-auth-plugin, so no long-lived credentials land in the config or the state.
+    return pulumi.Output.all(endpoint, ca).apply(lambda v: f"""apiVersion: v1
+kind: Config
+clusters:
+- name: {name}
+  cluster:
+    server: https://{v[0]}
+    certificate-authority-data: {v[1]}
+contexts:
+- name: {name}
+  context: {{cluster: {name}, user: {name}}}
+current-context: {name}
+users:
+- name: {name}
+  user:
+    exec:
+      apiVersion: client.authentication.k8s.io/v1beta1
+      command: gke-gcloud-auth-plugin
+      provideClusterInfo: true
+      interactiveMode: Never
+""")
+
+
+class Cluster(pulumi.ComponentResource):
+    cluster: gcp.container.Cluster
+    system_pool: gcp.container.NodePool
+    kubeconfig: pulumi.Output[str]
+
+    def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gke-tpu-rl:infra:Cluster", name, None, opts)
+        spec, c = args.spec, args.spec.cluster
+        child = pulumi.ResourceOptions(parent=self)
+
+        addons = gcp.container.ClusterAddonsConfigArgs(
+            gcs_fuse_csi_driver_config=gcp.container.ClusterAddonsConfigGcsFuseCsiDriverConfigArgs(enabled=True),
+            ray_operator_configs=[gcp.container.ClusterAddonsConfigRayOperatorConfigArgs(enabled=True)]
+            if c.ray_operator else None,
+        )
+        authorized = gcp.container.ClusterMasterAuthorizedNetworksConfigArgs(
+            cidr_blocks=[gcp.container.ClusterMasterAuthorizedNetworksConfigCidrBlockArgs(cidr_block=b)
+                         for b in c.master_authorized_cidrs]) if c.master_authorized_cidrs else None
+
+        self.cluster = gcp.container.Cluster(
+            spec.cluster_name,
+            name=spec.cluster_name,
+            project=spec.project,
+            location=spec.zone,
+            network=args.network,
+            subnetwork=args.subnetwork,
+            # Node pools are managed separately; the bootstrap pool is removed right away.
+            remove_default_node_pool=True,
+            initial_node_count=1,
+            node_config=gcp.container.ClusterNodeConfigArgs(service_account=args.node_service_account,
+                                                            oauth_scopes=OAUTH_SCOPES),
+            release_channel=gcp.container.ClusterReleaseChannelArgs(channel=c.release_channel),
+            min_master_version=spec.gke_min_version,
+            datapath_provider="ADVANCED_DATAPATH",
+            enable_multi_networking=True,
+            ip_allocation_policy=gcp.container.ClusterIpAllocationPolicyArgs(
+                cluster_secondary_range_name=POD_RANGE, services_secondary_range_name=SERVICE_RANGE),
+            private_cluster_config=gcp.container.ClusterPrivateClusterConfigArgs(
+                enable_private_nodes=True, enable_private_endpoint=False,
+                master_ipv4_cidr_block=spec.network.master_cidr),
+            master_authorized_networks_config=authorized,
+            workload_identity_config=gcp.container.ClusterWorkloadIdentityConfigArgs(
+                workload_pool=f"{spec.project}.svc.id.goog"),
+            addons_config=addons,
+            resource_labels=spec.resource_labels(),
+            deletion_protection=c.deletion_protection,
+            opts=child,
+        )
+        # Runs the JobSet and Kueue controllers and their webhooks, away from the TPU hosts.
+        self.system_pool = gcp.container.NodePool(
+            f"{name}-system",
+            project=spec.project,
+            location=spec.zone,
+            cluster=self.cluster.name,
+            node_count=c.system_pool.nodes,
+            node_config=gcp.container.NodePoolNodeConfigArgs(
+                machine_type=c.system_pool.machine_type,
+                service_account=args.node_service_account,
+                oauth_scopes=OAUTH_SCOPES,
+                workload_metadata_config=gcp.container.NodePoolNodeConfigWorkloadMetadataConfigArgs(
+                    mode="GKE_METADATA"),
+                labels={"gke-tpu-rl/pool": "system"},
+                resource_labels=spec.resource_labels(),
+            ),
+            management=gcp.container.NodePoolManagementArgs(auto_repair=True, auto_upgrade=True),
+            opts=child,
+        )
+        self.kubeconfig = pulumi.Output.secret(kubeconfig(
+            spec.cluster_name, self.cluster.endpoint, self.cluster.master_auth.cluster_ca_certificate))
+        self.register_outputs({"name": self.cluster.name, "endpoint": self.cluster.endpoint})

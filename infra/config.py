@@ -1,0 +1,366 @@
+"""The typed environment spec: stack config in, a validated EnvironmentSpec out, before any resource exists."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from infra import tpu
+
+NAMESPACE = "gke-tpu-rl"
+# Config keys read outside the typed spec because they hold Pulumi secrets.
+SECRET_KEYS = ("hfToken",)
+# Managed DRANET needs this GKE version or later (Standard clusters).
+DRANET_MIN_GKE = "1.34.1-gke.1829001"
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
+_PROJECT = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$")
+_REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+_GKE_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:-gke\.(\d+))?$")
+
+
+class ConfigError(ValueError):
+    """A stack config problem; the message names the config key, the value and what is allowed."""
+
+
+class _Model(BaseModel):
+    # Pulumi stack config is camelCase; unknown keys are typos, so they are errors.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+def gke_version_tuple(version: str) -> tuple[int, int, int, int]:
+    m = _GKE_VERSION.match(version)
+    if not m:
+        raise ValueError(f"{version!r} is not a GKE version like 1.34.1-gke.1829001")
+    return tuple(int(g or 0) for g in m.groups())  # type: ignore[return-value]
+
+
+def _cidr(value: str) -> str:
+    try:
+        return str(ipaddress.ip_network(value, strict=True))
+    except ValueError as e:
+        raise ValueError(f"{value!r} is not a CIDR block like 10.0.0.0/20 ({e})") from None
+
+
+class DranetSpec(_Model):
+    enabled: bool = False
+    networks: int = Field(2, ge=1, le=8, description="extra high-MTU networks attached to each TPU pod")
+    mtu: int = Field(8896, ge=1460, le=8896)
+    cidrs: list[str] | None = Field(None, description="one subnet CIDR per extra network; derived when unset")
+
+    @field_validator("cidrs")
+    @classmethod
+    def _check_cidrs(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [_cidr(c) for c in v]
+
+    @model_validator(mode="after")
+    def _cidr_count(self) -> DranetSpec:
+        if self.cidrs is not None and len(self.cidrs) != self.networks:
+            raise ValueError(f"cidrs lists {len(self.cidrs)} blocks but networks is {self.networks}")
+        return self
+
+    def subnet_cidrs(self) -> list[str]:
+        return self.cidrs or [f"10.{200 + i}.0.0/16" for i in range(self.networks)]
+
+
+class NetworkSpec(_Model):
+    node_cidr: str = "10.0.0.0/20"
+    pod_cidr: str = "10.16.0.0/14"
+    service_cidr: str = "10.20.0.0/20"
+    master_cidr: str = "172.16.0.0/28"
+    dranet: DranetSpec = DranetSpec()
+
+    @field_validator("node_cidr", "pod_cidr", "service_cidr", "master_cidr")
+    @classmethod
+    def _cidrs(cls, v: str) -> str:
+        return _cidr(v)
+
+
+class SystemPoolSpec(_Model):
+    machine_type: str = "e2-standard-8"
+    nodes: int = Field(2, ge=1, le=20)
+
+
+class ClusterSpec(_Model):
+    release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "RAPID"
+    min_version: str | None = None
+    ray_operator: bool = False
+    system_pool: SystemPoolSpec = SystemPoolSpec()
+    master_authorized_cidrs: list[str] = Field(default_factory=list)
+    deletion_protection: bool = False
+
+    @field_validator("min_version")
+    @classmethod
+    def _version(cls, v: str | None) -> str | None:
+        if v is not None:
+            gke_version_tuple(v)
+        return v
+
+    @field_validator("master_authorized_cidrs")
+    @classmethod
+    def _authorized(cls, v: list[str]) -> list[str]:
+        return [_cidr(c) for c in v]
+
+
+Capacity = Literal["on-demand", "spot", "reservation", "flex-start"]
+
+
+class SliceGroupSpec(_Model):
+    """`count` identical slices of one shape; each slice becomes one node pool."""
+
+    name: str
+    tpu_type: str
+    topology: str
+    count: int = Field(1, ge=1, le=64)
+    capacity: Capacity = "on-demand"
+    reservation: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _DNS_LABEL.match(v):
+            raise ValueError(f"{v!r} must be a lowercase DNS label (a-z, 0-9, '-'), at most 32 characters")
+        return v
+
+    @field_validator("tpu_type")
+    @classmethod
+    def _type(cls, v: str) -> str:
+        return tpu.canonical_type(v)
+
+    @field_validator("topology")
+    @classmethod
+    def _topology(cls, v: str, info: Any) -> str:
+        if "tpu_type" in info.data:  # else the type error is reported already
+            tpu.slice_shape(info.data["tpu_type"], v)
+        return v
+
+    @model_validator(mode="after")
+    def _reservation(self) -> SliceGroupSpec:
+        if (self.capacity == "reservation") != (self.reservation is not None):
+            raise ValueError("reservation (a reservation name) is required with capacity 'reservation' "
+                             "and only then")
+        return self
+
+    @property
+    def shape(self) -> tpu.SliceShape:
+        return tpu.slice_shape(self.tpu_type, self.topology)
+
+    def pool_names(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(self.count)]
+
+
+class StorageSpec(_Model):
+    location: str | None = Field(None, description="bucket location; the region when unset")
+    protect: bool = Field(True, description="retain the checkpoint bucket on destroy")
+    force_destroy: bool = False
+    versioning: bool = True
+    soft_delete_days: int = Field(7, ge=0, le=90)
+
+    @model_validator(mode="after")
+    def _safe(self) -> StorageSpec:
+        if self.protect and self.force_destroy:
+            raise ValueError("forceDestroy would delete checkpoints on destroy; it needs protect: false")
+        return self
+
+
+class ControllersSpec(_Model):
+    jobset_version: str = "0.12.0"
+    kueue_version: str = "0.19.2"
+    namespace: str = "gke-tpu-rl-system"
+
+
+class QueuesSpec(_Model):
+    namespace: str = "rl"
+    cluster_queue: str = "tpu-cluster-queue"
+    local_queue: str = "tpu"
+    priority_classes: dict[str, int] = Field(
+        default_factory=lambda: {"low": 100, "default": 500, "high": 1000})
+
+    @field_validator("namespace", "cluster_queue", "local_queue")
+    @classmethod
+    def _dns(cls, v: str) -> str:
+        if not _DNS_LABEL.match(v):
+            raise ValueError(f"{v!r} must be a lowercase DNS label")
+        return v
+
+
+class TrainerSpec(_Model):
+    enabled: bool = True
+    name: str = "grpo"
+    image: str | None = Field(None, description="trainer image; the environment's registry when unset")
+    image_tag: str = "latest"
+    args: list[str] = Field(default_factory=list)
+    slice_group: str | None = Field(None, description="which slice group runs the trainer; the first when unset")
+    slices: int = Field(1, ge=1)
+    max_restarts: int = Field(3, ge=0, le=100)
+    priority: str = "default"
+    termination_grace_seconds: int = Field(600, ge=30, le=3600)
+    service_account: str = "trainer"
+
+    @field_validator("name", "service_account")
+    @classmethod
+    def _dns(cls, v: str) -> str:
+        if not _DNS_LABEL.match(v):
+            raise ValueError(f"{v!r} must be a lowercase DNS label")
+        return v
+
+
+class EnvironmentSpec(_Model):
+    env: str = Field(description="the environment (stack) name")
+    project: str
+    region: str
+    zone: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    network: NetworkSpec = NetworkSpec()
+    cluster: ClusterSpec = ClusterSpec()
+    slices: list[SliceGroupSpec] = Field(min_length=1)
+    storage: StorageSpec = StorageSpec()
+    controllers: ControllersSpec = ControllersSpec()
+    queues: QueuesSpec = QueuesSpec()
+    trainer: TrainerSpec = TrainerSpec()
+
+    @field_validator("project")
+    @classmethod
+    def _project(cls, v: str) -> str:
+        if not _PROJECT.match(v):
+            raise ValueError(f"{v!r} is not a GCP project id (6-30 chars: a-z, 0-9, '-', starting with a letter)")
+        return v
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if not _REGION.match(v):
+            raise ValueError(f"{v!r} is not a region like us-east5")
+        return v
+
+    @field_validator("zone")
+    @classmethod
+    def _zone(cls, v: str, info: Any) -> str:
+        region = info.data.get("region")
+        if not re.match(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$", v):
+            raise ValueError(f"{v!r} is not a zone like us-east5-b")
+        if region and not v.startswith(region + "-"):
+            raise ValueError(f"zone {v!r} is not in region {region!r}; use {region}-<letter>")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> EnvironmentSpec:
+        names = [g.name for g in self.slices]
+        if len(set(names)) != len(names):
+            raise ValueError(f"slices: group names must be unique, got {names}")
+        if self.network.dranet.enabled and self.cluster.min_version is not None and (
+            gke_version_tuple(self.cluster.min_version) < gke_version_tuple(DRANET_MIN_GKE)
+        ):
+            raise ValueError(
+                f"cluster.minVersion: {self.cluster.min_version!r} is too old for managed DRANET "
+                f"(network.dranet.enabled); use {DRANET_MIN_GKE} or later")
+        t = self.trainer
+        if t.enabled:
+            group = self.trainer_group
+            if group is None:
+                raise ValueError(f"trainer.sliceGroup: {t.slice_group!r} is not a slice group; allowed: {names}")
+            if t.slices > group.count:
+                raise ValueError(f"trainer.slices: {t.slices} is more slices than group {group.name!r} declares "
+                                 f"({group.count}); allowed: 1..{group.count}")
+            if t.priority not in self.queues.priority_classes:
+                raise ValueError(f"trainer.priority: {t.priority!r} is not a priority class; "
+                                 f"allowed: {sorted(self.queues.priority_classes)}")
+        return self
+
+    @property
+    def trainer_group(self) -> SliceGroupSpec | None:
+        if self.trainer.slice_group is None:
+            return self.slices[0]
+        return next((g for g in self.slices if g.name == self.trainer.slice_group), None)
+
+    @property
+    def gke_min_version(self) -> str | None:
+        """The version floor actually applied: DRANET raises it to the managed-DRANET minimum."""
+        if self.cluster.min_version is None and self.network.dranet.enabled:
+            return DRANET_MIN_GKE
+        return self.cluster.min_version
+
+    @property
+    def cluster_name(self) -> str:
+        return f"rl-{self.env}"
+
+    @property
+    def bucket_name(self) -> str:
+        return f"{self.project}-{self.env}-checkpoints"
+
+    @property
+    def registry_id(self) -> str:
+        return self.cluster_name
+
+    @property
+    def trainer_image(self) -> str:
+        if self.trainer.image:
+            return self.trainer.image
+        return f"{self.region}-docker.pkg.dev/{self.project}/{self.registry_id}/trainer:{self.trainer.image_tag}"
+
+    def resource_labels(self) -> dict[str, str]:
+        return {"app": "gke-tpu-rl", "env": self.env, **self.labels}
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + to_camel(str(part))
+    return out
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = _format_loc(tuple(err["loc"]))
+    msg = err["msg"].removeprefix("Value error, ")
+    if not key:  # cross-field checks name their own key at the start of the message
+        return f"{NAMESPACE}:{msg}"
+    where = f"{NAMESPACE}:{key}"
+    value = err.get("input")
+    if err["type"] == "missing":
+        return f"{where}: required but not set"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown key"
+    if isinstance(value, str | int | float | bool) and repr(value) not in msg:
+        return f"{where}: {msg} (got {value!r})"
+    return f"{where}: {msg}"
+
+
+def parse_spec(raw: dict[str, Any], env: str) -> EnvironmentSpec:
+    """Validates a stack's config (keys without the namespace) into an EnvironmentSpec, or raises ConfigError."""
+    values = {k: v for k, v in raw.items() if k not in SECRET_KEYS}
+    try:
+        return EnvironmentSpec.model_validate({**values, "env": env})
+    except ValidationError as e:
+        lines = [_describe(err) for err in e.errors()]
+        raise ConfigError(f"invalid stack config for environment {env!r}:\n  " + "\n  ".join(lines)) from None
+
+
+def _decode(value: Any) -> Any:
+    # Pulumi hands structured config to the program as JSON text.
+    if isinstance(value, str) and value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def read_pulumi_config() -> dict[str, Any]:
+    """All `gke-tpu-rl:*` keys of the running stack, namespace stripped, structured values decoded."""
+    from pulumi.runtime import config as rc
+
+    merged = {**rc.get_config_env(), **rc.CONFIG.get()}
+    prefix = NAMESPACE + ":"
+    return {k[len(prefix):]: _decode(v) for k, v in merged.items() if k.startswith(prefix)}
+
+
+def load_spec() -> EnvironmentSpec:
+    """The running stack's spec (what `pulumi up` and `plan` both call)."""
+    import pulumi
+
+    return parse_spec(read_pulumi_config(), pulumi.get_stack())

@@ -1,0 +1,60 @@
+"""The Pulumi program: one environment, read from the stack config, as a list of what exists."""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_gcp as gcp
+import pulumi_kubernetes as k8s
+
+from infra.cluster import Cluster, ClusterArgs
+from infra.config import NAMESPACE, EnvironmentSpec, load_spec
+from infra.controllers import Controllers, ControllersArgs
+from infra.iam import NodeIdentity, NodeIdentityArgs
+from infra.network import Network, NetworkArgs
+from infra.queues import Queues, QueuesArgs
+from infra.registry import Registry, RegistryArgs
+from infra.slices import TpuSlices, TpuSlicesArgs
+from infra.storage import Storage, StorageArgs
+from infra.trainer_job import TrainerJob, TrainerJobArgs
+
+
+def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
+    env = spec.env
+    network = Network(f"{env}-network", NetworkArgs(spec))
+    nodes = NodeIdentity(f"{env}-nodes", NodeIdentityArgs(spec))
+    cluster = Cluster(f"{env}-cluster", ClusterArgs(
+        spec, network=network.vpc.id, subnetwork=network.subnet.id,
+        node_service_account=nodes.account.email))
+    slices = TpuSlices(f"{env}-tpu", TpuSlicesArgs(
+        spec, cluster=cluster.cluster.name, node_service_account=nodes.account.email,
+        dranet_networks=[v.name for v in network.dranet_vpcs],
+        dranet_subnets=[s.name for s in network.dranet_subnets]))
+    project_number = gcp.organizations.get_project_output(project_id=spec.project).number
+    storage = Storage(f"{env}-storage", StorageArgs(spec, project_number=project_number))
+    registry = Registry(f"{env}-registry", RegistryArgs(spec, node_service_account=nodes.account.email))
+
+    provider = k8s.Provider(f"{env}-gke", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
+                            opts=pulumi.ResourceOptions(depends_on=[cluster.system_pool]))
+    on_cluster = pulumi.ResourceOptions(provider=provider)
+    controllers = Controllers(f"{env}-controllers", ControllersArgs(spec), on_cluster)
+    queues = Queues(f"{env}-queues", QueuesArgs(spec),
+                    pulumi.ResourceOptions(provider=provider, depends_on=[controllers]))
+    if spec.trainer.enabled:
+        TrainerJob(f"{env}-trainer", TrainerJobArgs(spec, hf_token=hf_token), pulumi.ResourceOptions(
+            provider=provider, depends_on=[queues, storage, registry, slices]))
+
+    pulumi.export("clusterName", cluster.cluster.name)
+    pulumi.export("clusterEndpoint", cluster.cluster.endpoint)
+    pulumi.export("kubeconfig", cluster.kubeconfig)
+    pulumi.export("checkpointBucket", storage.url)
+    pulumi.export("trainerImage", spec.trainer_image)
+    pulumi.export("clusterQueue", queues.cluster_queue_name)
+    pulumi.export("localQueue", queues.local_queue_name)
+    pulumi.export("chipsPerSliceGroup", {g.name: g.shape.chips * g.count for g in spec.slices})
+    pulumi.export("nodePools", list(slices.pools))
+
+
+def main() -> None:
+    # Validate everything before the first resource is registered.
+    spec = load_spec()
+    build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))

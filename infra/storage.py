@@ -1,0 +1,52 @@
+"""Storage: the checkpoint bucket, readable and writable by the trainer's Kubernetes service account only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra.config import EnvironmentSpec
+from infra.iam import workload_principal
+
+# Read, write and delete objects; no bucket administration.
+CHECKPOINT_ROLE = "roles/storage.objectUser"
+
+
+@dataclass(frozen=True)
+class StorageArgs:
+    spec: EnvironmentSpec
+    project_number: pulumi.Input[str]
+
+
+class Storage(pulumi.ComponentResource):
+    bucket: gcp.storage.Bucket
+    url: pulumi.Output[str]
+
+    def __init__(self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gke-tpu-rl:infra:Storage", name, None, opts)
+        spec, s = args.spec, args.spec.storage
+        # A protected bucket outlives `pulumi destroy`: it leaves the state, its checkpoints stay.
+        bucket_opts = pulumi.ResourceOptions(parent=self, retain_on_delete=s.protect)
+        self.bucket = gcp.storage.Bucket(
+            f"{name}-checkpoints",
+            name=spec.bucket_name,
+            project=spec.project,
+            location=(s.location or spec.region).upper(),
+            uniform_bucket_level_access=True,
+            public_access_prevention="enforced",
+            force_destroy=s.force_destroy,
+            versioning=gcp.storage.BucketVersioningArgs(enabled=s.versioning),
+            soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(
+                retention_duration_seconds=s.soft_delete_days * 86400),
+            labels=spec.resource_labels(),
+            opts=bucket_opts,
+        )
+        member = workload_principal(args.project_number, spec.project, spec.queues.namespace,
+                                    spec.trainer.service_account)
+        self.iam = gcp.storage.BucketIAMMember(
+            f"{name}-trainer-object-user", bucket=self.bucket.name, role=CHECKPOINT_ROLE, member=member,
+            opts=pulumi.ResourceOptions(parent=self))
+        self.url = pulumi.Output.concat("gs://", self.bucket.name)
+        self.register_outputs({"url": self.url})

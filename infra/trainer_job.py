@@ -1,0 +1,43 @@
+"""TrainerJob: the trainer's service account, its Hugging Face token secret, DRANET claim and the JobSet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+
+from infra.config import EnvironmentSpec
+from infra.k8s import apply
+from workloads import core, dra, jobset
+from workloads.labels import MANAGED_BY
+
+
+@dataclass(frozen=True)
+class TrainerJobArgs:
+    spec: EnvironmentSpec
+    hf_token: pulumi.Output[str] | None
+
+
+class TrainerJob(pulumi.ComponentResource):
+    def __init__(self, name: str, args: TrainerJobArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gke-tpu-rl:infra:TrainerJob", name, None, opts)
+        spec, t = args.spec, args.spec.trainer
+        ns = spec.queues.namespace
+        child = pulumi.ResourceOptions(parent=self)
+        deps = [apply(core.service_account(t.service_account, ns), child)]
+        hf_secret = None
+        if args.hf_token is not None:
+            hf_secret = f"{t.name}-hf-token"
+            deps.append(apply({
+                "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": hf_secret, "namespace": ns, "labels": dict(MANAGED_BY)},
+                "stringData": {jobset.HF_TOKEN_KEY: pulumi.Output.secret(args.hf_token)},
+            }, child))
+        claim = None
+        if spec.network.dranet.enabled:
+            claim = f"{t.name}-netdev"
+            deps.append(apply(dra.netdev_claim_template(claim, ns, spec.network.dranet.networks), child))
+        refs = jobset.TrainerRefs(image=spec.trainer_image, bucket=spec.bucket_name, service_account=t.service_account,
+                                  hf_secret=hf_secret, claim_template=claim)
+        self.jobset = apply(jobset.trainer_jobset(spec, refs), pulumi.ResourceOptions(parent=self, depends_on=deps))
+        self.register_outputs({"jobset": t.name})

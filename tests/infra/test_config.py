@@ -1,0 +1,98 @@
+"""Bad stack configs stop with an error that names the key, the value and what is allowed, before any resource."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from infra.config import ConfigError, parse_spec
+from infra.mockrun import PlanMocks, RecordingMonitor, run_stack
+from tests.infra.conftest import stack_config
+
+
+def _raw(env: str) -> dict[str, Any]:
+    return {k.split(":", 1)[1]: v for k, v in stack_config(env).items()}
+
+
+def _with(env: str, path: str, value: Any) -> dict[str, Any]:
+    """The env's config with one dotted path (list index as a number) set; `...` deletes the key."""
+    raw = copy.deepcopy(_raw(env))
+    *parents, last = path.split(".")
+    node: Any = raw
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else node[p]
+    if value is ...:
+        del node[last]
+    else:
+        node[int(last) if last.isdigit() else last] = value
+    return raw
+
+
+BAD = [
+    ("unknown TPU type", "dev", "slices.0.tpuType", "v9",
+     r"gke-tpu-rl:slices\[0\]\.tpuType: unknown TPU type 'v9'; allowed: tpu7x, v4, v5e, v5p, v6e"),
+    ("invalid topology", "dev", "slices.0.topology", "4x3",
+     r"gke-tpu-rl:slices\[0\]\.topology: topology '4x3' is not valid for v6e; allowed: 1x1, 2x2, 2x4, 4x4, 4x8"),
+    ("zero slices", "staging", "slices.0.count", 0,
+     r"gke-tpu-rl:slices\[0\]\.count: Input should be greater than or equal to 1 \(got 0\)"),
+    ("no slice groups", "dev", "slices", [], r"gke-tpu-rl:slices: List should have at least 1 item"),
+    ("trainer wants more slices", "staging", "trainer.slices", 3,
+     r"gke-tpu-rl:trainer\.slices: 3 is more slices than group 'v6e-stg' declares \(2\); allowed: 1\.\.2"),
+    ("trainer on unknown group", "prod", "trainer.sliceGroup", "v4-none",
+     r"gke-tpu-rl:trainer\.sliceGroup: 'v4-none' is not a slice group; allowed: \['v5p-prod', 'v6e-burst'\]"),
+    ("DRANET on an old GKE", "staging", "cluster.minVersion", "1.33.5-gke.1000",
+     r"gke-tpu-rl:cluster\.minVersion: '1\.33\.5-gke\.1000' is too old for managed DRANET .*"
+     r"use 1\.34\.1-gke\.1829001 or later"),
+    ("bad region", "dev", "region", "useast5", r"gke-tpu-rl:region: 'useast5' is not a region like us-east5"),
+    ("bad zone form", "dev", "zone", "us-east5", r"gke-tpu-rl:zone: 'us-east5' is not a zone like us-east5-b"),
+    ("zone outside region", "dev", "zone", "europe-west4-a",
+     r"gke-tpu-rl:zone: zone 'europe-west4-a' is not in region 'us-east5'"),
+    ("missing project", "dev", "project", ..., r"gke-tpu-rl:project: required but not set"),
+    ("bad project id", "dev", "project", "My_Project", r"gke-tpu-rl:project: 'My_Project' is not a GCP project id"),
+    ("unknown capacity", "dev", "slices.0.capacity", "cheap",
+     r"gke-tpu-rl:slices\[0\]\.capacity: Input should be 'on-demand', 'spot', 'reservation' or 'flex-start'"),
+    ("reservation without a name", "prod", "slices.0.reservation", ...,
+     r"gke-tpu-rl:slices\[0\]: reservation \(a reservation name\) is required with capacity 'reservation'"),
+    ("typo in a key", "dev", "trainer.maxRestart", 2, r"gke-tpu-rl:trainer\.maxRestart: unknown key"),
+    ("force destroy on a protected bucket", "prod", "storage.forceDestroy", True,
+     r"gke-tpu-rl:storage: forceDestroy would delete checkpoints on destroy; it needs protect: false"),
+    ("bad CIDR", "staging", "network.nodeCidr", "10.0.0.1/20",
+     r"gke-tpu-rl:network\.nodeCidr: '10\.0\.0\.1/20' is not a CIDR block"),
+]
+
+
+@pytest.mark.parametrize(("case", "env", "path", "value", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_config_names_the_key(case: str, env: str, path: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec(_with(env, path, value), env)
+
+
+@pytest.mark.parametrize(("case", "env", "path", "value", "message"), BAD[:7], ids=[b[0] for b in BAD[:7]])
+def test_bad_config_registers_nothing(case: str, env: str, path: str, value: Any, message: str) -> None:
+    monitor = RecordingMonitor(PlanMocks())
+    config = {f"gke-tpu-rl:{k}": v for k, v in _with(env, path, value).items()}
+    with pytest.raises(ConfigError, match=message):
+        run_stack(env, config, monitor=monitor)
+    assert monitor.registrations == []
+
+
+def test_every_error_is_reported_at_once() -> None:
+    raw = _with("dev", "zone", "nowhere")
+    raw["slices"][0]["topology"] = "9x9"
+    with pytest.raises(ConfigError) as err:
+        parse_spec(raw, "dev")
+    assert "gke-tpu-rl:zone" in str(err.value)
+    assert "gke-tpu-rl:slices[0].topology" in str(err.value)
+
+
+def test_dranet_raises_the_version_floor_when_unset() -> None:
+    spec = parse_spec(_with("staging", "cluster.minVersion", ...), "staging")
+    assert spec.gke_min_version == "1.34.1-gke.1829001"
+    assert parse_spec(_raw("dev"), "dev").gke_min_version is None
+
+
+def test_aliases_become_catalog_names() -> None:
+    spec = parse_spec(_with("dev", "slices.0.tpuType", "trillium"), "dev")
+    assert spec.slices[0].tpu_type == "v6e"

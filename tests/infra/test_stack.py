@@ -1,0 +1,196 @@
+"""The real program under Pulumi mocks, one environment at a time: the resource graph and the arguments that matter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infra.mockrun import PlanResult, Resource
+
+POOL = "gcp:container/nodePool:NodePool"
+NETWORK = "gcp:compute/network:Network"
+JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+CLUSTER_QUEUE = "kubernetes:kueue.x-k8s.io/v1beta2:ClusterQueue"
+
+
+def _tpu_pools(plan: PlanResult) -> dict[str, Resource]:
+    return {r.name: r for r in plan.of_type(POOL) if "machineType" in r.inputs["nodeConfig"]
+            and r.inputs["nodeConfig"]["machineType"].startswith(("ct", "tpu"))}
+
+
+def _only(plan: PlanResult, type_: str) -> Resource:
+    found = plan.of_type(type_)
+    assert len(found) == 1, [r.name for r in found]
+    return found[0]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def _parent_type(plan: PlanResult, r: Resource) -> str:
+    return next(p.type for p in plan.resources if p.urn == r.parent)
+
+
+def test_components_own_their_resources(plans: dict[str, PlanResult]) -> None:
+    plan = plans["staging"]
+    components = {r.type for r in plan.resources if r.is_component}
+    assert {"gke-tpu-rl:infra:Network", "gke-tpu-rl:infra:Cluster", "gke-tpu-rl:infra:TpuSlices",
+            "gke-tpu-rl:infra:Storage", "gke-tpu-rl:infra:Controllers", "gke-tpu-rl:infra:Queues",
+            "gke-tpu-rl:infra:TrainerJob", "gke-tpu-rl:infra:Registry"} <= components
+    assert all(_parent_type(plan, p) == "gke-tpu-rl:infra:TpuSlices" for p in _tpu_pools(plan).values())
+    assert _parent_type(plan, _only(plan, JOBSET)) == "gke-tpu-rl:infra:TrainerJob"
+
+
+def test_dev_single_host_spot_slice(plans: dict[str, PlanResult]) -> None:
+    plan = plans["dev"]
+    pools = _tpu_pools(plan)
+    assert list(pools) == ["v6e-dev-0"]
+    pool = pools["v6e-dev-0"].inputs
+    assert pool["nodeCount"] == 1
+    assert pool["nodeConfig"]["machineType"] == "ct6e-standard-4t"
+    assert pool["nodeConfig"]["spot"] is True
+    assert "placementPolicy" not in pool  # single host: nothing to place
+    assert "networkConfig" not in pool
+    assert len(plan.of_type(NETWORK)) == 1  # no DRANET networks
+    bucket = _only(plan, "gcp:storage/bucket:Bucket").inputs
+    assert bucket["forceDestroy"] is True
+    assert _only(plan, JOBSET).inputs["spec"]["replicatedJobs"][0]["replicas"] == 1
+
+
+def test_staging_multihost_slices_with_dranet(plans: dict[str, PlanResult]) -> None:
+    plan = plans["staging"]
+    pools = _tpu_pools(plan)
+    assert sorted(pools) == ["v6e-stg-0", "v6e-stg-1"]
+    extra_vpcs = [n for n in plan.of_type(NETWORK) if "dranet" in n.name]
+    assert len(extra_vpcs) == 2 and all(n.inputs["mtu"] == 8896 for n in extra_vpcs)
+    for pool in pools.values():
+        p = pool.inputs
+        assert p["nodeCount"] == 4
+        assert p["placementPolicy"] == {"type": "COMPACT", "tpuTopology": "4x4"}
+        assert p["nodeConfig"]["labels"]["cloud.google.com/gke-networking-dra-driver"] == "true"
+        assert p["nodeConfig"]["gvnic"] == {"enabled": True}
+        assert len(p["networkConfig"]["additionalNodeNetworkConfigs"]) == 2
+        assert "spot" not in p["nodeConfig"] and "reservationAffinity" not in p["nodeConfig"]
+    cluster = _only(plan, "gcp:container/cluster:Cluster").inputs
+    assert cluster["datapathProvider"] == "ADVANCED_DATAPATH"
+    assert cluster["enableMultiNetworking"] is True
+    assert cluster["minMasterVersion"] == "1.34.1-gke.1829001"
+    assert cluster["privateClusterConfig"]["enablePrivateNodes"] is True
+    assert cluster["workloadIdentityConfig"] == {"workloadPool": "acme-rl-staging.svc.id.goog"}
+    assert cluster["addonsConfig"]["gcsFuseCsiDriverConfig"] == {"enabled": True}
+
+
+def test_checkpoint_bucket_is_private_and_bound_to_the_trainer_only(plans: dict[str, PlanResult]) -> None:
+    plan = plans["staging"]
+    bucket = _only(plan, "gcp:storage/bucket:Bucket").inputs
+    assert bucket["uniformBucketLevelAccess"] is True
+    assert bucket["publicAccessPrevention"] == "enforced"
+    assert bucket["forceDestroy"] is False
+    iam = _only(plan, "gcp:storage/bucketIAMMember:BucketIAMMember").inputs
+    assert iam["role"] == "roles/storage.objectUser"
+    assert iam["bucket"] == bucket["name"]
+    assert iam["member"] == ("principal://iam.googleapis.com/projects/123456789012/locations/global/"
+                             "workloadIdentityPools/acme-rl-staging.svc.id.goog/subject/ns/rl/sa/trainer")
+    # No project-wide storage grant anywhere.
+    assert not [r for r in plan.of_type("gcp:projects/iAMMember:IAMMember") if "storage" in r.inputs["role"]]
+    assert not plan.of_type("gcp:serviceaccount/key:Key")
+
+
+def test_prod_reservation_and_flex_start(plans: dict[str, PlanResult]) -> None:
+    plan = plans["prod"]
+    pools = _tpu_pools(plan)
+    v5p = [p.inputs for n, p in pools.items() if n.startswith("v5p-prod")]
+    burst = [p.inputs for n, p in pools.items() if n.startswith("v6e-burst")]
+    assert len(v5p) == 4 and len(burst) == 2
+    for p in v5p:
+        assert p["nodeCount"] == 16
+        assert p["nodeConfig"]["machineType"] == "ct5p-hightpu-4t"
+        assert p["placementPolicy"] == {"type": "COMPACT", "tpuTopology": "4x4x4"}
+        assert p["nodeConfig"]["reservationAffinity"] == {
+            "consumeReservationType": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name", "values": ["rl-v5p-prod"]}
+        assert len(p["networkConfig"]["additionalNodeNetworkConfigs"]) == 4
+    for p in burst:
+        assert "nodeCount" not in p and p["initialNodeCount"] == 0
+        assert p["queuedProvisioning"] == {"enabled": True}
+        assert p["autoscaling"]["totalMaxNodeCount"] == 8
+        assert p["nodeConfig"]["flexStart"] is True
+    cq = _only(plan, CLUSTER_QUEUE).inputs["spec"]
+    quota = {f["name"]: f["resources"][0]["nominalQuota"] for f in cq["resourceGroups"][0]["flavors"]}
+    assert quota == {"v5p-4x4x4": 4 * 64, "v6e-4x8": 2 * 32}
+    assert cq["admissionChecksStrategy"]["admissionChecks"] == [{"name": "flex-start", "onFlavors": ["v6e-4x8"]}]
+    cluster = _only(plan, "gcp:container/cluster:Cluster").inputs
+    assert cluster["addonsConfig"]["rayOperatorConfigs"] == [{"enabled": True}]
+    assert cluster["deletionProtection"] is True
+    assert plan.outputs["chipsPerSliceGroup"] == {"v5p-prod": 256, "v6e-burst": 64}
+
+
+def test_queues_match_declared_slices(plans: dict[str, PlanResult]) -> None:
+    for env, chips in {"dev": 4, "staging": 32}.items():
+        cq = _only(plans[env], CLUSTER_QUEUE).inputs["spec"]
+        [flavor] = cq["resourceGroups"][0]["flavors"]
+        assert flavor["resources"] == [{"name": "google.com/tpu", "nominalQuota": chips}]
+        assert "admissionChecksStrategy" not in cq
+    lq = _only(plans["staging"], "kubernetes:kueue.x-k8s.io/v1beta2:LocalQueue").inputs
+    assert lq["metadata"]["namespace"] == "rl" and lq["spec"]["clusterQueue"] == "tpu-cluster-queue"
+    flavor = _only(plans["staging"], "kubernetes:kueue.x-k8s.io/v1beta2:ResourceFlavor").inputs["spec"]
+    assert flavor["nodeLabels"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                                    "cloud.google.com/gke-tpu-topology": "4x4"}
+
+
+def test_controllers_from_upstream_charts(plans: dict[str, PlanResult]) -> None:
+    releases = {r.inputs["name"]: r.inputs for r in plans["dev"].of_type("kubernetes:helm.sh/v3:Release")}
+    assert releases["jobset"]["chart"] == "oci://registry.k8s.io/jobset/charts/jobset"
+    assert releases["jobset"]["version"] == "0.12.0"
+    assert releases["kueue"]["chart"] == "oci://registry.k8s.io/kueue/charts/kueue"
+    assert releases["kueue"]["version"] == "0.19.2"
+
+
+def test_staging_jobset_shape(plans: dict[str, PlanResult]) -> None:
+    js = _only(plans["staging"], JOBSET).inputs
+    meta, spec = js["metadata"], js["spec"]
+    assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "tpu"
+    assert meta["labels"]["kueue.x-k8s.io/priority-class"] == "default"
+    assert meta["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    assert spec["failurePolicy"]["maxRestarts"] == 3
+    [rj] = spec["replicatedJobs"]
+    job = rj["template"]["spec"]
+    assert (rj["replicas"], job["parallelism"], job["completions"]) == (2, 4, 4)
+    pod = job["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4"}
+    [c] = pod["containers"]
+    assert c["resources"]["limits"]["google.com/tpu"] == 4
+    assert c["resources"]["claims"] == [{"name": "netdev"}]
+    assert pod["resourceClaims"] == [{"name": "netdev", "resourceClaimTemplateName": "grpo-stg-netdev"}]
+    assert "privileged" not in c.get("securityContext", {})
+    env = _env(c)
+    assert env["COORDINATOR_ADDRESS"] == "grpo-stg-slice-0-0.grpo-stg:8476"
+    assert env["NUM_SLICES"] == "2" and env["HOSTS_PER_SLICE"] == "4"
+    assert env["SLICE_INDEX"] == {"fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
+    assert env["MEGASCALE_NUM_SLICES"] == "2"
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "grpo-stg-hf-token", "key": "token"}}
+    assert pod["serviceAccountName"] == "trainer"
+    assert pod["terminationGracePeriodSeconds"] == 600
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["checkpoints"]["csi"]["volumeAttributes"]["bucketName"] == "acme-rl-staging-staging-checkpoints"
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+    rct = _only(plans["staging"], "kubernetes:resource.k8s.io/v1:ResourceClaimTemplate").inputs
+    assert rct["spec"]["spec"]["devices"]["requests"][0]["exactly"] == {
+        "deviceClassName": "netdev.google.com", "allocationMode": "ExactCount", "count": 2}
+
+
+def test_hf_token_is_a_secret_everywhere(plans: dict[str, PlanResult]) -> None:
+    secret = _only(plans["staging"], "kubernetes:core/v1:Secret").inputs
+    assert secret["stringData"]["token"] == "[secret]"
+    assert "kubeconfig" in plans["staging"].secret_outputs
+    assert not plans["dev"].of_type("kubernetes:core/v1:Secret")  # dev sets no token
+
+
+def test_outputs(plans: dict[str, PlanResult]) -> None:
+    out = plans["staging"].outputs
+    assert out["clusterName"] == "rl-staging"
+    assert out["checkpointBucket"] == "gs://acme-rl-staging-staging-checkpoints"
+    assert out["localQueue"] == "tpu" and out["clusterQueue"] == "tpu-cluster-queue"
+    assert out["chipsPerSliceGroup"] == {"v6e-stg": 32}
+    assert out["kubeconfig"] == "[secret]"

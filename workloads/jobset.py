@@ -1,0 +1,160 @@
+"""The trainer JobSet: one replicated Job per slice group, one pod per TPU host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from infra.config import EnvironmentSpec
+from workloads import labels as L
+
+REPLICATED_JOB = "slice"
+COORDINATOR_PORT = 8476  # jax.distributed coordinator on process 0
+MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
+CHECKPOINT_MOUNT = "/checkpoints"
+HF_TOKEN_KEY = "token"
+
+
+@dataclass(frozen=True)
+class TrainerRefs:
+    """Names of objects the JobSet points at, created elsewhere in the stack."""
+
+    image: str
+    bucket: str
+    service_account: str
+    hf_secret: str | None = None
+    claim_template: str | None = None
+
+
+def _field(path: str) -> dict[str, Any]:
+    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def coordinator_host(jobset: str) -> str:
+    # Pod DNS under JobSet: <jobset>-<replicatedjob>-<jobIndex>-<podIndex>.<subdomain>; subdomain = jobset name.
+    return f"{jobset}-{REPLICATED_JOB}-0-0.{jobset}"
+
+
+def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
+    """The env contract the trainer reads (trainer/distributed.py) plus libtpu's multislice variables."""
+    t, group = spec.trainer, spec.trainer_group
+    assert group is not None  # guaranteed by spec validation
+    host = coordinator_host(t.name)
+    slice_index = _field(f"metadata.annotations['{L.JOBSET_JOB_INDEX}']")
+    env: list[dict[str, Any]] = [
+        {"name": "COORDINATOR_ADDRESS", "value": f"{host}:{COORDINATOR_PORT}"},
+        {"name": "NUM_SLICES", "value": str(t.slices)},
+        {"name": "SLICE_INDEX", **slice_index},
+        {"name": "HOSTS_PER_SLICE", "value": str(group.shape.hosts)},
+        {"name": "HOST_INDEX", **_field(f"metadata.annotations['{L.JOB_COMPLETION_INDEX}']")},
+        {"name": "CHECKPOINT_DIR", "value": f"{CHECKPOINT_MOUNT}/{t.name}"},
+        {"name": "JOBSET_NAME", **_field(f"metadata.labels['{L.JOBSET_NAME}']")},
+    ]
+    if t.slices > 1:
+        env += [
+            {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": host},
+            {"name": "MEGASCALE_NUM_SLICES", "value": str(t.slices)},
+            {"name": "MEGASCALE_SLICE_ID", **slice_index},
+            {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_PORT)},
+        ]
+    if refs.hf_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": refs.hf_secret, "key": HF_TOKEN_KEY}}})
+    return env
+
+
+def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
+    group = spec.trainer_group
+    assert group is not None
+    chips = group.shape.chips_per_host
+    resources: dict[str, Any] = {"requests": {L.TPU_RESOURCE: chips}, "limits": {L.TPU_RESOURCE: chips}}
+    if refs.claim_template:
+        resources["claims"] = [{"name": "netdev"}]
+    return {
+        "name": "trainer",
+        "image": refs.image,
+        "args": list(spec.trainer.args),
+        "env": pod_env(spec, refs),
+        "ports": [
+            {"name": "coordinator", "containerPort": COORDINATOR_PORT},
+            {"name": "megascale", "containerPort": MEGASCALE_PORT},
+        ],
+        "resources": resources,
+        "securityContext": {"allowPrivilegeEscalation": False},
+        "volumeMounts": [
+            {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+
+
+def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
+    group = spec.trainer_group
+    assert group is not None
+    pod: dict[str, Any] = {
+        "serviceAccountName": refs.service_account,
+        "restartPolicy": "Never",
+        # Leaves time for the SIGTERM checkpoint to finish before the kubelet kills the pod.
+        "terminationGracePeriodSeconds": spec.trainer.termination_grace_seconds,
+        "nodeSelector": {L.TPU_ACCELERATOR: group.shape.accelerator, L.TPU_TOPOLOGY: group.shape.topology},
+        "tolerations": [{"key": L.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [_container(spec, refs)],
+        "volumes": [
+            {
+                "name": "checkpoints",
+                "csi": {
+                    "driver": L.GCSFUSE_DRIVER,
+                    "volumeAttributes": {
+                        "bucketName": refs.bucket,
+                        "mountOptions": "implicit-dirs,file-cache:enable-parallel-downloads:true",
+                    },
+                },
+            },
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if group.capacity == "spot":
+        pod["tolerations"].append(
+            {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    if refs.claim_template:
+        pod["resourceClaims"] = [{"name": "netdev", "resourceClaimTemplateName": refs.claim_template}]
+    return pod
+
+
+def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
+    t, group = spec.trainer, spec.trainer_group
+    assert group is not None
+    hosts = group.shape.hosts
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {
+            "name": t.name,
+            "namespace": spec.queues.namespace,
+            "labels": {**L.MANAGED_BY, L.KUEUE_QUEUE: spec.queues.local_queue, L.KUEUE_PRIORITY: t.priority},
+            # One slice per node pool: JobSet places each replicated Job on its own pool.
+            "annotations": {L.JOBSET_EXCLUSIVE: L.NODEPOOL},
+        },
+        "spec": {
+            "failurePolicy": {"maxRestarts": t.max_restarts, "restartStrategy": "Recreate"},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": t.name},
+            "replicatedJobs": [
+                {
+                    "name": REPLICATED_JOB,
+                    "replicas": t.slices,
+                    "template": {
+                        "spec": {
+                            "parallelism": hosts,
+                            "completions": hosts,
+                            "completionMode": "Indexed",
+                            "backoffLimit": 0,
+                            "template": {
+                                "metadata": {"annotations": {L.GCSFUSE_INJECT: "true"}},
+                                "spec": _pod_spec(spec, refs),
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }

@@ -1,0 +1,126 @@
+"""Kueue (v1beta2) objects: one ResourceFlavor per slice shape, the ClusterQueue, LocalQueue and priorities."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from infra.config import EnvironmentSpec
+from infra.tpu import SliceShape
+from workloads.labels import MANAGED_BY, TPU_ACCELERATOR, TPU_RESOURCE, TPU_TOPOLOGY
+
+API = "kueue.x-k8s.io/v1beta2"
+PROVISIONING_CHECK = "flex-start"
+# GKE's ProvisioningRequest class for flex-start (queued provisioning) node pools.
+QUEUED_PROVISIONING_CLASS = "queued-provisioning.gke.io"
+
+
+def _meta(name: str, namespace: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": dict(MANAGED_BY)}
+    if namespace:
+        meta["namespace"] = namespace
+    return meta
+
+
+def flavor_name(shape: SliceShape) -> str:
+    return shape.key
+
+
+def resource_flavor(shape: SliceShape) -> dict[str, Any]:
+    return {
+        "apiVersion": API,
+        "kind": "ResourceFlavor",
+        "metadata": _meta(flavor_name(shape)),
+        "spec": {"nodeLabels": {TPU_ACCELERATOR: shape.accelerator, TPU_TOPOLOGY: shape.topology}},
+    }
+
+
+def tpu_quota_by_flavor(spec: EnvironmentSpec) -> dict[str, int]:
+    """Chips per flavor: every declared slice of that shape, across groups."""
+    quota: dict[str, int] = defaultdict(int)
+    for group in spec.slices:
+        quota[flavor_name(group.shape)] += group.shape.chips * group.count
+    return dict(quota)
+
+
+def resource_flavors(spec: EnvironmentSpec) -> list[dict[str, Any]]:
+    shapes = {flavor_name(g.shape): g.shape for g in spec.slices}
+    return [resource_flavor(s) for s in shapes.values()]
+
+
+def _flex_flavors(spec: EnvironmentSpec) -> list[str]:
+    return sorted({flavor_name(g.shape) for g in spec.slices if g.capacity == "flex-start"})
+
+
+def cluster_queue(spec: EnvironmentSpec) -> dict[str, Any]:
+    q = spec.queues
+    body: dict[str, Any] = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": q.namespace}},
+        "queueingStrategy": "BestEffortFIFO",
+        "preemption": {"withinClusterQueue": "LowerPriority"},
+        "resourceGroups": [
+            {
+                "coveredResources": [TPU_RESOURCE],
+                "flavors": [
+                    {"name": name, "resources": [{"name": TPU_RESOURCE, "nominalQuota": chips}]}
+                    for name, chips in tpu_quota_by_flavor(spec).items()
+                ],
+            }
+        ],
+    }
+    if flex := _flex_flavors(spec):
+        body["admissionChecksStrategy"] = {
+            "admissionChecks": [{"name": PROVISIONING_CHECK, "onFlavors": flex}]
+        }
+    return {"apiVersion": API, "kind": "ClusterQueue", "metadata": _meta(q.cluster_queue), "spec": body}
+
+
+def local_queue(spec: EnvironmentSpec) -> dict[str, Any]:
+    q = spec.queues
+    return {
+        "apiVersion": API,
+        "kind": "LocalQueue",
+        "metadata": _meta(q.local_queue, q.namespace),
+        "spec": {"clusterQueue": q.cluster_queue},
+    }
+
+
+def priority_classes(spec: EnvironmentSpec) -> list[dict[str, Any]]:
+    return [
+        {
+            "apiVersion": API,
+            "kind": "WorkloadPriorityClass",
+            "metadata": _meta(name),
+            "value": value,
+            "description": f"gke-tpu-rl {name} priority",
+        }
+        for name, value in sorted(spec.queues.priority_classes.items(), key=lambda kv: kv[1])
+    ]
+
+
+def flex_start_admission(spec: EnvironmentSpec) -> list[dict[str, Any]]:
+    """ProvisioningRequest admission for flex-start slices; empty when no group uses flex-start."""
+    if not _flex_flavors(spec):
+        return []
+    config_name = f"{PROVISIONING_CHECK}-config"
+    return [
+        {
+            "apiVersion": API,
+            "kind": "ProvisioningRequestConfig",
+            "metadata": _meta(config_name),
+            "spec": {"provisioningClassName": QUEUED_PROVISIONING_CLASS, "managedResources": [TPU_RESOURCE]},
+        },
+        {
+            "apiVersion": API,
+            "kind": "AdmissionCheck",
+            "metadata": _meta(PROVISIONING_CHECK),
+            "spec": {
+                "controllerName": "kueue.x-k8s.io/provisioning-request",
+                "parameters": {
+                    "apiGroup": "kueue.x-k8s.io",
+                    "kind": "ProvisioningRequestConfig",
+                    "name": config_name,
+                },
+            },
+        },
+    ]
