@@ -1,0 +1,81 @@
+"""The JobSet hands each TPU host the environment the trainer reads (trainer/distributed.py), and nothing is left
+to chance: every host of every slice resolves to a distinct process id that covers 0..N-1."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from infra.config import parse_spec
+from tests.infra.test_config import _raw
+from trainer import distributed
+from workloads import jobset
+
+
+def _spec(env: str):  # noqa: ANN202
+    return parse_spec(_raw(env), env)
+
+
+def _resolve(env_list: list[dict[str, Any]], annotations: dict[str, str], labels: dict[str, str]) -> dict[str, str]:
+    """What the kubelet's downward API would put in the container's environment."""
+    out: dict[str, str] = {}
+    for e in env_list:
+        if "value" in e:
+            out[e["name"]] = e["value"]
+            continue
+        ref = e["valueFrom"].get("fieldRef")
+        if ref is None:
+            continue  # secrets are not part of the process contract
+        kind, key = re.fullmatch(r"metadata\.(annotations|labels)\['(.+)'\]", ref["fieldPath"]).groups()
+        out[e["name"]] = (annotations if kind == "annotations" else labels)[key]
+    return out
+
+
+@pytest.mark.parametrize("env", ["dev", "staging", "prod"])
+def test_every_host_gets_a_distinct_process(env: str) -> None:
+    spec = _spec(env)
+    refs = jobset.TrainerRefs(image="img", bucket="b", service_account="trainer")
+    obj = jobset.trainer_jobset(spec, refs)
+    [rj] = obj["spec"]["replicatedJobs"]
+    job = rj["template"]["spec"]
+    [container] = job["template"]["spec"]["containers"]
+    names = {e["name"] for e in container["env"]}
+    assert set(distributed.POD_ENV_VARS) <= names
+    if rj["replicas"] > 1:
+        assert set(distributed.MEGASCALE_ENV_VARS) <= names
+    seen = set()
+    for slice_index in range(rj["replicas"]):
+        for host in range(job["completions"]):
+            pod_env = _resolve(container["env"],
+                               {"jobset.sigs.k8s.io/job-index": str(slice_index),
+                                "batch.kubernetes.io/job-completion-index": str(host)},
+                               {"jobset.sigs.k8s.io/jobset-name": obj["metadata"]["name"]})
+            info = distributed.process_info_from_env(pod_env)
+            assert info.multi_process
+            assert info.num_processes == rj["replicas"] * job["completions"]
+            seen.add(info.process_id)
+    assert seen == set(range(rj["replicas"] * job["completions"]))
+
+
+def test_coordinator_is_the_first_pod_of_the_first_slice() -> None:
+    spec = _spec("prod")
+    obj = jobset.trainer_jobset(spec, jobset.TrainerRefs(image="img", bucket="b", service_account="trainer"))
+    [container] = obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    name, rj = obj["metadata"]["name"], obj["spec"]["replicatedJobs"][0]["name"]
+    subdomain = obj["spec"]["network"]["subdomain"]
+    assert env["COORDINATOR_ADDRESS"] == f"{name}-{rj}-0-0.{subdomain}:{jobset.COORDINATOR_PORT}"
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"] == f"{name}-{rj}-0-0.{subdomain}"
+    assert env["HOSTS_PER_SLICE"] == "16" and env["NUM_SLICES"] == "4"
+
+
+def test_single_slice_gets_no_megascale_env() -> None:
+    obj = jobset.trainer_jobset(_spec("dev"), jobset.TrainerRefs(image="i", bucket="b", service_account="t"))
+    [container] = obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    assert not [e for e in container["env"] if e["name"].startswith("MEGASCALE_")]
+    # Spot nodes carry a taint the pods must tolerate.
+    tolerations = obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
+            "effect": "NoSchedule"} in tolerations
