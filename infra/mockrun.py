@@ -48,6 +48,8 @@ class Resource:
     custom: bool
     inputs: dict[str, Any]
     id: str | None = None
+    # Resource options the engine acts on: protect, retainOnDelete, provider, dependsOn (URNs), when set.
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_component(self) -> bool:
@@ -55,7 +57,7 @@ class Resource:
 
     def to_json(self) -> dict[str, Any]:
         return {"urn": self.urn, "type": self.type, "name": self.name, "parent": self.parent,
-                "custom": self.custom, "inputs": self.inputs}
+                "custom": self.custom, "inputs": self.inputs, "options": self.options}
 
 
 @dataclass(frozen=True)
@@ -105,14 +107,14 @@ def _unwrap_secrets(value: Any) -> Any:
 def _mask_leaves(value: Any) -> Any:
     # Keep the shape (keys, list lengths) so a masked Secret still reads like one; hide every leaf.
     if isinstance(value, dict):
-        return {k: _mask_leaves(v) for k, v in _unwrap_secrets(value).items()}
+        return {k: _mask_leaves(v) for k, v in sorted(_unwrap_secrets(value).items())}
     if isinstance(value, list):
         return [_mask_leaves(v) for v in value]
     return SECRET_MASK
 
 
 def clean(value: Any) -> Any:
-    """Masks secrets, turns the floats mocks give back for integers into ints, drops engine-internal keys."""
+    """Masks secrets, turns the floats mocks give back for integers into ints, sorts keys, drops `__` keys."""
     if rpc.is_rpc_secret(value):
         return _mask_leaves(value["value"])
     if isinstance(value, bool):
@@ -120,7 +122,8 @@ def clean(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items() if not k.startswith("__")}
+        # Sorted keys: the wire format does not keep the program's order, and plans must be reproducible.
+        return {k: clean(value[k]) for k in sorted(value) if not k.startswith("__")}
     if isinstance(value, list):
         return [clean(v) for v in value]
     if isinstance(value, pulumi.Resource):  # a resource reference input
@@ -185,6 +188,20 @@ class _Registration:
     custom: bool
     inputs: dict[str, Any]
     id: str | None
+    options: dict[str, Any]
+
+
+def _options(request: Any) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if request.protect:
+        opts["protect"] = True
+    if request.retainOnDelete:
+        opts["retainOnDelete"] = True
+    if request.provider:
+        opts["provider"] = request.provider.split("::")[0]  # "<provider urn>::<id>"; the id is fake here
+    if request.dependencies:
+        opts["dependsOn"] = sorted(set(request.dependencies))
+    return opts
 
 
 class RecordingMonitor(pmocks.MockMonitor):
@@ -209,7 +226,7 @@ class RecordingMonitor(pmocks.MockMonitor):
             self.registrations.append(_Registration(
                 seq=len(self.registrations), urn=response.urn, type=request.type, name=request.name,
                 parent=request.parent or None, custom=bool(request.custom), inputs=inputs,
-                id=response.id or None))
+                id=response.id or None, options=_options(request)))
         return response
 
     def RegisterResourceOutputs(self, request: Any) -> Any:  # noqa: N802
@@ -326,7 +343,7 @@ def run_stack(env: str, config: Mapping[str, Any], secret_keys: Iterable[str] = 
     stack_urn = monitor.stack_urn or f"urn:pulumi:{env}::{PROJECT}::{STACK_TYPE}::{PROJECT}-{env}"
     resources = [
         Resource(urn=r.urn, type=r.type, name=r.name, parent=r.parent or stack_urn, custom=r.custom,
-                 inputs=clean(r.inputs), id=r.id)
+                 inputs=clean(r.inputs), id=r.id, options=r.options)
         for r in _tree_order(monitor.registrations, stack_urn)
     ]
     raw_outputs = monitor.stack_outputs

@@ -1,0 +1,116 @@
+"""The schema validator itself: known-good objects pass, typos and wrong types fail, missing schemas say so."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import k8s_schemas
+
+
+@pytest.fixture(autouse=True)
+def _schemas() -> None:
+    k8s_schemas.need_schemas()
+
+
+JOBSET: dict[str, Any] = {
+    "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+    "metadata": {"name": "demo", "namespace": "rl", "labels": {"kueue.x-k8s.io/queue-name": "tpu"}},
+    "spec": {"replicatedJobs": [{"name": "slice", "replicas": 2, "template": {"spec": {
+        "parallelism": 4, "completions": 4, "backoffLimit": 0, "template": {"spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "c", "image": "busybox", "resources": {"limits": {"google.com/tpu": 4}}}],
+        }}}}}]},
+}
+LOCAL_QUEUE = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+               "metadata": {"name": "tpu", "namespace": "rl"}, "spec": {"clusterQueue": "cq"}}
+POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+       "spec": {"containers": [{"name": "c", "image": "busybox", "resources": {"limits": {"cpu": "1"}}}]}}
+
+
+@pytest.mark.parametrize("obj", [JOBSET, LOCAL_QUEUE, POD], ids=lambda o: o["kind"])
+def test_known_good_objects_pass(obj: dict[str, Any]) -> None:
+    assert k8s_schemas.validate(obj) == []
+
+
+def test_a_typo_in_a_crd_field_fails() -> None:
+    bad = copy.deepcopy(JOBSET)
+    bad["spec"]["replicatedJobs"][0]["replica"] = bad["spec"]["replicatedJobs"][0].pop("replicas")
+    [err] = k8s_schemas.validate(bad)
+    assert err.startswith("spec.replicatedJobs[0]:") and "'replica' was unexpected" in err
+
+
+def test_a_typo_deep_in_the_embedded_pod_fails() -> None:
+    bad = copy.deepcopy(JOBSET)
+    pod = bad["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod["containers"][0]["imagePullPolice"] = "Always"
+    [err] = k8s_schemas.validate(bad)
+    assert "containers[0]" in err and "imagePullPolice" in err
+
+
+def test_a_wrong_type_fails() -> None:
+    bad = copy.deepcopy(LOCAL_QUEUE)
+    bad["spec"]["clusterQueue"] = 3
+    assert k8s_schemas.validate(bad) == ["spec.clusterQueue: 3 is not of type 'string'"]
+    pod = copy.deepcopy(POD)
+    pod["spec"]["containers"][0]["ports"] = [{"containerPort": "http"}]
+    assert k8s_schemas.validate(pod) == ["spec.containers[0].ports[0].containerPort: 'http' is not of type 'integer'"]
+
+
+def test_crd_metadata_is_checked_as_object_meta() -> None:
+    bad = copy.deepcopy(LOCAL_QUEUE)
+    bad["metadata"]["label"] = {"a": "b"}
+    assert k8s_schemas.validate(bad) == ["metadata: Additional properties are not allowed ('label' was unexpected)"]
+
+
+def test_core_typo_and_unknown_kind_fail() -> None:
+    bad = copy.deepcopy(POD)
+    bad["spec"]["containers"][0]["imag"] = "x"
+    assert any("'imag' was unexpected" in e for e in k8s_schemas.validate(bad))
+    [err] = k8s_schemas.validate({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}})
+    assert "no schema for example.com/v1 Widget" in err
+    with pytest.raises(AssertionError, match="does not match its upstream schema"):
+        k8s_schemas.assert_valid(bad)
+
+
+def test_resource_claim_template_validates_against_resource_v1() -> None:
+    rct = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+           "metadata": {"name": "netdev", "namespace": "rl"},
+           "spec": {"spec": {"devices": {"requests": [
+               {"name": "netdev", "exactly": {"deviceClassName": "netdev.google.com", "count": 2}}]}}}}
+    assert k8s_schemas.validate(rct) == []
+    rct["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = "two"
+    assert len(k8s_schemas.validate(rct)) == 1
+
+
+def test_strict_rules() -> None:
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "nullable": True},
+        "open": {"type": "object", "properties": {"x": {"type": "string"}},
+                 "x-kubernetes-preserve-unknown-fields": True},
+        "map": {"type": "object", "additionalProperties": {"type": "string"}},
+    }}
+    s = k8s_schemas.strict(schema)
+    assert s["additionalProperties"] is False
+    assert s["properties"]["a"]["type"] == ["string", "null"]
+    assert "additionalProperties" not in s["properties"]["open"]
+    assert s["properties"]["map"]["additionalProperties"] == {"type": "string"}
+    assert "additionalProperties" not in schema  # the input is left alone
+    # Kueue's name patterns use RE2's `^(?i)`; Python needs the flag first.
+    pattern = k8s_schemas.strict({"type": "string", "pattern": "^(?i)[a-z]([-a-z0-9]*[a-z0-9])?$"})["pattern"]
+    assert pattern == "(?i)^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+
+def test_missing_schemas_fail_with_a_clear_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GKE_TPU_RL_SCHEMAS", str(tmp_path / "nowhere"))
+    with pytest.raises(k8s_schemas.SchemasMissing, match="schemas not found at .*nowhere"):
+        k8s_schemas.require_schemas()
+    monkeypatch.delenv(k8s_schemas.ALLOW_MISSING_ENV, raising=False)
+    with pytest.raises(pytest.fail.Exception, match="GKE_TPU_RL_ALLOW_NO_SCHEMAS=1"):
+        k8s_schemas.need_schemas()
+    monkeypatch.setenv(k8s_schemas.ALLOW_MISSING_ENV, "1")
+    with pytest.raises(pytest.skip.Exception):
+        k8s_schemas.need_schemas()

@@ -1,0 +1,208 @@
+"""Validates Kubernetes objects against the upstream schemas in ../shared/schemas (see its SOURCES.md).
+
+CRDs (JobSet, Kueue, KubeRay): jsonschema on the served version's openAPIV3Schema. Core v1 and
+resource.k8s.io/v1: the Kubernetes OpenAPI v3 documents, `{"$ref": "#/components/schemas/<name>"}`.
+Upstream schemas accept unknown fields (the apiserver prunes them), so every object schema that lists
+properties gets `additionalProperties: false` unless it preserves unknown fields or embeds a resource:
+a typo'd field then fails here instead of silently vanishing on the cluster. CEL rules are not checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Override the location with GKE_TPU_RL_SCHEMAS; missing schemas fail tests unless this is "1":
+ALLOW_MISSING_ENV = "GKE_TPU_RL_ALLOW_NO_SCHEMAS"
+KUBERNETES_VERSION = "v1.34"
+OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "not", "additionalProperties", "additionalItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs")
+
+
+class SchemasMissing(RuntimeError):
+    """../shared/schemas (or $GKE_TPU_RL_SCHEMAS) is not there, so nothing can be validated."""
+
+
+def schemas_dir() -> Path:
+    return Path(os.environ.get("GKE_TPU_RL_SCHEMAS") or REPO_ROOT.parent / "shared" / "schemas")
+
+
+def require_schemas() -> Path:
+    d = schemas_dir()
+    if not (d / "SOURCES.md").is_file():
+        raise SchemasMissing(
+            f"upstream Kubernetes/CRD schemas not found at {d}: Kubernetes objects cannot be validated. "
+            f"Provide ../shared/schemas next to the repository (or set GKE_TPU_RL_SCHEMAS to its path); "
+            f"set {ALLOW_MISSING_ENV}=1 to skip these checks knowingly.")
+    return d
+
+
+def need_schemas() -> Path:
+    """For tests: the schemas directory, or a failure that says why (a skip only when asked for)."""
+    import pytest
+
+    try:
+        return require_schemas()
+    except SchemasMissing as e:
+        if os.environ.get(ALLOW_MISSING_ENV) == "1":
+            pytest.skip(str(e))
+        pytest.fail(str(e), pytrace=False)
+        raise  # unreachable; pytest.fail raises
+
+
+def _python_pattern(pattern: str) -> str:
+    # Go's RE2 takes `^(?i)...`; Python wants inline flags first: `(?i)^...` means the same.
+    m = re.match(r"^\^\(\?([a-zA-Z]+)\)", pattern)
+    return f"(?{m.group(1)})^{pattern[m.end():]}" if m else pattern
+
+
+def strict(schema: Any) -> Any:
+    """A copy of `schema` that rejects unknown fields, reads OpenAPI's `nullable: true` as allowing null and
+    writes RE2-only pattern syntax the Python way."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict(v) for v in out[key]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(out.get(key), dict):
+            out[key] = strict(out[key])
+    if isinstance(out.get("components"), dict) and isinstance(out["components"].get("schemas"), dict):
+        out["components"] = {**out["components"],
+                             "schemas": {k: strict(v) for k, v in out["components"]["schemas"].items()}}
+    open_ended = out.get("x-kubernetes-preserve-unknown-fields") or out.get("x-kubernetes-embedded-resource")
+    if "properties" in out and "additionalProperties" not in out and not open_ended:
+        out["additionalProperties"] = False
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = _python_pattern(out["pattern"])
+    if out.get("nullable") is True and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+def _load_yaml_docs(path: Path) -> list[Any]:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the JobSet CRD is 800 KB
+    with path.open() as f:
+        return [d for d in yaml.load_all(f, Loader=loader) if d]
+
+
+def _split_api_version(api_version: str) -> tuple[str, str]:
+    group, _, version = api_version.rpartition("/")
+    return group, version
+
+
+@cache
+def _crds() -> dict[tuple[str, str, str], dict[str, Any]]:
+    """(group, version, kind) -> the served version's openAPIV3Schema, for every CRD under the schemas dir."""
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for path in sorted(require_schemas().glob("*/*.yaml")):
+        for doc in _load_yaml_docs(path):
+            if doc.get("kind") != "CustomResourceDefinition":
+                continue
+            spec = doc["spec"]
+            for v in spec["versions"]:
+                if v.get("served") and "schema" in v:
+                    out[(spec["group"], v["name"], spec["names"]["kind"])] = v["schema"]["openAPIV3Schema"]
+    return out
+
+
+@cache
+def _openapi_docs() -> list[dict[str, Any]]:
+    d = require_schemas() / "kubernetes" / KUBERNETES_VERSION
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
+
+
+@cache
+def _openapi_index() -> dict[tuple[str, str, str], tuple[int, str]]:
+    """(group, version, kind) -> (document index, schema name) from x-kubernetes-group-version-kind."""
+    out: dict[tuple[str, str, str], tuple[int, str]] = {}
+    for i, doc in enumerate(_openapi_docs()):
+        for name, schema in doc["components"]["schemas"].items():
+            for gvk in schema.get("x-kubernetes-group-version-kind", []):
+                key = (gvk["group"], gvk["version"], gvk["kind"])
+                # DeleteOptions/WatchEvent list many GVKs; the kind's own schema is named after it.
+                if key not in out or name.endswith("." + gvk["kind"]):
+                    out[key] = (i, name)
+    return out
+
+
+@cache
+def _strict_components(doc_index: int) -> dict[str, Any]:
+    return strict({"components": _openapi_docs()[doc_index]["components"]})["components"]
+
+
+@cache
+def _validator(group: str, version: str, kind: str) -> jsonschema.protocols.Validator:
+    crd = _crds().get((group, version, kind))
+    if crd is not None:
+        schema = strict(copy.deepcopy(crd))
+    elif (group, version, kind) in _openapi_index():
+        doc_index, name = _openapi_index()[(group, version, kind)]
+        schema = {"$ref": f"#/components/schemas/{name}", "components": _strict_components(doc_index)}
+    else:
+        raise KeyError(kind)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
+
+
+@cache
+def _object_meta_validator() -> jsonschema.protocols.Validator:
+    # CRD schemas declare metadata as a bare object; check it against the real ObjectMeta instead.
+    for i, doc in enumerate(_openapi_docs()):
+        if OBJECT_META in doc["components"]["schemas"]:
+            schema = {"$ref": f"#/components/schemas/{OBJECT_META}", "components": _strict_components(i)}
+            return jsonschema.Draft202012Validator(schema)
+    raise SchemasMissing(f"{OBJECT_META} not found in the Kubernetes {KUBERNETES_VERSION} OpenAPI documents")
+
+
+def known_kinds() -> set[tuple[str, str]]:
+    """Every (apiVersion, kind) this module can validate."""
+    keys = set(_crds()) | set(_openapi_index())
+    return {(f"{g}/{v}" if g else v, k) for g, v, k in keys}
+
+
+def _format(err: jsonschema.ValidationError, prefix: tuple[str, ...] = ()) -> str:
+    parts = (*prefix, *err.absolute_path)
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "."
+    msg = err.message if len(err.message) <= 300 else err.message[:297] + "..."
+    return f"{path}: {msg}"
+
+
+def validate(obj: dict[str, Any]) -> list[str]:
+    """Every schema error in one Kubernetes object (empty when it is valid), each as `path: message`."""
+    api_version, kind = obj.get("apiVersion"), obj.get("kind")
+    if not isinstance(api_version, str) or not isinstance(kind, str):
+        return [".: apiVersion and kind are required"]
+    group, version = _split_api_version(api_version)
+    try:
+        validator = _validator(group, version, kind)
+    except KeyError:
+        return [f".: no schema for {api_version} {kind} under {schemas_dir()}"]
+    errors = [_format(e) for e in validator.iter_errors(obj)]
+    if (group, version, kind) in _crds() and isinstance(obj.get("metadata"), dict):
+        errors += [_format(e, ("metadata",)) for e in _object_meta_validator().iter_errors(obj["metadata"])]
+    return sorted(errors)
+
+
+def assert_valid(obj: dict[str, Any]) -> None:
+    errors = validate(obj)
+    if errors:
+        meta = obj.get("metadata") or {}
+        raise AssertionError(f"{obj.get('apiVersion')} {obj.get('kind')} {meta.get('name')!r} does not match "
+                             f"its upstream schema:\n  " + "\n  ".join(errors))
