@@ -45,8 +45,6 @@ def test_plan_out_writes_objects_and_resources(tmp_path: Path, capsys: pytest.Ca
     assert "jobset-grpo-stg.yaml" in names and "resourceclaimtemplate-grpo-stg-netdev.yaml" in names
     jobset = yaml.safe_load((tmp_path / "jobset-grpo-stg.yaml").read_text())
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["spec"]["replicatedJobs"][0]["replicas"] == 2
-    secret = yaml.safe_load((tmp_path / "secret-grpo-stg-hf-token.yaml").read_text())
-    assert secret["stringData"] == {"token": "[secret]"}
     doc = json.loads((tmp_path / "resources.json").read_text())
     assert len([n for n in names if n.endswith(".yaml")]) == len(
         [r for r in doc["resources"] if r["type"].startswith("kubernetes:") and r["custom"]

@@ -135,7 +135,6 @@ def test_tree_lists_every_resource_with_the_settings_that_matter(plans: dict[str
     assert "quota=v6e-4x4:google.com/tpu=32" in cq
     js = _line(tree, "jobset-rl-grpo-stg", "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet")
     assert "replicas=2" in js and "parallelism=4" in js and "queue=tpu" in js and "tpuPerPod=4" in js
-    assert "keys=token" in _line(tree, "secret-rl-grpo-stg-hf-token", "kubernetes:core/v1:Secret")
 
 
 def test_prod_tree_shows_capacity_kinds(plans: dict[str, PlanResult]) -> None:
@@ -176,7 +175,7 @@ def test_kubernetes_objects_are_manifests(plans: dict[str, PlanResult]) -> None:
     objects = kubernetes_objects(plan)
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(["Namespace", "ClusterQueue", "LocalQueue", "ResourceFlavor", "WorkloadPriorityClass",
-                            "WorkloadPriorityClass", "WorkloadPriorityClass", "Secret", "ServiceAccount", "JobSet",
+                            "WorkloadPriorityClass", "WorkloadPriorityClass", "ServiceAccount", "JobSet",
                             "ResourceClaimTemplate"])
     for o in objects:
         assert list(o)[:3] == ["apiVersion", "kind", "metadata"]
@@ -239,6 +238,9 @@ def test_secret_values_never_reach_any_output(tmp_path: Path) -> None:
     plan = run_stack("staging", config, secret_keys=["hfToken"])
     secret = plan.get("kubernetes:core/v1:Secret", "secret-rl-grpo-stg-hf-token")
     assert secret.inputs["stringData"] == {"token": SECRET_MASK}
+    k8s_schemas.need_schemas()
+    [secret_obj] = [o for o in kubernetes_objects(plan) if o["kind"] == "Secret"]
+    k8s_schemas.assert_valid(secret_obj)
     everything = _everything_written(plan, tmp_path)
     assert token not in everything
     assert SECRET_MASK in everything

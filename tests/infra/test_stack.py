@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from infra.mockrun import PlanResult, Resource
+from infra.mockrun import PlanResult, Resource, run_stack
+from tests.infra.conftest import stack_config
 
 POOL = "gcp:container/nodePool:NodePool"
 NETWORK = "gcp:compute/network:Network"
@@ -169,7 +171,6 @@ def test_staging_jobset_shape(plans: dict[str, PlanResult]) -> None:
     assert env["NUM_SLICES"] == "2" and env["HOSTS_PER_SLICE"] == "4"
     assert env["SLICE_INDEX"] == {"fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
     assert env["MEGASCALE_NUM_SLICES"] == "2"
-    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "grpo-stg-hf-token", "key": "token"}}
     assert pod["serviceAccountName"] == "trainer"
     assert pod["terminationGracePeriodSeconds"] == 600
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -181,10 +182,15 @@ def test_staging_jobset_shape(plans: dict[str, PlanResult]) -> None:
 
 
 def test_hf_token_is_a_secret_everywhere(plans: dict[str, PlanResult]) -> None:
-    secret = _only(plans["staging"], "kubernetes:core/v1:Secret").inputs
+    token = "hf_not_a_real_token_123"
+    # As after `pulumi config set --secret gke-tpu-rl:hfToken ...`.
+    plan = run_stack("staging", {**stack_config("staging"), "gke-tpu-rl:hfToken": token},
+                     secret_keys=["gke-tpu-rl:hfToken"])
+    secret = _only(plan, "kubernetes:core/v1:Secret").inputs
     assert secret["stringData"]["token"] == "[secret]"
-    assert "kubeconfig" in plans["staging"].secret_outputs
-    assert not plans["dev"].of_type("kubernetes:core/v1:Secret")  # dev sets no token
+    assert token not in json.dumps([r.inputs for r in plan.resources]) + json.dumps(plan.outputs)
+    assert "kubeconfig" in plan.secret_outputs
+    assert not plans["staging"].of_type("kubernetes:core/v1:Secret")  # no token configured: no Secret
 
 
 def test_outputs(plans: dict[str, PlanResult]) -> None:
