@@ -21,7 +21,7 @@ plan: install
 	$(BIN)/gke-tpu-rl plan --all
 
 train-demo: install
-	$(BIN)/gke-tpu-rl train --local-processes 2 --devices-per-process 4 --run-dir runs/demo
+	$(BIN)/gke-tpu-rl train --local-processes 2 --devices-per-process 4
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from trainer import model as M
+from trainer.checkpoint import Checkpointer, Meta, StopFlag, abstract_like
+from trainer.config import ModelConfig, OptimConfig
+from trainer.optim import make_optimizer
+from trainer.sharding import make_mesh, named_shardings, opt_state_shardings
+
+from .conftest import TINY_MODEL
+
+CFG = ModelConfig(**TINY_MODEL)
+
+
+def _state_shardings(mesh: jax.sharding.Mesh, opt: object) -> dict:
+    abstract = M.abstract_params(CFG)
+    p_sh = named_shardings(mesh, M.param_axes(CFG), abstract)
+    return {"params": p_sh, "opt_state": opt_state_shardings(mesh, opt, p_sh, abstract)}
+
+
+def test_save_on_one_mesh_restore_on_another(tmp_path: Path) -> None:
+    opt = make_optimizer(OptimConfig(lr=1e-2), total_steps=4)
+    src_mesh = make_mesh(2, 2, 2)
+    sh = _state_shardings(src_mesh, opt)
+    params = jax.jit(M.init_params, static_argnums=0, out_shardings=sh["params"])(CFG, jax.random.PRNGKey(0))
+    opt_state = jax.jit(opt.init, out_shardings=sh["opt_state"])(params)
+    grads = jax.tree.map(lambda p: 0.01 * p, params)  # one real update so the moments are non-zero
+    updates, opt_state = jax.jit(opt.update)(grads, opt_state, params)
+    state = {"params": params, "opt_state": opt_state}
+
+    ckpt = Checkpointer(tmp_path / "ckpt", every=2, keep=2)
+    assert ckpt.latest_step() is None
+    meta = Meta(step=3, data_position=24, rng=[0, 42])
+    assert ckpt.save(state, meta)
+    assert not ckpt.save(state, meta)  # the same step twice is a no-op
+    ckpt.close()
+
+    for shape in [(1, 8, 1), (1, 1, 1)]:
+        mesh = make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
+        target = abstract_like(state, _state_shardings(mesh, opt))
+        restored, got_meta = Checkpointer(tmp_path / "ckpt", every=2, keep=2).restore(target)
+        assert got_meta == meta
+        assert restored["params"]["layers"]["wq"].sharding.mesh.devices.shape == shape
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert jax.tree.structure(restored) == jax.tree.structure(state)
+
+
+def test_keeps_last_k(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, every=1, keep=2)
+    state = {"x": jax.numpy.arange(4.0)}
+    for step in (1, 2, 3):
+        ckpt.save(state, Meta(step, step, [0, 0]))
+    ckpt.wait()
+    assert ckpt.latest_step() == 3
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]
+    assert ckpt.due(3) and not Checkpointer(tmp_path, every=0, keep=2).due(3)
+    ckpt.close()
+
+
+def test_stop_flag_set_by_sigterm() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    flag = StopFlag().install()
+    try:
+        assert not flag.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.agreed()
+        os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C interrupts for real
+        pytest.fail("second SIGINT did not raise")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.cli import main
+from trainer.config import ConfigError, config_from_dict, load_config, resolve_mesh
+
+
+def _write(tmp_path: Path, data: dict) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_embedded_demo_config_loads() -> None:
+    cfg = load_config(None, [])
+    assert (cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 2, 2)
+    assert cfg.batch_size % (cfg.mesh.slices * cfg.mesh.fsdp) == 0
+    resolve_mesh(cfg, 8, exact=True)
+
+
+def test_overrides_parse_yaml_scalars(tmp_path: Path, tiny_train_dict: dict) -> None:
+    path = _write(tmp_path, tiny_train_dict)
+    cfg = load_config(path, ["rl.clip_eps=0.1", "steps=7", "model.qk_norm=false", "task.name=copy",
+                             "rl.algo=gspo", "sampling.top_p=1"])
+    assert cfg.rl.clip_eps == 0.1 and cfg.steps == 7 and cfg.model_cfg.qk_norm is False
+    assert cfg.task.name == "copy" and cfg.rl.algo == "gspo" and cfg.sampling.top_p == 1.0
+
+
+def test_task_section_keeps_task_options(tiny_train_dict: dict) -> None:
+    tiny_train_dict["task"] = {"name": "gsm8k", "path": "x.jsonl"}
+    cfg = config_from_dict(tiny_train_dict)
+    assert cfg.task.model_dump() == {"name": "gsm8k", "path": "x.jsonl"}
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("rl.gruop_size=4", "rl.gruop_size"), ("model.n_layer=2", "model.n_layer"), ("stepz=3", "stepz"),
+     ("checkpoint.evry=1", "checkpoint.evry")],
+)
+def test_unknown_key_named_in_error(tmp_path: Path, tiny_train_dict: dict, override: str, key: str) -> None:
+    path = _write(tmp_path, tiny_train_dict)
+    with pytest.raises(ConfigError, match=rf"unknown config key: {key}\b"):
+        load_config(path, [override])
+
+
+def test_unknown_key_in_file_named(tmp_path: Path, tiny_train_dict: dict) -> None:
+    tiny_train_dict["sampling"]["temprature"] = 0.5
+    with pytest.raises(ConfigError, match=r"sampling\.temprature"):
+        load_config(_write(tmp_path, tiny_train_dict), [])
+
+
+def test_bad_value_names_key(tiny_train_dict: dict) -> None:
+    tiny_train_dict["rl"]["algo"] = "ppo"
+    with pytest.raises(ConfigError, match=r"rl\.algo"):
+        config_from_dict(tiny_train_dict)
+
+
+def test_lengths_must_fit_model(tiny_train_dict: dict) -> None:
+    tiny_train_dict["sampling"]["max_new_tokens"] = 12  # 8 + 12 > max_seq_len 16
+    with pytest.raises(ConfigError, match=r"max_new_tokens.*max_seq_len \(16\)"):
+        config_from_dict(tiny_train_dict)
+
+
+def test_mesh_must_divide_devices(tiny_train_dict: dict) -> None:
+    tiny_train_dict["mesh"] = {"slices": 3, "fsdp": 1, "tensor": 1}
+    cfg = config_from_dict(tiny_train_dict)
+    with pytest.raises(ConfigError, match=r"slices=3 x fsdp=1 x tensor=1 = 3 devices must divide the 8"):
+        resolve_mesh(cfg, 8)
+    tiny_train_dict["mesh"] = {"slices": 1, "fsdp": 2, "tensor": 2}
+    with pytest.raises(ConfigError, match=r"must equal the 8 available"):
+        resolve_mesh(config_from_dict(tiny_train_dict), 8, exact=True)
+
+
+def test_mesh_infers_minus_one(tiny_train_dict: dict) -> None:
+    tiny_train_dict["mesh"] = {"slices": 1, "fsdp": -1, "tensor": 2}
+    cfg = resolve_mesh(config_from_dict(tiny_train_dict), 8)
+    assert (cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 4, 2)
+    tiny_train_dict["mesh"] = {"slices": 1, "fsdp": -1, "tensor": 3}
+    with pytest.raises(ConfigError, match=r"mesh\.fsdp=-1 cannot be inferred"):
+        resolve_mesh(config_from_dict(tiny_train_dict), 8)
+
+
+def test_batch_must_divide_data_axes(tiny_train_dict: dict) -> None:
+    tiny_train_dict["rl"].update(prompts_per_step=3, group_size=3)
+    with pytest.raises(ConfigError, match=r"rl\.prompts_per_step \* rl\.group_size = 3 \* 3 = 9 .* mesh\.slices \* "
+                                          r"mesh\.fsdp = 4"):
+        resolve_mesh(config_from_dict(tiny_train_dict), 8)
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path: Path, tiny_train_dict: dict,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, tiny_train_dict)
+    assert main(["--config", path, "--set", "rl.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key: rl.bogus" in err and "Traceback" not in err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read config" in capsys.readouterr().err
+    assert main(["--config", path, "--local-processes", "3", "--devices-per-process", "1"]) == 2
+    assert "must equal the 3 available devices" in capsys.readouterr().err

@@ -1,0 +1,340 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models, pre_tokenizers
+
+from trainer.hf import export_hf, import_hf, read_checkpoint_tensors
+from trainer.tokenizer import HFTokenizer, load_tokenizer
+
+VOCAB = 48
+
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,  # Qwen3 decouples head_dim from hidden_size / heads (4 * 16 != 32)
+    "hidden_act": "silu",
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 128,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": 2,
+}
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": VOCAB,
+    "hidden_size": 24,
+    "intermediate_size": 56,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 64,
+    "torch_dtype": "float32",
+}
+
+
+def hf_tensors(hf: dict[str, Any], dtype: Any, seed: int) -> dict[str, np.ndarray]:
+    """Random weights under Hugging Face names, torch Linear layout [out, in]."""
+    rng = np.random.default_rng(seed)
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    hq, hkv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    dh = hf.get("head_dim", d // hq)
+
+    def w(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(dtype)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + rng.standard_normal(n) * 0.1).astype(dtype)
+
+    t = {"model.embed_tokens.weight": w(v, d, scale=1.0), "model.norm.weight": norm(d)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(d)
+        t[p + "post_attention_layernorm.weight"] = norm(d)
+        t[p + "self_attn.q_proj.weight"] = w(hq * dh, d)
+        t[p + "self_attn.k_proj.weight"] = w(hkv * dh, d)
+        t[p + "self_attn.v_proj.weight"] = w(hkv * dh, d)
+        t[p + "self_attn.o_proj.weight"] = w(d, hq * dh)
+        t[p + "mlp.gate_proj.weight"] = w(f, d)
+        t[p + "mlp.up_proj.weight"] = w(f, d)
+        t[p + "mlp.down_proj.weight"] = w(d, f)
+        if hf["model_type"] == "qwen3":
+            t[p + "self_attn.q_norm.weight"] = norm(dh)
+            t[p + "self_attn.k_norm.weight"] = norm(dh)
+    if not hf["tie_word_embeddings"]:
+        t["lm_head.weight"] = w(v, d)
+    return t
+
+
+def write_checkpoint(root: Path, hf: dict[str, Any], tensors: dict[str, np.ndarray], shards: int = 1) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(hf))
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for s, chunk in enumerate(np.array_split(np.array(names), shards), start=1):
+            fname = f"model-{s:05d}-of-{shards:05d}.safetensors"
+            save_file({n: tensors[n] for n in chunk}, str(root / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(chunk.tolist(), fname))
+        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    vocab = {"<unk>": 0, "<pad>": 1, "<|endoftext|>": 2} | {f"t{i}": i for i in range(3, hf["vocab_size"])}
+    tok = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return root
+
+
+@pytest.fixture
+def qwen3_dir(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    t = hf_tensors(QWEN3, ml_dtypes.bfloat16, seed=0)
+    return write_checkpoint(tmp_path / "qwen3", QWEN3, t), t
+
+
+@pytest.fixture
+def llama_dir(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    t = hf_tensors(LLAMA, np.float32, seed=1)
+    return write_checkpoint(tmp_path / "llama", LLAMA, t, shards=3), t
+
+
+def test_import_qwen3_places_every_tensor(qwen3_dir: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, t = qwen3_dir
+    params, cfg = import_hf(path)
+    assert cfg.model_dump() == {
+        "vocab_size": VOCAB,
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 16,
+        "d_ff": 40,
+        "rope_theta": 1e6,
+        "norm_eps": 1e-6,
+        "qk_norm": True,
+        "tie_embeddings": True,
+        "param_dtype": "bfloat16",
+        "max_seq_len": 128,
+    }
+    assert set(params) == {"embed", "layers", "final_norm"}  # tied: no lm_head
+    lay = params["layers"]
+    assert {k: v.shape for k, v in lay.items()} == {
+        "attn_norm": (2, 32),
+        "wq": (2, 32, 4, 16),
+        "wk": (2, 32, 2, 16),
+        "wv": (2, 32, 2, 16),
+        "wo": (2, 4, 16, 32),
+        "q_norm": (2, 16),
+        "k_norm": (2, 16),
+        "mlp_norm": (2, 32),
+        "w_gate": (2, 32, 40),
+        "w_up": (2, 32, 40),
+        "w_down": (2, 40, 32),
+    }
+    assert all(a.dtype == ml_dtypes.bfloat16 for a in [params["embed"], params["final_norm"], *lay.values()])
+    np.testing.assert_array_equal(params["embed"], t["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(params["final_norm"], t["model.norm.weight"])
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        np.testing.assert_array_equal(lay["q_norm"][i], t[p + "self_attn.q_norm.weight"])
+        np.testing.assert_array_equal(lay["k_norm"][i], t[p + "self_attn.k_norm.weight"])
+        np.testing.assert_array_equal(lay["attn_norm"][i], t[p + "input_layernorm.weight"])
+        np.testing.assert_array_equal(lay["mlp_norm"][i], t[p + "post_attention_layernorm.weight"])
+        # Element-wise index checks: HF out index = head * head_dim + j, in index = model dim.
+        for _ in range(20):
+            d, h, j, f = rng.integers(32), rng.integers(4), rng.integers(16), rng.integers(40)
+            hk = h // 2
+            assert lay["wq"][i, d, h, j] == t[p + "self_attn.q_proj.weight"][h * 16 + j, d]
+            assert lay["wk"][i, d, hk, j] == t[p + "self_attn.k_proj.weight"][hk * 16 + j, d]
+            assert lay["wv"][i, d, hk, j] == t[p + "self_attn.v_proj.weight"][hk * 16 + j, d]
+            assert lay["wo"][i, h, j, d] == t[p + "self_attn.o_proj.weight"][d, h * 16 + j]
+            assert lay["w_gate"][i, d, f] == t[p + "mlp.gate_proj.weight"][f, d]
+            assert lay["w_up"][i, d, f] == t[p + "mlp.up_proj.weight"][f, d]
+            assert lay["w_down"][i, f, d] == t[p + "mlp.down_proj.weight"][d, f]
+
+
+def test_import_llama_sharded_untied_gqa(llama_dir: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, t = llama_dir
+    assert len(list(path.glob("model-*.safetensors"))) == 3
+    params, cfg = import_hf(path)
+    assert (cfg.qk_norm, cfg.tie_embeddings, cfg.param_dtype) == (False, False, "float32")
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers, cfg.norm_eps) == (6, 2, 4, 3, 1e-5)
+    assert "q_norm" not in params["layers"] and "k_norm" not in params["layers"]
+    assert params["lm_head"].shape == (24, VOCAB)
+    np.testing.assert_array_equal(params["lm_head"], t["lm_head.weight"].T)
+    for i in range(3):
+        p = f"model.layers.{i}."
+        np.testing.assert_array_equal(params["layers"]["wk"][i].reshape(24, 8).T, t[p + "self_attn.k_proj.weight"])
+        np.testing.assert_array_equal(params["layers"]["wo"][i].reshape(24, 24).T, t[p + "self_attn.o_proj.weight"])
+        np.testing.assert_array_equal(params["layers"]["w_down"][i], t[p + "mlp.down_proj.weight"].T)
+    # Casting on import: bf16 params from an fp32 checkpoint.
+    p16, c16 = import_hf(path, param_dtype="bfloat16")
+    assert c16.param_dtype == "bfloat16" and p16["layers"]["wq"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(p16["embed"], t["model.embed_tokens.weight"].astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("which", ["qwen3", "llama"])
+@pytest.mark.parametrize("max_shard_bytes", [4 << 30, 4000])
+def test_export_round_trips_bitwise(
+    which: str, max_shard_bytes: int, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    src, t = request.getfixturevalue(f"{which}_dir")
+    params, cfg = import_hf(src)
+    out = export_hf(params, cfg, tmp_path / "export", source_dir=src, max_shard_bytes=max_shard_bytes)
+    files = sorted(out.glob("*.safetensors"))
+    assert (len(files) > 1) == (max_shard_bytes == 4000)
+    assert (out / "model.safetensors.index.json").is_file() == (len(files) > 1)
+    got: dict[str, np.ndarray] = {}
+    for fname in files:  # read back with the safetensors library itself, not our parser
+        with safe_open(str(fname), framework="numpy") as f:
+            assert f.metadata() == {"format": "pt"}
+            got.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    assert sorted(got) == sorted(t)
+    for name, want in t.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert got[name].tobytes() == want.tobytes(), name
+    hf_in = json.loads((src / "config.json").read_text())
+    hf_out = json.loads((out / "config.json").read_text())
+    for key, value in hf_in.items():
+        if key not in ("torch_dtype", "use_sliding_window"):
+            assert hf_out[key] == value, key
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    params2, cfg2 = import_hf(out)
+    assert cfg2 == cfg
+    flat = read_checkpoint_tensors(out)
+    assert sorted(flat) == sorted(t)
+
+
+def test_tokenizer_loads_from_checkpoint_dir(qwen3_dir: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = qwen3_dir
+    tok = load_tokenizer(str(path))
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == VOCAB
+    assert tok.eos_id == 2 and tok.pad_id == 2
+    ids = tok.encode("t5 t7 t40")
+    assert ids == [5, 7, 40] and tok.decode(ids) == "t5 t7 t40"
+
+
+def test_import_errors(tmp_path: Path) -> None:
+    t = hf_tensors(LLAMA, np.float32, seed=2)
+    bad = dict(LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling 'llama3'"):
+        import_hf(write_checkpoint(tmp_path / "rope", bad, t))
+    with pytest.raises(ValueError, match="unsupported model_type 'qwen2'"):
+        import_hf(write_checkpoint(tmp_path / "qwen2", dict(LLAMA, model_type="qwen2"), t))
+    extra = dict(t, **{"model.layers.0.self_attn.q_proj.bias": np.zeros(24, np.float32)})
+    with pytest.raises(ValueError, match=r"unsupported tensors.*q_proj.bias"):
+        import_hf(write_checkpoint(tmp_path / "bias", LLAMA, extra))
+    missing = {k: v for k, v in t.items() if k != "model.layers.2.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"no tensor 'model.layers.2.mlp.up_proj.weight'"):
+        import_hf(write_checkpoint(tmp_path / "missing", LLAMA, missing))
+    wrong = dict(t, **{"model.norm.weight": np.ones(23, np.float32)})
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(23,\), config implies \(24,\)"):
+        import_hf(write_checkpoint(tmp_path / "shape", LLAMA, wrong))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        import_hf(tmp_path / "nothing")
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def hf_reference_logits(hf: dict[str, Any], t: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+    """Hugging Face LlamaForCausalLM / Qwen3ForCausalLM forward in float64, straight from HF tensor names."""
+    w = {k: np.asarray(v, np.float64) for k, v in t.items()}
+    eps, theta = hf["rms_norm_eps"], hf["rope_theta"]
+    hq, hkv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    dh = hf.get("head_dim", hf["hidden_size"] // hq)
+    b, n = ids.shape
+    inv_freq = 1.0 / theta ** (np.arange(0, dh, 2) / dh)
+    freqs = np.arange(n)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[None, :, None, :], np.sin(emb)[None, :, None, :]
+
+    def rotate_half(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([-x[..., dh // 2 :], x[..., : dh // 2]], axis=-1)
+
+    causal = np.tril(np.ones((n, n), bool))
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(b, n, hq, dh)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(b, n, hkv, dh)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(b, n, hkv, dh)
+        if hf["model_type"] == "qwen3":
+            q = _rms(q, w[p + "self_attn.q_norm.weight"], eps)
+            k = _rms(k, w[p + "self_attn.k_norm.weight"], eps)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = np.repeat(k, hq // hkv, axis=2)  # repeat_kv: query head j uses kv head j // (hq / hkv)
+        v = np.repeat(v, hq // hkv, axis=2)
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh)
+        scores = np.where(causal, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, hq * dh)
+        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        up = h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    x = _rms(x, w["model.norm.weight"], eps)
+    head = w["model.embed_tokens.weight"] if hf["tie_word_embeddings"] else w["lm_head.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("which", ["qwen3", "llama"])
+def test_model_forward_on_imported_params_matches_hf_reference(which: str, request: pytest.FixtureRequest) -> None:
+    import jax.numpy as jnp
+
+    from trainer.model import forward, logits
+
+    path, t = request.getfixturevalue(f"{which}_dir")
+    hf = QWEN3 if which == "qwen3" else LLAMA
+    params, cfg = import_hf(path, param_dtype="float32")  # bf16 Qwen3 weights upcast exactly
+    ids = np.random.default_rng(3).integers(0, VOCAB, size=(2, 11))
+    x, _ = forward(params, cfg, jnp.asarray(ids), jnp.ones(ids.shape, bool))
+    got = np.asarray(logits(params, cfg, x))
+    want = hf_reference_logits(hf, t, ids)
+    assert np.abs(want).max() > 1.0  # the check is not vacuous
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_import_tolerates_tied_lm_head_copy_and_rope_table(tmp_path: Path) -> None:
+    t = hf_tensors(QWEN3, np.float32, seed=4)
+    extra = dict(
+        t,
+        **{
+            "lm_head.weight": t["model.embed_tokens.weight"].copy(),  # tied checkpoints sometimes keep it
+            "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32),  # old Llama exports
+        },
+    )
+    params, cfg = import_hf(write_checkpoint(tmp_path / "tied", QWEN3, extra))
+    assert cfg.tie_embeddings and "lm_head" not in params
+    assert cfg.param_dtype == "float32" and params["embed"].dtype == np.float32
+    np.testing.assert_array_equal(params["embed"], t["model.embed_tokens.weight"])

@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from trainer import model as M
+from trainer.config import ModelConfig, RLConfig
+from trainer.losses import group_advantages, policy_loss
+from trainer.sharding import batch_sharding, make_mesh, named_shardings
+
+from .conftest import TINY_MODEL
+
+
+# ---- an independent NumPy reference: plain loops over layers, heads and positions ------------------------
+def _np_rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * w
+
+
+def _np_rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    """x [T, E]; Hugging Face rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    half = x.shape[-1] // 2
+    out = np.empty_like(x)
+    for t in range(x.shape[0]):
+        for i in range(half):
+            ang = pos[t] / theta ** (2 * i / x.shape[-1])
+            c, s = np.cos(ang), np.sin(ang)
+            out[t, i] = x[t, i] * c - x[t, i + half] * s
+            out[t, i + half] = x[t, i + half] * c + x[t, i] * s
+    return out
+
+
+def np_reference_logits(p: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
+    """Logits [T, V] for one unpadded sequence."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    T = len(tokens)
+    pos = np.arange(T)
+    x = p["embed"][tokens]
+    group = cfg.n_heads // cfg.n_kv_heads
+    for layer in range(cfg.n_layers):
+        lp = {k: v[layer] for k, v in p["layers"].items()}
+        h = _np_rms(x, lp["attn_norm"], cfg.norm_eps)
+        attn_out = np.zeros((T, cfg.n_heads, cfg.head_dim))
+        for head in range(cfg.n_heads):
+            kv = head // group
+            q = h @ lp["wq"][:, head, :]
+            k = h @ lp["wk"][:, kv, :]
+            v = h @ lp["wv"][:, kv, :]
+            if cfg.qk_norm:
+                q = _np_rms(q, lp["q_norm"], cfg.norm_eps)
+                k = _np_rms(k, lp["k_norm"], cfg.norm_eps)
+            q, k = _np_rope(q, pos, cfg.rope_theta), _np_rope(k, pos, cfg.rope_theta)
+            scores = q @ k.T / np.sqrt(cfg.head_dim)
+            scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            attn_out[:, head, :] = (w / w.sum(-1, keepdims=True)) @ v
+        x = x + np.einsum("the,hed->td", attn_out, lp["wo"])
+        h = _np_rms(x, lp["mlp_norm"], cfg.norm_eps)
+        gate, up = h @ lp["w_gate"], h @ lp["w_up"]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ lp["w_down"]
+    x = _np_rms(x, p["final_norm"], cfg.norm_eps)
+    return x @ (p["embed"].T if cfg.tie_embeddings else p["lm_head"])
+
+
+def _jit_logits(cfg: ModelConfig):  # noqa: ANN202
+    return jax.jit(lambda p, tokens, valid: M.logits(p, cfg, M.forward(p, cfg, tokens, valid)[0]))
+
+
+def _randomize_norms(params: dict, key: jax.Array) -> dict:
+    """Norm scales start at 1; perturb them so the test sees whether they are applied in the right place."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    out = [x * (1 + 0.3 * jax.random.normal(k, x.shape)) if "norm" in str(path) else x
+           for (path, _), x, k in zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves, keys, strict=True)]
+    return jax.tree.unflatten(tree, out)
+
+
+@pytest.mark.parametrize("variant", [
+    {},  # untied, QK-norm, GQA 4/2 (Qwen3-like)
+    {"qk_norm": False, "tie_embeddings": True, "n_kv_heads": 4},  # Llama-like MHA, tied
+    {"n_kv_heads": 1, "rope_theta": 100.0},  # MQA, fast-rotating RoPE
+])
+def test_forward_matches_numpy_reference(variant: dict) -> None:
+    cfg = ModelConfig(**{**TINY_MODEL, **variant})
+    params = _randomize_norms(M.init_params(cfg, jax.random.PRNGKey(1)), jax.random.PRNGKey(2))
+    tokens = np.array([1, 17, 42, 5, 99, 3, 64, 8, 23], np.int32)
+    got = np.asarray(_jit_logits(cfg)(params, tokens[None], jnp.ones((1, len(tokens)), bool))[0])
+    want = np_reference_logits(params, cfg, tokens)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_padding_does_not_change_logits() -> None:
+    """Left padding is masked out and position ids count real tokens only."""
+    cfg = ModelConfig(**TINY_MODEL)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.array([[5, 6, 7, 8, 9]])
+    padded = jnp.array([[0, 0, 0, 5, 6, 7, 8, 9]])
+    valid = padded != 0
+    f = _jit_logits(cfg)
+    np.testing.assert_allclose(np.asarray(f(params, padded, valid)[:, 3:]),
+                               np.asarray(f(params, tokens, jnp.ones_like(tokens, bool))), rtol=1e-5, atol=1e-5)
+
+
+def test_completion_logprobs_any_prompt_padding() -> None:
+    cfg = ModelConfig(**TINY_MODEL)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    left = jnp.array([[0, 0, 11, 12, 13]])
+    right = jnp.array([[11, 12, 13, 0, 0]])
+    comp = jnp.array([[20, 21, 2, 0]])
+    cmask = jnp.array([[1, 1, 1, 0]])
+    f = jax.jit(functools.partial(M.completion_logprobs, cfg=cfg), static_argnames=())
+    lp_l, _ = f(params, prompt_BP=left, prompt_valid_BP=left != 0, completion_BN=comp, completion_mask_BN=cmask)
+    lp_r, _ = f(params, prompt_BP=right, prompt_valid_BP=right != 0, completion_BN=comp, completion_mask_BN=cmask)
+    np.testing.assert_allclose(np.asarray(lp_l[:, :3]), np.asarray(lp_r[:, :3]), rtol=1e-5, atol=1e-6)
+    # And both equal the log-softmax of the plain full-sequence logits.
+    full = jnp.array([[11, 12, 13, 20, 21, 2]])
+    logp = jax.nn.log_softmax(_jit_logits(cfg)(params, full, jnp.ones_like(full, bool)), -1)
+    want = [float(logp[0, 2 + i, int(full[0, 3 + i])]) for i in range(3)]
+    np.testing.assert_allclose(np.asarray(lp_l[0, :3]), want, rtol=1e-5, atol=1e-6)
+
+
+def test_param_axes_cover_every_param() -> None:
+    for variant in ({}, {"qk_norm": False, "tie_embeddings": True}):
+        cfg = ModelConfig(**{**TINY_MODEL, **variant})
+        params = M.init_params(cfg, jax.random.PRNGKey(0))
+        axes = M.param_axes(cfg)
+        is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+        assert jax.tree.structure(params) == jax.tree.structure(axes, is_leaf=is_axes)
+        for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=is_axes), strict=True):
+            assert p.ndim == len(a)
+
+
+def _loss_and_grad_norm(cfg: ModelConfig, rl: RLConfig, params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+    def loss_fn(p: dict) -> jax.Array:
+        logp, _ = M.completion_logprobs(p, cfg, batch["prompt"], batch["prompt_valid"], batch["completion"],
+                                        batch["mask"])
+        adv = group_advantages(batch["rewards"], rl.group_size)
+        return policy_loss(logp, batch["old_logp"], adv, batch["mask"], rl)[0]
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return loss, jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+
+
+def test_loss_on_8_device_mesh_equals_single_device() -> None:
+    cfg = ModelConfig(**TINY_MODEL)
+    rl = RLConfig(group_size=4, prompts_per_step=2)
+    params = M.init_params(cfg, jax.random.PRNGKey(3))
+    rng = np.random.default_rng(0)
+    B, P, N = 8, 6, 5
+    prompt = rng.integers(3, 100, (B, P)).astype(np.int32)
+    prompt[:, :2] = 0  # left padding
+    mask = (np.arange(N)[None] < rng.integers(1, N + 1, (B, 1))).astype(np.int32)
+    batch = {
+        "prompt": prompt, "prompt_valid": (prompt != 0).astype(np.int32),
+        "completion": rng.integers(3, 100, (B, N)).astype(np.int32) * mask, "mask": mask,
+        "old_logp": (-4.6 + 0.1 * rng.standard_normal((B, N))).astype(np.float32) * mask,
+        "rewards": rng.random(B).astype(np.float32),
+    }
+    fn = functools.partial(_loss_and_grad_norm, cfg, rl)
+    want = jax.jit(fn)(params, batch)
+
+    mesh = make_mesh(2, 2, 2)
+    p_sh = named_shardings(mesh, M.param_axes(cfg), params)
+    sharded_params = jax.device_put(params, p_sh)
+    sharded_batch = {k: jax.device_put(v, batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
+    assert isinstance(sharded_params["layers"]["wq"].sharding, NamedSharding)
+    assert len(sharded_params["layers"]["wq"].sharding.device_set) == 8
+    with jax.set_mesh(mesh):
+        got = jax.jit(fn)(sharded_params, sharded_batch)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4)
+    assert float(want[1]) > 0

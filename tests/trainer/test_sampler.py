@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer import model as M
+from trainer.config import ModelConfig
+from trainer.sampler import filter_logits, sample
+
+from .conftest import TINY_MODEL
+
+CFG = ModelConfig(**TINY_MODEL)
+PAD, EOS, N = 0, 2, 6
+PROMPTS = [[1, 40, 41, 42], [1, 50], [1, 60, 61, 62, 63, 64], [1, 70, 71]]
+
+
+def _padded(left: bool, width: int = 8) -> tuple[jax.Array, jax.Array]:
+    rows = [[PAD] * (width - len(p)) + p if left else p + [PAD] * (width - len(p)) for p in PROMPTS]
+    tokens = jnp.array(rows, jnp.int32)
+    return tokens, tokens != PAD
+
+
+@functools.cache
+def _params() -> M.Params:
+    return M.init_params(CFG, jax.random.PRNGKey(7))
+
+
+@functools.cache
+def _sampler(eos: int, **kw: float):  # noqa: ANN202
+    return jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=N, eos_id=eos, pad_id=PAD, **kw))
+
+
+def _sample(tokens: jax.Array, valid: jax.Array, eos: int = EOS, seed: int = 0, **kw: float) -> tuple[np.ndarray, ...]:
+    out = _sampler(eos, **kw)(_params(), prompt_BP=tokens, prompt_valid_BP=valid, key=jax.random.PRNGKey(seed))
+    return tuple(np.asarray(x) for x in out)
+
+
+def _greedy_by_recompute(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Reference without a cache: rerun the whole sequence for every new token. Rows sit right-padded in a
+    fixed buffer (causal attention never sees the pad on the right), so one compiled program serves all steps."""
+    width = max(map(len, prompts)) + N
+
+    @jax.jit
+    def next_logp(p: M.Params, buf: jax.Array, length: jax.Array) -> jax.Array:
+        valid = jnp.arange(width)[None, :] < length[:, None]
+        logits = M.logits(p, CFG, M.forward(p, CFG, buf, valid)[0])
+        return jax.nn.log_softmax(jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0], -1)
+
+    buf = np.zeros((len(prompts), width), np.int32)
+    length = np.array([len(q) for q in prompts])
+    for b, q in enumerate(prompts):
+        buf[b, : len(q)] = q
+    tokens, logps = [], []
+    for _ in range(N):
+        logp = np.asarray(next_logp(_params(), jnp.asarray(buf), jnp.asarray(length)))
+        tok = logp.argmax(-1)
+        tokens.append(tok)
+        logps.append(logp[np.arange(len(prompts)), tok])
+        buf[np.arange(len(prompts)), length] = tok
+        length = length + 1
+    return np.stack(tokens, 1), np.stack(logps, 1)
+
+
+def test_greedy_kv_cache_matches_full_recompute() -> None:
+    want_tokens, want_logp = _greedy_by_recompute(PROMPTS)
+    # An EOS id that never occurs, so every row runs all N steps.
+    tokens, logp, mask = _sample(*_padded(left=True), eos=CFG.vocab_size + 1, temperature=0.0)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-5, atol=1e-5)
+    assert mask.all()
+
+
+def test_right_padded_prompts_sample_the_same() -> None:
+    left = _sample(*_padded(left=True), temperature=0.0)
+    right = _sample(*_padded(left=False), temperature=0.0)
+    for a, b in zip(left, right, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_stops_at_eos_and_pads_after() -> None:
+    free, _, _ = _sample(*_padded(left=True), eos=CFG.vocab_size + 1, temperature=0.0)
+    eos = int(free[0, 2])  # make row 0's third greedy token the EOS
+    tokens, logp, mask = _sample(*_padded(left=True), eos=eos, temperature=0.0)
+    for b in range(len(PROMPTS)):
+        hits = np.flatnonzero(free[b] == eos)
+        stop = hits[0] + 1 if hits.size else N
+        assert mask[b].tolist() == [1] * stop + [0] * (N - stop)
+        np.testing.assert_array_equal(tokens[b, :stop], free[b, :stop])
+        assert (tokens[b, stop:] == PAD).all() and (logp[b, stop:] == 0).all()
+    assert mask[0].sum() == 3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_logprobs_equal_policy_logprobs(temperature: float) -> None:
+    """The old-policy log-probs the sampler returns are what the loss recomputes: ratio 1 on policy."""
+    prompt, valid = _padded(left=True)
+    tokens, logp, mask = _sample(prompt, valid, temperature=temperature, top_k=20, top_p=0.9)
+    want, _ = jax.jit(functools.partial(M.completion_logprobs, cfg=CFG, temperature=temperature))(
+        _params(), prompt_BP=prompt, prompt_valid_BP=valid, completion_BN=jnp.asarray(tokens),
+        completion_mask_BN=jnp.asarray(mask))
+    np.testing.assert_allclose(logp * mask, np.asarray(want) * mask, rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_one_is_greedy() -> None:
+    greedy = _sample(*_padded(left=True), temperature=0.0)[0]
+    np.testing.assert_array_equal(_sample(*_padded(left=True), temperature=1.0, top_k=1)[0], greedy)
+
+
+def test_filter_logits_top_k_and_top_p() -> None:
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    kept = lambda x: (np.asarray(x) > -1e30).astype(int).tolist()  # noqa: E731
+    assert kept(filter_logits(logits, 3, 1.0)) == [[1, 1, 1, 0], [0, 1, 1, 1]]
+    # Mass before each token (sorted): 0, 0.5, 0.8, 0.95; top_p 0.7 keeps the first two.
+    assert kept(filter_logits(logits, 0, 0.7)) == [[1, 1, 0, 0], [0, 0, 1, 1]]
+    assert kept(filter_logits(logits, 0, 0.4)) == [[1, 0, 0, 0], [0, 0, 0, 1]]
+
+
+def test_sampling_is_random_but_reproducible() -> None:
+    prompt, valid = _padded(left=True)
+    a = _sample(prompt, valid, temperature=1.0)[0]
+    np.testing.assert_array_equal(_sample(prompt, valid, temperature=1.0)[0], a)
+    assert (_sample(prompt, valid, seed=1, temperature=1.0)[0] != a).any()

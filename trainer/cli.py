@@ -1,0 +1,71 @@
+"""`gke-tpu-rl train` / `python -m trainer`: parse flags, then train in-process or spawn local processes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from trainer.config import ConfigError, TrainConfig, load_config
+
+EXIT_CONFIG = 2
+EXIT_STOPPED = 143  # 128 + SIGTERM: a preempted pod "fails" so the JobSet restarts it and the run resumes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gke-tpu-rl train",
+        description="RL post-training (GRPO/GSPO/Dr.GRPO) of a decoder LLM with JAX. Without --config the "
+        "embedded demo config is used.",
+    )
+    p.add_argument("--config", help="YAML config file (default: the embedded trainer/configs/demo.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set rl.group_size=8 (repeatable)")
+    p.add_argument("--run-dir", help="run folder for metrics, plot and (default) checkpoints")
+    p.add_argument("--local-processes", type=int, default=0, metavar="N",
+                   help="run as N local processes joined by jax.distributed (CPU)")
+    p.add_argument("--devices-per-process", type=int, default=0, metavar="M",
+                   help="CPU devices per local process (with --local-processes)")
+    return p
+
+
+def _resolve_run_dir(cfg: TrainConfig, run_dir: str | None) -> TrainConfig:
+    # `{timestamp}` is filled once here, so every local process gets the same folder.
+    raw = run_dir or cfg.run_dir
+    return cfg.model_copy(update={"run_dir": raw.replace("{timestamp}", time.strftime("%Y%m%d-%H%M%S"))})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.local_processes < 0 or args.devices_per_process < 0:
+            raise ConfigError("--local-processes and --devices-per-process must be >= 0")
+        if bool(args.local_processes) != bool(args.devices_per_process):
+            raise ConfigError("--local-processes and --devices-per-process go together")
+        cfg = _resolve_run_dir(load_config(args.config, args.overrides), args.run_dir)
+        if args.local_processes:
+            from trainer.config import resolve_mesh
+            from trainer.launch import run_local
+
+            if cfg.model is not None:  # hf init: checked once the checkpoint config is read
+                resolve_mesh(cfg, args.local_processes * args.devices_per_process, exact=True)
+            child = [*(["--config", args.config] if args.config else []),
+                     *(f"--set={o}" for o in args.overrides), "--run-dir", cfg.run_dir]
+            return run_local(args.local_processes, args.devices_per_process, child)
+
+        from trainer.distributed import initialize_from_env
+        from trainer.train import train
+
+        info = initialize_from_env()
+        if info.multi_process and info.cpu_devices:
+            from trainer.launch import quiet_native_stdout
+
+            quiet_native_stdout()
+        result = train(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    if result.stopped_early:
+        print(f"stopped by signal at step {result.step}; resume with the same --run-dir", file=sys.stderr)
+        return EXIT_STOPPED
+    return 0

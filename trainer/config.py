@@ -1,0 +1,273 @@
+"""Typed training config: YAML file + `--set a.b=value` overrides, validated by pydantic.
+
+Every section forbids unknown keys so a typo fails loudly with the full dotted key instead of being ignored.
+Checks that need the device count (mesh shape, batch vs data axes) live in `resolve_mesh`, called once JAX
+is initialised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user-facing config problem; the CLI prints the message without a traceback (exit 2)."""
+
+
+class _Strict(BaseModel):
+    # Frozen: sections are hashable, so jitted code can close over them safely.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class ModelConfig(_Strict):
+    vocab_size: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    d_ff: int = Field(gt=0)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    max_seq_len: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates half of it)")
+        return self
+
+
+class MeshConfig(_Strict):
+    """Device mesh (slices, fsdp, tensor); at most one axis may be -1 (inferred from the device count)."""
+
+    slices: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+
+class TaskConfig(BaseModel):
+    # Extra keys are task kwargs (e.g. `path` for gsm8k), so this section alone allows them.
+    model_config = ConfigDict(extra="allow")
+    name: str = "digits"
+
+
+class InitConfig(_Strict):
+    from_: Literal["random", "hf"] = Field("random", alias="from")
+    path: str | None = None
+
+
+class RLConfig(_Strict):
+    algo: Literal["grpo", "gspo", "dr_grpo"] = "grpo"
+    group_size: int = Field(8, ge=2)
+    prompts_per_step: int = Field(8, gt=0)
+    mu_iterations: int = Field(1, gt=0)
+    clip_eps: float = Field(0.2, ge=0)
+    clip_eps_high: float = Field(0.28, ge=0)
+    kl_beta: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    adv_eps: float = Field(1e-6, gt=0)
+
+
+class SamplingConfig(_Strict):
+    max_new_tokens: int = Field(16, gt=0)
+    # Prompts are left-padded/truncated to this many tokens; None = max_seq_len - max_new_tokens.
+    max_prompt_len: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0)  # 0 = off
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-5, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = 0.9
+    b2: float = 0.999
+    clip_norm: float = Field(1.0, gt=0)
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(0, ge=0)  # 0 = only at the end / on SIGTERM
+    keep: int = Field(3, gt=0)
+    dir: str | None = None  # default: $CHECKPOINT_DIR, else <run_dir>/checkpoints
+    async_save: bool = True
+
+
+class TrainConfig(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)  # holds a list, so not frozen
+
+    model: ModelConfig | None = None  # required for random init; read from the checkpoint for hf init
+    mesh: MeshConfig = MeshConfig()
+    task: TaskConfig = TaskConfig()
+    rewards: list[str] | None = None  # None = the task's reward_names
+    tokenizer: str = "char"
+    init: InitConfig = InitConfig()
+    rl: RLConfig = RLConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    optim: OptimConfig = OptimConfig()
+    steps: int = Field(100, gt=0)
+    seed: int = 0
+    run_dir: str = "runs/default"
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log_every: int = Field(1, gt=0)
+    progress: bool = True  # rich progress bar on process 0 when stdout is a terminal
+
+    @property
+    def prompt_len(self) -> int:
+        return self.sampling.max_prompt_len or (self.model_cfg.max_seq_len - self.sampling.max_new_tokens)
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        if self.model is None:
+            raise ConfigError("model: not set (it is read from init.path for init.from=hf)")
+        return self.model
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per step: every prompt is sampled group_size times."""
+        return self.rl.prompts_per_step * self.rl.group_size
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.init.from_ == "random" and self.model is None:
+            raise ValueError("model: required when init.from is random")
+        if self.init.from_ == "hf":
+            if not self.init.path:
+                raise ValueError("init.path: required when init.from is hf (a local Hugging Face directory)")
+            if self.model is not None:
+                raise ValueError("model: must be omitted when init.from is hf (the checkpoint's config.json is used)")
+        if self.model is not None:
+            total = self.prompt_len + self.sampling.max_new_tokens
+            if self.prompt_len <= 0 or total > self.model.max_seq_len:
+                raise ValueError(
+                    f"sampling.max_prompt_len ({self.prompt_len}) + sampling.max_new_tokens "
+                    f"({self.sampling.max_new_tokens}) must be <= model.max_seq_len ({self.model.max_seq_len})"
+                )
+        axes = self.mesh.model_dump()
+        bad = [k for k, v in axes.items() if v == 0 or v < -1]
+        if bad:
+            raise ValueError(f"mesh.{bad[0]}={axes[bad[0]]}: axis sizes must be positive or -1 (infer)")
+        if sum(v == -1 for v in axes.values()) > 1:
+            raise ValueError(f"mesh: at most one axis may be -1, got {axes}")
+        return self
+
+
+DEMO_CONFIG = "demo.yaml"
+
+
+def default_config_path() -> Path:
+    # Next to this file (package data); works for regular and editable installs alike.
+    return Path(__file__).resolve().parent / "configs" / DEMO_CONFIG
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value (e.g. rl.group_size=8)")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: empty key segment")
+    # YAML scalar parsing gives ints/floats/bools/null the same way as in the file.
+    return parts, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key: {key}")
+        elif key:
+            lines.append(f"{key}: {e['msg']}")
+        else:
+            lines.append(e["msg"].removeprefix("Value error, "))
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load YAML (the embedded demo config when `path` is None) and apply `a.b=value` overrides."""
+    file = Path(path) if path else default_config_path()
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"cannot read config {file}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"cannot parse config {file}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {file}: top level must be a mapping")
+    return config_from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def with_model(cfg: TrainConfig, model: ModelConfig) -> TrainConfig:
+    """Attach a model config read from a checkpoint, re-running the length checks."""
+    data = cfg.model_dump(by_alias=True)
+    data["model"] = model.model_dump()
+    data["init"] = {"from": "random", "path": None}  # so validation accepts the explicit model
+    checked = config_from_dict(data)
+    return checked.model_copy(update={"init": cfg.init})
+
+
+def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> TrainConfig:
+    """Fill a -1 mesh axis from the device count and check the mesh and batch fit; returns a new config.
+
+    The mesh must divide the device count (a single process may use a subset); `exact` (multi-process)
+    requires it to use every device, since each process must hold part of the mesh.
+    """
+    axes = cfg.mesh.model_dump()
+    known = 1
+    for v in axes.values():
+        known *= v if v != -1 else 1
+    for name, v in axes.items():
+        if v == -1:
+            if n_devices % known:
+                raise ConfigError(
+                    f"mesh.{name}=-1 cannot be inferred: {n_devices} devices are not divisible by the other "
+                    f"axes' product {known} ({axes})"
+                )
+            axes[name] = n_devices // known
+    size = axes["slices"] * axes["fsdp"] * axes["tensor"]
+    if n_devices % size or (exact and size != n_devices):
+        need = "equal" if exact else "divide"
+        raise ConfigError(
+            f"mesh slices={axes['slices']} x fsdp={axes['fsdp']} x tensor={axes['tensor']} = {size} devices "
+            f"must {need} the {n_devices} available devices"
+        )
+    data = axes["slices"] * axes["fsdp"]
+    if cfg.batch_size % data:
+        raise ConfigError(
+            f"rl.prompts_per_step * rl.group_size = {cfg.rl.prompts_per_step} * {cfg.rl.group_size} = "
+            f"{cfg.batch_size} must be divisible by the data axes mesh.slices * mesh.fsdp = {data}"
+        )
+    return cfg.model_copy(update={"mesh": MeshConfig(**axes)})

@@ -1,0 +1,139 @@
+"""Run the trainer as N local OS processes joined by jax.distributed, each with a TPU pod's environment.
+
+Process 0 keeps the terminal (progress bar); the others' output is forwarded with a "[pN]" prefix. If one
+process fails the others are stopped, and the first failure's exit code is returned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from trainer import distributed as D
+
+GRACE_S = 15.0  # after a failure/signal: time to save and exit before SIGKILL
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(
+    base: Mapping[str, str], index: int, n_processes: int, devices_per_process: int, port: int
+) -> dict[str, str]:
+    """One slice per process, like a multislice JobSet with one host per slice."""
+    env = dict(base)
+    env.update({
+        D.ENV_COORDINATOR: f"127.0.0.1:{port}",
+        D.ENV_NUM_SLICES: str(n_processes),
+        D.ENV_SLICE_INDEX: str(index),
+        D.ENV_HOSTS_PER_SLICE: "1",
+        D.ENV_HOST_INDEX: "0",
+        D.ENV_CPU_DEVICES: str(devices_per_process),
+        "JAX_PLATFORMS": "cpu",
+    })
+    # The children must import this same trainer package even when it is not installed.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# Gloo prints a connection line per collective group, on stdout, from C++: noise, not progress.
+_NOISE = (b"[Gloo] Rank ",)
+
+
+def _forward(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        out.write(prefix + raw.decode(errors="replace"))
+        out.flush()
+
+
+def quiet_native_stdout() -> None:
+    """In a child: send fd 1 (native code's stdout) through a filter that drops gloo's connection lines,
+    while Python's sys.stdout keeps the original stream (so a terminal still shows the live progress bar)."""
+    sys.stdout.flush()
+    original_fd = os.dup(1)
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 1)
+    os.close(write_fd)
+    sys.stdout = open(original_fd, "w", buffering=1, closefd=False)  # noqa: SIM115 (lives for the process)
+
+    def pump() -> None:
+        with open(read_fd, "rb", closefd=True) as native:
+            for line in iter(native.readline, b""):
+                if not line.startswith(_NOISE):
+                    os.write(original_fd, line)
+
+    threading.Thread(target=pump, daemon=True, name="native-stdout-filter").start()
+
+
+def _stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_local(n_processes: int, devices_per_process: int, argv: Sequence[str]) -> int:
+    """Spawn `python -m trainer ARGV` n times; returns 0 or the first non-zero exit code."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "trainer", *argv]
+    procs: list[subprocess.Popen[bytes]] = []
+    threads: list[threading.Thread] = []
+    for i in range(n_processes):
+        env = child_env(os.environ, i, n_processes, devices_per_process, port)
+        if i == 0:
+            proc = subprocess.Popen(cmd, env=env)  # keeps the terminal: live progress bar
+        else:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            t = threading.Thread(target=_forward, args=(proc.stdout, f"[p{i}] ", sys.stdout), daemon=True)
+            t.start()
+            threads.append(t)
+        procs.append(proc)
+
+    signalled = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal signalled
+        signalled = True
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # children save a checkpoint and exit
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    rc = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed and not signalled:
+                rc = failed[0].returncode
+                print(f"launch: process {procs.index(failed[0])} exited with {rc}; stopping the others",
+                      file=sys.stderr)
+                _stop_all(procs)
+                break
+            time.sleep(0.2)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    for t in threads:
+        t.join(timeout=5)
+    if rc == 0:
+        rc = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return rc

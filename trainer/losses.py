@@ -1,0 +1,112 @@
+"""Policy-gradient losses: GRPO, GSPO (sequence-level ratio) and Dr.GRPO, with optional KL to a reference.
+
+Rows are prompt-major: row b belongs to prompt b // group_size. Token arrays are [B, N] over the completion;
+`mask_BN` is 1 for generated tokens (through EOS).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trainer.config import RLConfig
+
+Metrics = dict[str, jax.Array]
+
+
+def group_advantages(
+    rewards_B: jax.Array, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> jax.Array:
+    """(r - group mean) / (group std + eps); Dr.GRPO drops the std division. Std is the unbiased (n-1) one."""
+    r_PG = rewards_B.reshape(-1, group_size).astype(jnp.float32)
+    adv_PG = r_PG - jnp.mean(r_PG, axis=1, keepdims=True)
+    if normalize_std:
+        adv_PG = adv_PG / (jnp.std(r_PG, axis=1, keepdims=True, ddof=1) + eps)
+    return adv_PG.reshape(-1)
+
+
+def kl_estimate(logp_BN: jax.Array, ref_logp_BN: jax.Array, estimator: str) -> jax.Array:
+    """Per-token estimate of KL(pi || ref) from samples of pi: k1 = log(pi/ref), k3 = r - 1 - log r, r = ref/pi."""
+    log_r = ref_logp_BN - logp_BN
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k3":
+        return jnp.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown kl estimator {estimator!r}")
+
+
+def _masked_sum(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
+    return jnp.sum(x * mask, axis=axis)
+
+
+def aggregate(loss_BN: jax.Array, mask_BN: jax.Array, mode: str, max_len: int | None = None) -> jax.Array:
+    """token_mean: over all tokens; seq_mean_token_mean: per sequence, then over sequences;
+    constant: sum / (B * max_len), the Dr.GRPO length-unbiased form."""
+    mask = mask_BN.astype(jnp.float32)
+    if mode == "token_mean":
+        return _masked_sum(loss_BN, mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    if mode == "seq_mean_token_mean":
+        per_seq = _masked_sum(loss_BN, mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        return jnp.mean(per_seq)
+    if mode == "constant":
+        assert max_len is not None
+        return _masked_sum(loss_BN, mask) / (loss_BN.shape[0] * max_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def _clipped_objective(
+    ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float
+) -> tuple[jax.Array, jax.Array]:
+    """-min(r A, clip(r) A) and whether the clip is the active term."""
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    is_clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    return -jnp.minimum(unclipped, clipped), is_clipped
+
+
+def policy_loss(
+    logp_BN: jax.Array,
+    old_logp_BN: jax.Array,
+    adv_B: jax.Array,
+    mask_BN: jax.Array,
+    rl: RLConfig,
+    *,
+    ref_logp_BN: jax.Array | None = None,
+    max_len: int | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """Scalar loss to minimise and metrics (kl, clip_frac, ratio).
+
+    grpo: per-token clipped ratio, aggregated by `rl.loss_agg`. gspo: one clipped ratio per sequence, mean over
+    sequences. dr_grpo: per-token clipped ratio summed and divided by B * `max_len` (a constant), and its
+    advantages skip the std division (see `group_advantages`). The KL term is aggregated like the token
+    loss (gspo: by `rl.loss_agg`).
+    """
+    mask = mask_BN.astype(jnp.float32)
+    n_tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    log_ratio_BN = (logp_BN - old_logp_BN) * mask
+    if rl.algo == "gspo":
+        # One importance ratio per sequence: the geometric mean of its token ratios.
+        log_s_B = jnp.sum(log_ratio_BN, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        s_B = jnp.exp(log_s_B)
+        pg_B, clipped_B = _clipped_objective(s_B, adv_B, rl.clip_eps, rl.clip_eps_high)
+        loss = jnp.mean(pg_B)
+        clip_frac = jnp.mean(clipped_B.astype(jnp.float32))
+        ratio_mean = jnp.mean(s_B)
+    else:
+        ratio_BN = jnp.exp(log_ratio_BN)
+        pg_BN, clipped_BN = _clipped_objective(ratio_BN, adv_B[:, None], rl.clip_eps, rl.clip_eps_high)
+        mode = "constant" if rl.algo == "dr_grpo" else rl.loss_agg
+        loss = aggregate(pg_BN, mask, mode, max_len)
+        clip_frac = _masked_sum(clipped_BN.astype(jnp.float32), mask) / n_tokens
+        ratio_mean = _masked_sum(ratio_BN, mask) / n_tokens
+    metrics: Metrics = {"pg_loss": loss, "clip_frac": clip_frac, "ratio": ratio_mean}
+    if ref_logp_BN is not None:
+        kl_BN = kl_estimate(logp_BN, ref_logp_BN, rl.kl_estimator)
+        kl_mode = "constant" if rl.algo == "dr_grpo" else rl.loss_agg
+        kl = aggregate(kl_BN, mask, kl_mode, max_len)
+        loss = loss + rl.kl_beta * kl
+        metrics["kl"] = _masked_sum(kl_BN, mask) / n_tokens
+    else:
+        metrics["kl"] = jnp.zeros(())
+    metrics["loss"] = loss
+    return loss, metrics

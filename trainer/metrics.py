@@ -1,0 +1,113 @@
+"""Per-step metrics: JSONL in the run folder, a rich progress bar, and a PNG plot at the end (process 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(run_dir: str | Path, first_step: int) -> None:
+    """Drop records at or after `first_step` (left by a run that died after its last checkpoint)."""
+    path = Path(run_dir) / METRICS_FILE
+    if path.exists():
+        keep = [r for r in read_metrics(run_dir) if r["step"] < first_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int, *, enabled: bool, progress: bool,
+                 log_every: int = 1) -> None:
+        self.enabled = enabled
+        self.log_every = log_every
+        self.path = Path(run_dir) / METRICS_FILE
+        self.console = Console(stderr=False)
+        self._progress: Progress | None = None
+        if enabled and progress and self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        info = (f"reward {record['reward_mean']:.3f}  loss {record['loss']:+.4f}  "
+                f"len {record['completion_len']:.1f}  {record['tokens_per_s']:.0f} tok/s")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=record["step"] + 1, info=info)
+        elif record["step"] % self.log_every == 0:
+            self.console.print(f"step {record['step']:>5}  {info}  ({record['step_time_s']:.2f}s)", highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _finite(xs: list[Any]) -> list[float]:
+    return [float(x) if x is not None and math.isfinite(float(x)) else float("nan") for x in xs]
+
+
+def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
+    """Reward (mean +- std, per reward fn) and loss per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    mean = _finite([r["reward_mean"] for r in records])
+    std = _finite([r["reward_std"] for r in records])
+    ax_r.plot(steps, mean, label="reward (sum)", color="C0", alpha=0.6)
+    window = max(1, len(mean) // 12)
+    if window > 1:
+        # Trailing mean over the steps seen so far (shorter at the start).
+        csum = np.cumsum([0.0, *mean])
+        smooth = [(csum[i + 1] - csum[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(mean))]
+        ax_r.plot(steps, smooth, label=f"reward ({window}-step mean)", color="C0", lw=2)
+    lo, hi = np.asarray(mean) - np.asarray(std), np.asarray(mean) + np.asarray(std)
+    ax_r.fill_between(steps, lo, hi, alpha=0.15, color="C0")
+    names = sorted({k.removeprefix("reward/") for r in records for k in r
+                    if k.startswith("reward/") and not k.endswith("_std")})
+    if len(names) > 1:
+        for i, name in enumerate(names):
+            ax_r.plot(steps, _finite([r.get(f"reward/{name}") for r in records]), label=name, color=f"C{i + 2}",
+                      lw=1)
+    ax_r.set_ylabel("reward")
+    ax_r.legend(loc="best", fontsize="small")
+    ax_r.grid(alpha=0.3)
+    ax_l.plot(steps, _finite([r["loss"] for r in records]), color="C1")
+    ax_l.set_ylabel("loss")
+    ax_l.set_xlabel("step")
+    ax_l.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,270 @@
+"""Qwen3 / Llama-family decoder: RMSNorm, RoPE (rotate_half), GQA, SwiGLU, optional QK-norm.
+
+Layers are stacked on a leading L axis and run with `lax.scan`. Shape suffixes: B batch, T query length,
+S key length (cache slots), D d_model, H query heads, K kv heads, G = H/K, E head_dim, F d_ff, V vocab, L layers.
+Norms, softmax and logits are computed in fp32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from trainer.config import ModelConfig
+from trainer.sharding import constrain
+
+Params = dict[str, Any]
+f32 = jnp.float32
+
+
+class KVCache(NamedTuple):
+    k_LBSKE: jax.Array
+    v_LBSKE: jax.Array
+    valid_BS: jax.Array  # which slots hold real (non-pad) tokens
+
+
+def dtype_of(cfg: ModelConfig) -> jnp.dtype:
+    return jnp.dtype(cfg.param_dtype)
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    L, D, H, K, E, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                           cfg.vocab_size)
+    layers: dict[str, tuple[int, ...]] = {
+        "attn_norm": (L, D),
+        "wq": (L, D, H, E),
+        "wk": (L, D, K, E),
+        "wv": (L, D, K, E),
+        "wo": (L, H, E, D),
+        "mlp_norm": (L, D),
+        "w_gate": (L, D, F),
+        "w_up": (L, D, F),
+        "w_down": (L, F, D),
+    }
+    if cfg.qk_norm:
+        layers["q_norm"] = (L, E)
+        layers["k_norm"] = (L, E)
+    shapes: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    """Same tree as the params, leaves are tuples of logical axis names (see sharding.RULES)."""
+    layers: dict[str, tuple[str, ...]] = {
+        "attn_norm": ("layers", "norm"),
+        "wq": ("layers", "embed", "q_heads", "head_dim"),
+        "wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "wo": ("layers", "q_heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "norm"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    }
+    if cfg.qk_norm:
+        layers["q_norm"] = ("layers", "norm")
+        layers["k_norm"] = ("layers", "norm")
+    axes: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
+    if not cfg.tie_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    dt = dtype_of(cfg)
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt), param_shapes(cfg), is_leaf=is_shape)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Random init: norms at 1, matrices ~ N(0, 1/fan_in), residual outputs scaled down by sqrt(2L)."""
+    dt = dtype_of(cfg)
+    shapes = param_shapes(cfg)
+    fan_in = {"wq": cfg.d_model, "wk": cfg.d_model, "wv": cfg.d_model, "wo": cfg.n_heads * cfg.head_dim,
+              "w_gate": cfg.d_model, "w_up": cfg.d_model, "w_down": cfg.d_ff}
+    residual_out = {"wo", "w_down"}
+    keys = iter(jax.random.split(key, 16))
+
+    def normal(shape: tuple[int, ...], std: float) -> jax.Array:
+        return (std * jax.random.normal(next(keys), shape, f32)).astype(dt)
+
+    layers: Params = {}
+    for name, shape in shapes["layers"].items():
+        if name in fan_in:
+            std = fan_in[name] ** -0.5 / ((2 * cfg.n_layers) ** 0.5 if name in residual_out else 1.0)
+            layers[name] = normal(shape, std)
+        else:
+            layers[name] = jnp.ones(shape, dt)
+    # Tied: logits = normed_x @ embed.T with |normed_x| ~ sqrt(D), so std D^-1/2 keeps initial logits O(1).
+    params: Params = {
+        "embed": normal(shapes["embed"], cfg.d_model**-0.5 if cfg.tie_embeddings else 0.02),
+        "layers": layers,
+        "final_norm": jnp.ones(shapes["final_norm"], dt),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal(shapes["lm_head"], cfg.d_model**-0.5)
+    return params
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(f32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(f32)).astype(x.dtype)
+
+
+def rope(x_BTHE: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
+    """Hugging Face rotate_half RoPE: pairs are (i, i + E/2), not interleaved."""
+    E = x_BTHE.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=f32) / E)
+    ang_BTe = pos_BT.astype(f32)[..., None] * inv_freq
+    ang_BT1E = jnp.concatenate([ang_BTe, ang_BTe], axis=-1)[:, :, None, :]
+    x = x_BTHE.astype(f32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * jnp.cos(ang_BT1E) + rotated * jnp.sin(ang_BT1E)).astype(x_BTHE.dtype)
+
+
+def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
+    """Position ids count real tokens only, so left padding does not shift RoPE phases."""
+    return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def attention(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    B, T, H, E = q_BTHE.shape
+    K = k_BSKE.shape[2]
+    q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
+    scores = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=f32) * E**-0.5
+    # Finite fill: a pad query with no visible key gets a uniform (ignored) row instead of NaN.
+    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, jnp.finfo(f32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
+    out_BTKGE = jnp.einsum("bkgts,bske->btkge", probs, v_BSKE)
+    return out_BTKGE.reshape(B, T, H, E)
+
+
+def _layer(
+    cfg: ModelConfig,
+    x_BTD: jax.Array,
+    p: Params,
+    pos_BT: jax.Array,
+    mask_BTS: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    index: jax.Array | int,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dhe->bthe", h, p["wq"])
+    k = jnp.einsum("btd,dke->btke", h, p["wk"])
+    v = jnp.einsum("btd,dke->btke", h, p["wv"])
+    q = constrain(q, ("batch", "seq", "q_heads", None))
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.norm_eps)
+    q = rope(q, pos_BT, cfg.rope_theta)
+    k = rope(k, pos_BT, cfg.rope_theta)
+    if kv is not None:
+        k_cache, v_cache = kv
+        k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), index, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), index, axis=1)
+        kv = (k, v)
+    attn = attention(q, k, v, mask_BTS)
+    x_BTD = x_BTD + jnp.einsum("bthe,hed->btd", attn, p["wo"])
+    x_BTD = constrain(x_BTD, ("batch", "seq", None))
+    h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
+    up = jnp.einsum("btd,df->btf", h, p["w_up"])
+    ff = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    x_BTD = x_BTD + jnp.einsum("btf,fd->btd", ff, p["w_down"])
+    return constrain(x_BTD, ("batch", "seq", None)), kv
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    dt = dtype_of(cfg)
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, length), bool))
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens_BT: jax.Array,
+    valid_BT: jax.Array,
+    positions_BT: jax.Array | None = None,
+    cache: KVCache | None = None,
+    index: jax.Array | int = 0,
+) -> tuple[jax.Array, KVCache | None]:
+    """Final-normed hidden states [B, T, D] (see `logits`) and the updated cache.
+
+    Without a cache, keys are the T inputs (causal, pad keys masked). With a cache, the T new tokens are
+    written at slots [index, index + T) and attend to every valid slot up to their own.
+    """
+    B, T = tokens_BT.shape
+    if positions_BT is None:
+        positions_BT = positions_from_valid(valid_BT)
+    # Gather from a replicated copy of the table: a gather out of the (vocab, embed)-sharded table makes
+    # GSPMD produce an embed-sharded result it can only move to batch sharding by full rematerialisation.
+    table_VD = constrain(params["embed"], (None, None))
+    x_BTD = constrain(table_VD[tokens_BT], ("batch", "seq", None))
+    q_slot_T = index + jnp.arange(T)
+    if cache is None:
+        mask_BTS = valid_BT[:, None, :] & (jnp.arange(T)[None, :] <= q_slot_T[:, None])[None]
+    else:
+        valid_BS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BS, valid_BT.astype(bool), index, axis=1)
+        S = valid_BS.shape[1]
+        mask_BTS = valid_BS[:, None, :] & (jnp.arange(S)[None, :] <= q_slot_T[:, None])[None]
+
+    def body(x: jax.Array, xs: tuple[Params, Any]) -> tuple[jax.Array, Any]:
+        p, kv = xs
+        x, kv = _layer(cfg, x, p, positions_BT, mask_BTS, kv, index)
+        return x, kv
+
+    kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
+    x_BTD, kv_out = jax.lax.scan(body, x_BTD, (params["layers"], kv_in))
+    x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
+    new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)
+    return x_BTD, new_cache
+
+
+def logits(params: Params, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
+    if cfg.tie_embeddings:
+        out = jnp.einsum("btd,vd->btv", x_BTD, params["embed"], preferred_element_type=f32)
+    else:
+        out = jnp.einsum("btd,dv->btv", x_BTD, params["lm_head"], preferred_element_type=f32)
+    return constrain(out, ("batch", "seq", "vocab"))
+
+
+def logprobs_and_entropy(
+    logits_BTV: jax.Array, targets_BT: jax.Array, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """log p(target) and the entropy of softmax(logits / temperature); temperature 0 is treated as 1."""
+    scaled = logits_BTV / (temperature if temperature > 0 else 1.0)
+    logp_BTV = jax.nn.log_softmax(scaled, axis=-1)
+    logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    entropy_BT = -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
+    return logp_BT, entropy_BT
+
+
+def completion_logprobs(
+    params: Params,
+    cfg: ModelConfig,
+    prompt_BP: jax.Array,
+    prompt_valid_BP: jax.Array,
+    completion_BN: jax.Array,
+    completion_mask_BN: jax.Array,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs [B, N] (and entropies) of `completion` given the (any-padded) prompt."""
+    tokens = jnp.concatenate([prompt_BP, completion_BN], axis=1)
+    valid = jnp.concatenate([prompt_valid_BP, completion_mask_BN], axis=1).astype(bool)
+    x_BTD, _ = forward(params, cfg, tokens, valid)
+    P = prompt_BP.shape[1]
+    N = completion_BN.shape[1]
+    # Hidden state at t predicts token t + 1, except that the first completion token is predicted by the
+    # last valid prompt token, which is not at P - 1 when the prompt is right-padded.
+    last_valid_B = jnp.max(jnp.where(prompt_valid_BP, jnp.arange(P)[None, :], 0), axis=1)
+    n_N = jnp.arange(N)[None, :]
+    pred_idx_BN = jnp.where(n_N == 0, last_valid_B[:, None], P - 1 + n_N)
+    x_BND = jnp.take_along_axis(x_BTD, pred_idx_BN[..., None], axis=1)
+    return logprobs_and_entropy(logits(params, cfg, x_BND), completion_BN, temperature)

@@ -1,0 +1,28 @@
+"""AdamW with linear warmup + cosine decay and global-norm gradient clipping."""
+
+from __future__ import annotations
+
+import optax
+
+from trainer.config import OptimConfig
+
+
+def make_schedule(cfg: OptimConfig, total_updates: int, updates_per_step: int = 1) -> optax.Schedule:
+    """Schedule over optimizer updates; warmup is given in training steps (each = updates_per_step updates)."""
+    warmup = cfg.warmup_steps * updates_per_step
+    decay = max(total_updates, warmup + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.lr,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, updates_per_step: int = 1) -> optax.GradientTransformation:
+    schedule = make_schedule(cfg, total_steps * updates_per_step, updates_per_step)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )

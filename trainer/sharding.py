@@ -1,0 +1,133 @@
+"""Device mesh and the single logical-axis -> mesh-axis rule table.
+
+Mesh axes: "slices" (data parallel across slices / processes, over DCN), "fsdp" (data parallel + parameter
+sharding within a slice), "tensor" (attention heads / MLP / vocab). Parameters and activations name logical
+axes; `RULES` alone decides where each lands, for params and optimizer state alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES: tuple[str, str, str] = ("slices", "fsdp", "tensor")
+DATA_AXES: tuple[str, str] = ("slices", "fsdp")
+
+MeshAxes = str | tuple[str, ...] | None
+
+# Ordered: the first rule for a logical name wins. A mesh axis is used at most once per array.
+RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", DATA_AXES),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("norm", None),
+    ("head_dim", None),
+    ("seq", None),
+    ("cache_seq", None),
+)
+_RULE_MAP: dict[str, MeshAxes] = {}
+for _name, _axes in RULES:
+    _RULE_MAP.setdefault(_name, _axes)
+
+
+def make_mesh(slices: int, fsdp: int, tensor: int, devices: Sequence[Any] | None = None) -> Mesh:
+    """Build the (slices, fsdp, tensor) mesh.
+
+    Axis types are Auto on purpose: jax 0.10 defaults `make_mesh` to Explicit (sharding in the type system,
+    every op must agree), while this trainer places params/inputs with NamedSharding and lets GSPMD propagate,
+    nudged by `constrain` on activations. That keeps the model code free of per-op sharding annotations.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = (slices, fsdp, tensor)
+    types = (AxisType.Auto,) * 3
+    if slices > 1 and len({getattr(d, "slice_index", 0) for d in devices}) > 1:
+        # TPU multislice: keep fsdp/tensor inside a slice (ICI) and only the slice axis over DCN.
+        arr = mesh_utils.create_hybrid_device_mesh((1, fsdp, tensor), (slices, 1, 1), devices)
+        return Mesh(arr, MESH_AXES, axis_types=types)
+    # Process-major order, so on CPU/GPU multi-process the leading (slices) axis follows processes.
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+
+
+def _mesh_size(mesh: Mesh, axes: MeshAxes) -> int:
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
+    """Map logical axis names to a PartitionSpec via RULES.
+
+    With `shape` and `mesh`, a dimension the mesh axes do not divide is replicated instead (e.g. 2 KV heads on
+    tensor=4), so any model fits any mesh; the cost is only memory/compute duplication on that dim.
+    """
+    used: set[str] = set()
+    out: list[MeshAxes] = []
+    for i, name in enumerate(logical):
+        axes = _RULE_MAP.get(name) if name is not None else None
+        names = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
+        if any(a in used for a in names):
+            axes, names = None, ()
+        if axes is not None and shape is not None and mesh is not None and shape[i] % _mesh_size(mesh, axes):
+            axes, names = None, ()
+        used.update(names)
+        out.append(axes)
+    return P(*out)
+
+
+def is_axes_leaf(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
+
+
+def named_shardings(mesh: Mesh, axes_tree: Any, shapes_tree: Any) -> Any:
+    """Logical-axes tree + matching shapes (arrays or ShapeDtypeStructs) -> NamedSharding tree."""
+    return jax.tree.map(
+        lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)),
+        axes_tree,
+        shapes_tree,
+        is_leaf=is_axes_leaf,
+    )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading dim over the data axes, the rest replicated."""
+    return NamedSharding(mesh, P(DATA_AXES, *([None] * (ndim - 1))))
+
+
+def opt_state_shardings(
+    mesh: Mesh, optimizer: optax.GradientTransformation, param_shardings: Any, params_shape: Any
+) -> Any:
+    """Optimizer-state shardings: param-shaped leaves (Adam moments) follow their param, the rest replicate."""
+    state_shape = jax.eval_shape(optimizer.init, params_shape)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        state_shape,
+        param_shardings,
+        transform_non_params=lambda _: replicated(mesh),
+    )
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Sharding hint for an activation under the context mesh (`jax.set_mesh`); a no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = logical_to_spec(logical, x.shape, mesh)  # type: ignore[arg-type]
+    return jax.lax.with_sharding_constraint(x, spec)

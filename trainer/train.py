@@ -1,0 +1,280 @@
+"""The RL loop: sample G completions per prompt, score them, group-relative advantages, mu policy updates.
+
+All randomness comes from one base key folded with the step, and step s reads examples
+[s * prompts_per_step, (s + 1) * prompts_per_step), so a run is deterministic given the seed and a resumed run
+continues exactly. Every process runs this same code on its share of the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from trainer import model as M
+from trainer.batch import from_rows, process_rows, read_local_rows, replicate
+from trainer.checkpoint import Checkpointer, Meta, StopFlag, abstract_like
+from trainer.config import ConfigError, TrainConfig, resolve_mesh, with_model
+from trainer.distributed import ENV_CHECKPOINT_DIR
+from trainer.metrics import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics, truncate_metrics
+from trainer.sampler import Samples
+from trainer.sharding import make_mesh
+from trainer.step import build_programs
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # completed steps
+    stopped_early: bool  # SIGTERM / stop_after: saved and left before cfg.steps
+    params: M.Params
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Data:
+    """The task, tokenizer and reward fns, and how one step's rows are built and scored."""
+
+    cfg: TrainConfig
+    task: Any
+    tokenizer: Any
+    reward_names: tuple[str, ...]
+
+    def examples(self, step: int, rows: list[int]) -> dict[int, Any]:
+        G = self.cfg.rl.group_size
+        base = step * self.cfg.rl.prompts_per_step
+        return {p: self.task.example(base + p) for p in sorted({r // G for r in rows})}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        if self.tokenizer.bos_id is not None:
+            ids = [self.tokenizer.bos_id, *ids]
+        return ids[-self.cfg.prompt_len :]  # keep the end: the question's tail and answer cue
+
+    def prompts(self, examples: dict[int, Any], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt ids and validity mask for `rows`."""
+        P, G = self.cfg.prompt_len, self.cfg.rl.group_size
+        ids_RP = np.full((len(rows), P), self.tokenizer.pad_id, np.int32)
+        valid_RP = np.zeros((len(rows), P), np.int32)
+        for i, r in enumerate(rows):
+            ids = self.prompt_ids(examples[r // G].prompt)
+            ids_RP[i, P - len(ids) :] = ids
+            valid_RP[i, P - len(ids) :] = 1
+        return ids_RP, valid_RP
+
+    def completion_text(self, tokens: np.ndarray, mask: np.ndarray) -> str:
+        ids = [int(t) for t, m in zip(tokens, mask, strict=True) if m and int(t) != self.tokenizer.eos_id]
+        return self.tokenizer.decode(ids)
+
+
+def _load_data(cfg: TrainConfig) -> _Data:
+    from trainer.rewards import get_reward
+    from trainer.tasks import get_task
+    from trainer.tokenizer import load_tokenizer
+
+    task_kwargs = {k: v for k, v in cfg.task.model_dump().items() if k != "name"}
+    try:
+        task = get_task(cfg.task.name, **task_kwargs)
+        names = tuple(cfg.rewards) if cfg.rewards is not None else tuple(task.reward_names)
+        for name in names:
+            get_reward(name)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as err:
+        msg = err.args[0] if err.args else str(err)
+        raise ConfigError(f"task/rewards/tokenizer: {msg}") from None
+    if tokenizer.vocab_size > cfg.model_cfg.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model_cfg.vocab_size} is smaller than the tokenizer's vocab "
+            f"({tokenizer.vocab_size})"
+        )
+    return _Data(cfg, task, tokenizer, names)
+
+
+def _host_params(hf_params: M.Params, param_sh: Any) -> M.Params:
+    """Imported (NumPy) weights onto the mesh; each device takes its slice."""
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: np.asarray(x[idx])), hf_params, param_sh
+    )
+
+
+def _checkpoint_dir(cfg: TrainConfig, run_dir: Path) -> Path:
+    import os
+
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    if os.environ.get(ENV_CHECKPOINT_DIR):
+        return Path(os.environ[ENV_CHECKPOINT_DIR])
+    return run_dir / "checkpoints"
+
+
+def _summary(records: list[dict[str, Any]]) -> tuple[float, float, int] | None:
+    """Mean reward over the first and last k steps (k = 10% of the run, at least 1, at most 5)."""
+    if not records:
+        return None
+    k = max(1, min(5, len(records) // 10))
+    first = float(np.mean([r["reward_mean"] for r in records[:k]]))
+    last = float(np.mean([r["reward_mean"] for r in records[-k:]]))
+    return first, last, k
+
+
+def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | None = None) -> TrainResult:
+    """Run (or resume) training until cfg.steps, a stop signal, or `stop_after` completed steps.
+
+    JAX must already be initialised for this process (see distributed.initialize_from_env).
+    """
+    hf_params = None
+    if cfg.init.from_ == "hf":
+        from trainer.hf import import_hf
+
+        hf_params, hf_model = import_hf(cfg.init.path or "")
+        cfg = with_model(cfg, hf_model)
+    try:
+        cfg = resolve_mesh(cfg, jax.device_count(), exact=jax.process_count() > 1)
+    except ConfigError as err:
+        if jax.default_backend() == "cpu" and jax.process_count() == 1:
+            hint = "on CPU, add --local-processes N --devices-per-process M (or set TRAINER_CPU_DEVICES)"
+            raise ConfigError(f"{err}; {hint}") from None
+        raise
+    data = _load_data(cfg)
+    primary = jax.process_index() == 0
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    n_mesh = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
+    mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n_mesh])
+    tok = data.tokenizer
+    programs = build_programs(cfg.model_cfg, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, mesh, tok.pad_id,
+                               tok.eos_id)
+    param_sh, opt_sh = programs.param_sh, programs.opt_sh
+
+    base_key = jax.random.PRNGKey(cfg.seed)
+    with jax.set_mesh(mesh):
+        if hf_params is None:
+            params = programs.init_params(replicate(mesh, np.asarray(jax.random.key_data(base_key))))
+        else:
+            params = _host_params(hf_params, param_sh)
+        ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 else None  # params get donated
+        opt_state = programs.init_opt(params)
+
+    ckpt = Checkpointer(_checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save)
+    start = 0
+    key_data = np.asarray(jax.random.key_data(base_key), np.uint32)
+    if ckpt.latest_step() is not None:
+        state_sh = {"params": param_sh, "opt_state": opt_sh}
+        state, meta = ckpt.restore(abstract_like({"params": params, "opt_state": opt_state}, state_sh))
+        params, opt_state, start = state["params"], state["opt_state"], meta.step
+        key_data = np.asarray(meta.rng, np.uint32)
+        if meta.data_position != start * cfg.rl.prompts_per_step:
+            raise ConfigError(
+                f"checkpoint at step {start} has data position {meta.data_position}, but rl.prompts_per_step="
+                f"{cfg.rl.prompts_per_step} implies {start * cfg.rl.prompts_per_step}"
+            )
+    if primary:
+        truncate_metrics(run_dir, start)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(by_alias=True), sort_keys=False))
+
+    key_arr = replicate(mesh, key_data)
+    logger = MetricsLogger(run_dir, cfg.steps, start, enabled=primary, progress=cfg.progress, log_every=cfg.log_every)
+    own_stop = stop is None
+    stop = (stop or StopFlag()).install() if own_stop else stop
+    B, P, R = cfg.batch_size, cfg.prompt_len, len(data.reward_names)
+    rows = process_rows(mesh, B)
+    records: list[dict[str, Any]] = []
+    preview: list[tuple[str, str]] = []  # a few (prompt, completion) pairs of the last step, printed at the end
+    step = start
+    stopped = False
+    try:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            examples = data.examples(step, rows)
+            prompt_np, valid_np = data.prompts(examples, rows)
+            prompt = from_rows(mesh, rows, prompt_np, (B, P))
+            prompt_valid = from_rows(mesh, rows, valid_np, (B, P))
+            with jax.set_mesh(mesh):
+                samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)))
+            scores, completions = _score(data, examples, samples, rows)
+            rewards = from_rows(mesh, rows, scores, (B, R))
+            G = cfg.rl.group_size
+            preview = [(examples[r // G].prompt, c) for r, c in zip(rows[::G], completions[::G], strict=True)][:4]
+            batch = {"prompt": prompt, "prompt_valid": prompt_valid, "completion": samples.tokens_BN,
+                     "mask": samples.mask_BN, "old_logp": samples.logprobs_BN, "rewards": rewards}
+            with jax.set_mesh(mesh):
+                ref_logp = programs.ref_logprobs(ref_params, batch) if ref_params is not None else None
+                params, opt_state, m = programs.update(params, opt_state, batch, ref_logp)
+            m = jax.device_get(m)
+            dt = time.perf_counter() - t0
+            record = _record(step, m, data.reward_names, dt)
+            records.append(record)
+            logger.log(record)
+            step += 1
+            meta = Meta(step, step * cfg.rl.prompts_per_step, [int(x) for x in key_data])
+            leaving = stop.agreed() or (stop_after is not None and step >= stop_after)
+            if leaving or step == cfg.steps or ckpt.due(step):
+                ckpt.save({"params": params, "opt_state": opt_state}, meta)
+            if leaving and step < cfg.steps:
+                stopped = True
+                break
+    finally:
+        logger.close()
+        ckpt.close()
+        if own_stop:
+            stop.uninstall()
+    if primary:
+        _finish(run_dir, stopped, step, preview)
+    return TrainResult(run_dir, step, stopped, params, records)
+
+
+def _score(data: _Data, examples: dict[int, Any], samples: Samples, rows: list[int]) -> tuple[np.ndarray, list[str]]:
+    """Decode this process's completions and score them with every reward fn: [len(rows), R]."""
+    from trainer.rewards import compute_rewards
+
+    G = data.cfg.rl.group_size
+    tokens = read_local_rows(samples.tokens_BN)
+    masks = read_local_rows(samples.mask_BN)
+    exs = [examples[r // G] for r in rows]
+    completions = [data.completion_text(tokens[r], masks[r]) for r in rows]
+    keys = sorted({k for e in exs for k in e.fields})
+    fields = {k: [e.fields.get(k) for e in exs] for k in keys}
+    scores = compute_rewards(data.reward_names, [e.prompt for e in exs], completions, fields)
+    return np.stack([np.asarray(scores[n], np.float32) for n in data.reward_names], axis=1), completions
+
+
+def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "step": step,
+        "reward_mean": float(m["reward_mean"]),
+        "reward_std": float(m["reward_std"]),
+    }
+    for i, name in enumerate(reward_names):
+        rec[f"reward/{name}"] = float(m["rewards_mean_R"][i])
+        rec[f"reward/{name}_std"] = float(m["rewards_std_R"][i])
+    for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len"):
+        rec[k] = float(m[k])
+    rec["tokens_per_s"] = float(m["tokens"]) / dt
+    rec["step_time_s"] = dt
+    return rec
+
+
+def _finish(run_dir: Path, stopped: bool, step: int, preview: list[tuple[str, str]]) -> None:
+    for prompt, completion in preview:
+        print(f"sample: {prompt!r} -> {completion!r}")
+    records = read_metrics(run_dir)
+    if records:
+        plot_metrics(records, run_dir / PLOT_FILE)
+    summary = _summary(records)
+    if summary is not None:
+        first, last, k = summary
+        print(f"mean reward: start {first:.3f} (first {k} steps) -> end {last:.3f} (last {k} steps)")
+    state = f"stopped at step {step}, checkpoint saved" if stopped else f"finished {step} steps"
+    print(f"{state}; metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / PLOT_FILE}")
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"step": step, "stopped": stopped, **({"reward_start": summary[0], "reward_end": summary[1]}
+                                              if summary else {})}) + "\n")
