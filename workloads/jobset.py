@@ -62,6 +62,14 @@ def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
     return env
 
 
+def trainer_args(spec: EnvironmentSpec) -> list[str]:
+    """Metrics next to the checkpoints in the bucket, and a mesh that spans every slice; the config's args
+    come last so they can override either."""
+    t = spec.trainer
+    return ["--run-dir", f"{CHECKPOINT_MOUNT}/{t.name}/run", "--set", f"mesh.slices={t.slices}",
+            "--set", "mesh.fsdp=-1", *t.args]
+
+
 def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
     group = spec.trainer_group
     assert group is not None
@@ -72,7 +80,7 @@ def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
     return {
         "name": "trainer",
         "image": refs.image,
-        "args": list(spec.trainer.args),
+        "args": trainer_args(spec),
         "env": pod_env(spec, refs),
         "ports": [
             {"name": "coordinator", "containerPort": COORDINATOR_PORT},

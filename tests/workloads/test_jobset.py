@@ -79,3 +79,16 @@ def test_single_slice_gets_no_megascale_env() -> None:
     tolerations = obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["tolerations"]
     assert {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
             "effect": "NoSchedule"} in tolerations
+
+
+def test_trainer_args_span_the_slices_and_keep_user_overrides_last() -> None:
+    from trainer.config import load_config
+
+    spec = _spec("staging")
+    args = jobset.trainer_args(spec)
+    assert args[:2] == ["--run-dir", "/checkpoints/grpo-stg/run"]
+    overrides = [a for prev, a in zip(args, args[1:], strict=False) if prev == "--set"]
+    cfg = load_config(None, overrides)  # the image's embedded default config plus what the JobSet passes
+    assert (cfg.mesh.slices, cfg.mesh.fsdp) == (2, -1)
+    dev = jobset.trainer_args(_spec("dev"))
+    assert dev[-len(_spec("dev").trainer.args):] == list(_spec("dev").trainer.args)
