@@ -127,9 +127,7 @@ def model_config_from_hf(hf: Mapping[str, Any], param_dtype: str = "float32") ->
     """Map a Hugging Face Llama / Qwen3 config.json onto ModelConfig; unsupported variants raise."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (SwiGLU with silu only)")
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
@@ -261,9 +259,7 @@ def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[st
     hf_cfg = json.loads(cfg_file.read_text())
     tensors = read_checkpoint_tensors(root)
     if param_dtype is None:
-        param_dtype = (
-            "bfloat16" if tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16 else "float32"
-        )
+        param_dtype = "bfloat16" if tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16 else "float32"
     cfg = model_config_from_hf(hf_cfg, param_dtype)
     dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
     used: set[str] = set()
@@ -283,8 +279,7 @@ def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[st
     layers: dict[str, np.ndarray] = {}
     for key, suffix in _layer_keys(cfg):
         per_layer = [
-            _from_hf(key, take(f"model.layers.{i}.{suffix}", _hf_shape(key, cfg)), cfg)
-            for i in range(cfg.n_layers)
+            _from_hf(key, take(f"model.layers.{i}.{suffix}", _hf_shape(key, cfg)), cfg) for i in range(cfg.n_layers)
         ]
         layers[key] = np.stack(per_layer).astype(dtype)
     params["layers"] = layers
@@ -295,9 +290,7 @@ def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[st
         used.add("lm_head.weight")  # some tied checkpoints still store a copy; the embedding wins
     unexpected = sorted(n for n in set(tensors) - used if not _ignored(n))
     if unexpected:
-        raise ValueError(
-            f"{root}: unsupported tensors in checkpoint (biases? another architecture?): {unexpected[:8]}"
-        )
+        raise ValueError(f"{root}: unsupported tensors in checkpoint (biases? another architecture?): {unexpected[:8]}")
     return params, cfg
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): `python -m bench.train_step`, `python -m bench.sampler`; see bench/README.md."""
