@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infra.config import EnvironmentSpec
+from infra.config import EnvironmentSpec, SliceGroupSpec
 from workloads import labels as L
 
 REPLICATED_JOB = "slice"
@@ -26,6 +26,12 @@ class TrainerRefs:
     claim_template: str | None = None
 
 
+def _group(spec: EnvironmentSpec) -> SliceGroupSpec:
+    group = spec.trainer_group
+    assert group is not None  # spec validation rejects a trainer without a slice group
+    return group
+
+
 def _field(path: str) -> dict[str, Any]:
     return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
@@ -37,8 +43,7 @@ def coordinator_host(jobset: str) -> str:
 
 def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
     """The env contract the trainer reads (trainer/distributed.py) plus libtpu's multislice variables."""
-    t, group = spec.trainer, spec.trainer_group
-    assert group is not None  # guaranteed by spec validation
+    t, group = spec.trainer, _group(spec)
     host = coordinator_host(t.name)
     slice_index = _field(f"metadata.annotations['{L.JOBSET_JOB_INDEX}']")
     env: list[dict[str, Any]] = [
@@ -71,8 +76,7 @@ def trainer_args(spec: EnvironmentSpec) -> list[str]:
 
 
 def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    group = spec.trainer_group
-    assert group is not None
+    group = _group(spec)
     chips = group.shape.chips_per_host
     resources: dict[str, Any] = {"requests": {L.TPU_RESOURCE: chips}, "limits": {L.TPU_RESOURCE: chips}}
     if refs.claim_template:
@@ -96,8 +100,7 @@ def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
 
 
 def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    group = spec.trainer_group
-    assert group is not None
+    group = _group(spec)
     pod: dict[str, Any] = {
         "serviceAccountName": refs.service_account,
         "restartPolicy": "Never",
@@ -129,8 +132,7 @@ def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
 
 
 def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    t, group = spec.trainer, spec.trainer_group
-    assert group is not None
+    t, group = spec.trainer, _group(spec)
     hosts = group.shape.hosts
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
