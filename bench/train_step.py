@@ -49,7 +49,7 @@ def train_config(prompts: int, group: int, prompt_len: int, new_tokens: int, ste
 def time_update(cfg: TrainConfig, repeats: int) -> float:
     """Best wall seconds of the trainer's jitted update on a full-length random batch (every token counts)."""
     mesh = make_mesh(1, 1, 1, jax.devices()[:1])
-    programs = build_programs(cfg.model_cfg, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, mesh, 0, 2)
+    programs = build_programs(cfg, mesh, 0, 2)
     B, P, N, V = cfg.batch_size, cfg.prompt_len, cfg.sampling.max_new_tokens, cfg.model_cfg.vocab_size
     keys = jax.random.split(jax.random.key(0), 4)
     with jax.set_mesh(mesh):

@@ -24,6 +24,17 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
+    """Decoder shape and variant (the fields after max_seq_len default to a plain Llama/Qwen3 decoder).
+
+    family: the Hugging Face model_type (llama, mistral, qwen2, qwen3) the model came from and exports as;
+    None = inferred: qwen3 with qk_norm, qwen2 with qkv_bias, else llama.
+    qkv_bias: the q/k/v projections add a bias (Qwen2); o_proj never has one.
+    rope_type: RoPE frequency scaling as in transformers: default (none), linear (every inverse frequency
+    divided by rope_factor) or llama3 (Llama 3.1/3.2: wavelengths above rope_original_max_len /
+    rope_low_freq_factor divided by rope_factor, below rope_original_max_len / rope_high_freq_factor kept,
+    blended in between).
+    """
+
     vocab_size: int = Field(gt=0)
     d_model: int = Field(gt=0)
     n_layers: int = Field(gt=0)
@@ -37,6 +48,13 @@ class ModelConfig(_Strict):
     tie_embeddings: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     max_seq_len: int = Field(gt=0)
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
+    qkv_bias: bool = False
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_factor: float = Field(1.0, gt=0)
+    rope_low_freq_factor: float = Field(1.0, gt=0)
+    rope_high_freq_factor: float = Field(4.0, gt=0)
+    rope_original_max_len: int | None = Field(None, gt=0)  # llama3: the pre-training context length
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -44,7 +62,42 @@ class ModelConfig(_Strict):
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates half of it)")
+        if self.family is not None:
+            want = {"qwen3": (True, False), "qwen2": (False, True)}.get(self.family, (False, False))
+            if (self.qk_norm, self.qkv_bias) != want:
+                raise ValueError(f"family={self.family} needs qk_norm={want[0]} and qkv_bias={want[1]}")
+        if self.rope_type == "llama3":
+            if self.rope_original_max_len is None:
+                raise ValueError("rope_type=llama3 needs rope_original_max_len")
+            if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                raise ValueError("rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor")
         return self
+
+
+DType = Literal["float32", "bfloat16"]
+
+
+class ComputeConfig(_Strict):
+    """How the step spends memory and FLOPs; none of it changes the maths beyond float rounding.
+
+    param_dtype: master weights and optimizer state (None = model.param_dtype, or the checkpoint's dtype).
+    dtype: matmul inputs, activations and the KV cache (None = the param dtype); norms, softmax, logits and
+    losses stay fp32 either way.
+    remat: recompute each decoder layer in the backward pass: none (keep every activation), full (keep only
+    the layer inputs), dots (keep matmul outputs without a batch dim, recompute the rest).
+    train_micro_batch_size: global sequences per gradient-accumulation micro-batch (None = the whole
+    minibatch in one pass).
+    logprob_chunk: completion tokens whose [B, chunk, V] fp32 logits exist at once (recomputed in the backward).
+    """
+
+    param_dtype: DType | None = None
+    dtype: DType | None = None
+    remat: Literal["none", "full", "dots"] = "none"
+    train_micro_batch_size: int | None = Field(None, gt=0)
+    logprob_chunk: int = Field(512, gt=0)
+    # Run the decoder layers as one lax.scan (compile time flat in depth) or unrolled (XLA sees every layer: what
+    # the preflight's cost model needs, and sometimes faster for shallow models).
+    scan_layers: bool = True
 
 
 class MeshConfig(_Strict):
@@ -53,6 +106,12 @@ class MeshConfig(_Strict):
     slices: int = 1
     fsdp: int = -1
     tensor: int = 1
+    # Shard parameters and optimizer state over slices x fsdp instead of fsdp alone (ZeRO-3 across slices, over
+    # DCN): for a model whose training state does not fit one slice.
+    fsdp_across_slices: bool = False
+
+    def axes(self) -> dict[str, int]:
+        return {"slices": self.slices, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
 class TaskConfig(BaseModel):
@@ -77,6 +136,9 @@ class RLConfig(_Strict):
     kl_estimator: Literal["k1", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     adv_eps: float = Field(1e-6, gt=0)
+    # PPO minibatches: each of the mu_iterations passes takes this many optimizer steps over disjoint parts of the
+    # batch. 1 = one full-batch step per iteration.
+    minibatches: int = Field(1, gt=0)
 
 
 class SamplingConfig(_Strict):
@@ -86,6 +148,9 @@ class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     top_k: int = Field(0, ge=0)  # 0 = off
     top_p: float = Field(1.0, gt=0, le=1)
+    # Global sequences generated at once (the rollout batch is sampled in chunks of this size, so the KV cache
+    # does not grow with prompts x group size). None = the whole batch at once.
+    max_num_sequences: int | None = Field(None, gt=0)
 
 
 class OptimConfig(_Strict):
@@ -114,6 +179,7 @@ class TrainConfig(_Strict):
     rewards: list[str] | None = None  # None = the task's reward_names
     tokenizer: str = "char"
     init: InitConfig = InitConfig()
+    compute: ComputeConfig = ComputeConfig()
     rl: RLConfig = RLConfig()
     sampling: SamplingConfig = SamplingConfig()
     optim: OptimConfig = OptimConfig()
@@ -130,17 +196,48 @@ class TrainConfig(_Strict):
 
     @property
     def model_cfg(self) -> ModelConfig:
+        """The model, with compute.param_dtype applied."""
         if self.model is None:
             raise ConfigError("model: not set (it is read from init.path for init.from=hf)")
+        if self.compute.param_dtype and self.compute.param_dtype != self.model.param_dtype:
+            return self.model.model_copy(update={"param_dtype": self.compute.param_dtype})
         return self.model
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.compute.dtype or self.model_cfg.param_dtype
 
     @property
     def batch_size(self) -> int:
         """Sequences per step: every prompt is sampled group_size times."""
         return self.rl.prompts_per_step * self.rl.group_size
 
+    @property
+    def minibatch_rows(self) -> int:
+        return self.batch_size // self.rl.minibatches
+
+    @property
+    def micro_batch_rows(self) -> int:
+        return self.compute.train_micro_batch_size or self.minibatch_rows
+
+    @property
+    def sample_chunk_rows(self) -> int:
+        return min(self.sampling.max_num_sequences or self.batch_size, self.batch_size)
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        B = self.batch_size
+        if B % self.rl.minibatches:
+            raise ValueError(f"rl.minibatches={self.rl.minibatches} must divide rl.prompts_per_step * "
+                             f"rl.group_size = {B}")
+        mb = self.compute.train_micro_batch_size
+        if mb is not None and self.minibatch_rows % mb:
+            raise ValueError(f"compute.train_micro_batch_size={mb} must divide the {self.minibatch_rows} sequences "
+                             f"of a minibatch (rl.prompts_per_step * rl.group_size / rl.minibatches)")
+        ns = self.sampling.max_num_sequences
+        if ns is not None and ns < B and B % ns:
+            raise ValueError(f"sampling.max_num_sequences={ns} must divide the {B} sequences of a step "
+                             "(rl.prompts_per_step * rl.group_size)")
         if self.init.from_ == "random" and self.model is None:
             raise ValueError("model: required when init.from is random")
         if self.init.from_ == "hf":
@@ -155,7 +252,7 @@ class TrainConfig(_Strict):
                     f"sampling.max_prompt_len ({self.prompt_len}) + sampling.max_new_tokens "
                     f"({self.sampling.max_new_tokens}) must be <= model.max_seq_len ({self.model.max_seq_len})"
                 )
-        axes = self.mesh.model_dump()
+        axes = self.mesh.axes()
         bad = [k for k, v in axes.items() if v == 0 or v < -1]
         if bad:
             raise ValueError(f"mesh.{bad[0]}={axes[bad[0]]}: axis sizes must be positive or -1 (infer)")
@@ -167,9 +264,10 @@ class TrainConfig(_Strict):
 DEMO_CONFIG = "demo.yaml"
 
 
-def default_config_path() -> Path:
-    # Next to this file (package data); works for regular and editable installs alike.
-    return Path(__file__).resolve().parent / "configs" / DEMO_CONFIG
+def default_config_path(name: str = DEMO_CONFIG) -> Path:
+    """A bundled config (trainer/configs/NAME; the demo by default). Next to this file (package data), so it
+    works for regular and editable installs alike, e.g. in the trainer image."""
+    return Path(__file__).resolve().parent / "configs" / name
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -217,12 +315,20 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
-    """Load YAML (the embedded demo config when `path` is None) and apply `a.b=value` overrides."""
+    """Load YAML (the embedded demo config when `path` is None) and apply `a.b=value` overrides.
+
+    A bare file name that is not a file here names a bundled config (trainer/configs/), as the JobSet passes it
+    (`--config qwen3-8b-grpo-v6e-4x4.yaml`: the image installs the package, not the repository).
+    """
     file = Path(path) if path else default_config_path()
+    if path and not file.exists() and file.name == path and default_config_path(path).is_file():
+        file = default_config_path(path)
     try:
         data = yaml.safe_load(file.read_text()) or {}
     except OSError as err:
-        raise ConfigError(f"cannot read config {file}: {err.strerror}") from None
+        bundled = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
+        hint = f" (nor a bundled config: {', '.join(bundled)})" if path and file.name == path else ""
+        raise ConfigError(f"cannot read config {file}: {err.strerror}{hint}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"cannot parse config {file}: {err}") from None
     if not isinstance(data, dict):
@@ -245,7 +351,7 @@ def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> Tr
     The mesh must divide the device count (a single process may use a subset); `exact` (multi-process)
     requires it to use every device, since each process must hold part of the mesh.
     """
-    axes = cfg.mesh.model_dump()
+    axes = cfg.mesh.axes()
     known = 1
     for v in axes.values():
         known *= v if v != -1 else 1
@@ -270,4 +376,22 @@ def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> Tr
             f"rl.prompts_per_step * rl.group_size = {cfg.rl.prompts_per_step} * {cfg.rl.group_size} = "
             f"{cfg.batch_size} must be divisible by the data axes mesh.slices * mesh.fsdp = {data}"
         )
-    return cfg.model_copy(update={"mesh": MeshConfig(**axes)})
+    for key, n, what in _batch_splits(cfg):
+        if n % data:
+            raise ConfigError(
+                f"{key} = {n} {what} must be divisible by the data axes mesh.slices * mesh.fsdp = {data}, so every "
+                "data-parallel device gets an equal share"
+            )
+    return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=axes)})
+
+
+def _batch_splits(cfg: TrainConfig) -> list[tuple[str, int, str]]:
+    """(key, rows, description) of each piece the step cuts the batch into; each must split over the data axes."""
+    out = []
+    mb = cfg.micro_batch_rows
+    out.append(("rl.prompts_per_step * rl.group_size / rl.minibatches", cfg.minibatch_rows, "sequences per minibatch"))
+    if cfg.compute.train_micro_batch_size is not None:
+        out.append(("compute.train_micro_batch_size", mb, "sequences per micro-batch"))
+    if cfg.sampling.max_num_sequences is not None:
+        out.append(("sampling.max_num_sequences", cfg.sample_chunk_rows, "sequences sampled at once"))
+    return out

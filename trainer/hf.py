@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3 / Llama checkpoints <-> the trainer's stacked parameter tree (NumPy, no torch).
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoints <-> the trainer's stacked parameter tree (NumPy, no torch).
 
 Reads `config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json` from a local
 directory (nothing is downloaded). Safetensors files are parsed here (header + memory map) so bf16 works
@@ -19,7 +19,6 @@ import numpy as np
 
 from trainer.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -112,55 +111,155 @@ def read_checkpoint_tensors(path: str | Path) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------------------------- config
 
+# Per family: architecture name and the defaults transformers' config classes use for keys a config.json omits.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "LlamaForCausalLM", "max_position_embeddings": 2048},
+    "mistral": {"arch": "MistralForCausalLM", "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"arch": "Qwen2ForCausalLM", "max_position_embeddings": 32768},
+    "qwen3": {"arch": "Qwen3ForCausalLM", "max_position_embeddings": 32768, "head_dim": 128},
+}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    # transformers >= 4.56 may nest RoPE settings under rope_parameters instead of rope_theta/rope_scaling.
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope scaling {rope_type!r}: the trainer implements plain RoPE only")
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+def _rope_settings(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig's rope_* fields from either config layout.
+
+    transformers < 4.56 writes `rope_theta` plus `rope_scaling` ({"rope_type" or "type", "factor", ...} or null);
+    later versions write one `rope_parameters` dict that also holds `rope_theta`. As in transformers, a non-empty
+    `rope_scaling` takes the place of `rope_parameters`, and the theta inside the dict wins over the top-level key.
+    """
+    rope: Mapping[str, Any] = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping) or any(isinstance(v, Mapping) for v in rope.values()):
+        raise ValueError("unsupported rope_parameters: per-layer-type RoPE settings (nested dicts)")
+    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError("unsupported partial_rotary_factor != 1 (the trainer rotates the whole head)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "default":
+        return out | {"rope_type": "default"}
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling {rope_type!r}: the trainer implements default, linear and llama3")
+    out |= {"rope_type": rope_type, "rope_factor": float(rope["factor"])}
+    if rope_type == "llama3":
+        # transformers falls back to max_position_embeddings when the original length is not given.
+        original = rope.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+        out |= {
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_max_len": int(original or hf["max_position_embeddings"]),
+        }
+    return out
+
+
+def _rope_scaling_dict(cfg: ModelConfig) -> dict[str, Any] | None:
+    """HF rope scaling keys for cfg (without rope_theta), or None for plain RoPE."""
+    if cfg.rope_type == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": cfg.rope_type, "factor": cfg.rope_factor}
+    if cfg.rope_type == "llama3":
+        out |= {
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len,
+        }
+    return out
+
+
+def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_pos: int) -> None:
+    """Refuse a sliding window that can bite within max_position_embeddings (the trainer attends causally to all)."""
+    if model_type == "mistral":
+        window = hf.get("sliding_window", _FAMILIES["mistral"]["sliding_window"])
+        if window is not None and int(window) < max_pos:
+            raise ValueError(
+                f"unsupported config: sliding_window={window} < max_position_embeddings={max_pos} (Mistral "
+                "sliding-window attention is not implemented; only configs with sliding_window null or >= "
+                "max_position_embeddings import)"
+            )
+    elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        window = hf.get("sliding_window")
+        n_layers = int(hf["num_hidden_layers"])
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if i >= int(hf.get("max_window_layers", 28)) else "full_attention"
+            for i in range(n_layers)
+        ]
+        if window is not None and int(window) < max_pos and "sliding_attention" in layer_types:
+            raise ValueError(
+                f"unsupported config: use_sliding_window=true with sliding_window={window} < "
+                f"max_position_embeddings={max_pos} (sliding-window attention is not implemented)"
+            )
 
 
 def model_config_from_hf(hf: Mapping[str, Any], param_dtype: str = "float32") -> ModelConfig:
-    """Map a Hugging Face Llama / Qwen3 config.json onto ModelConfig; unsupported variants raise."""
+    """Map a Hugging Face Llama / Mistral / Qwen2 / Qwen3 config.json onto ModelConfig; unsupported variants raise."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in _FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    defaults = _FAMILIES[model_type]
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (SwiGLU with silu only)")
-    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if hf.get(flag):
-            raise ValueError(f"unsupported config: {flag}=true")
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported config: mlp_bias=true")
+    if hf.get("attention_bias") and model_type in ("llama", "qwen3"):
+        # Their attention_bias puts a bias on o_proj too; only q/k/v biases (Qwen2's layout) are implemented.
+        raise ValueError(
+            f"unsupported config: attention_bias=true ({model_type} then also has an o_proj bias, which the trainer "
+            "does not implement; q/k/v biases alone, as in qwen2, are supported)"
+        )
     n_heads = int(hf["num_attention_heads"])
     d_model = int(hf["hidden_size"])
+    max_pos = int(hf.get("max_position_embeddings") or defaults["max_position_embeddings"])
+    _check_sliding_window(hf, model_type, max_pos)
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]),
         d_model=d_model,
         n_layers=int(hf["num_hidden_layers"]),
         n_heads=n_heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or d_model // n_heads),
+        head_dim=int(hf.get("head_dim") or defaults.get("head_dim") or d_model // n_heads),
         d_ff=int(hf["intermediate_size"]),
-        rope_theta=_rope_theta(hf),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         param_dtype=param_dtype,  # type: ignore[arg-type]
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        max_seq_len=max_pos,
+        family=model_type,
+        **_rope_settings(dict(hf, max_position_embeddings=max_pos)),
     )
 
 
+def model_family(cfg: ModelConfig) -> str:
+    """The HF model_type cfg exports as: cfg.family, else qwen3 with QK-norm, qwen2 with q/k/v biases, else llama."""
+    if cfg.family is not None:
+        return cfg.family
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError("no supported Hugging Face family has both QK-norm and q/k/v biases; cannot export")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
 def hf_config_from_model(cfg: ModelConfig, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """config.json for `cfg`: Qwen3 when it uses QK-norm, else Llama; `base` keys are kept (eos ids...)."""
-    model_type = "qwen3" if cfg.qk_norm else "llama"
-    out: dict[str, Any] = dict(base or {})
-    for key in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype"):
+    """config.json for `cfg` as its family (see model_family); `base` keys are kept (eos ids...).
+
+    RoPE settings follow base's layout (`rope_parameters` for transformers >= 4.56, else `rope_theta` +
+    `rope_scaling`, which every transformers version reads); so does the dtype key (`dtype` / `torch_dtype`).
+    """
+    family = model_family(cfg)
+    base = dict(base or {})
+    out: dict[str, Any] = dict(base)
+    for key in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype"):
         out.pop(key, None)
+    scaling = _rope_scaling_dict(cfg)
+    if "rope_parameters" in base:
+        out["rope_parameters"] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **(scaling or {})}
+    if "rope_parameters" not in base or "rope_theta" in base or "rope_scaling" in base:
+        out["rope_theta"] = cfg.rope_theta
+        out["rope_scaling"] = scaling
+    dtype_keys = [k for k in ("dtype", "torch_dtype") if k in base] or ["dtype", "torch_dtype"]
+    out.update(dict.fromkeys(dtype_keys, cfg.param_dtype))
     out.update(
-        architectures=["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
-        model_type=model_type,
+        architectures=[_FAMILIES[family]["arch"]],
+        model_type=family,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         intermediate_size=cfg.d_ff,
@@ -169,14 +268,23 @@ def hf_config_from_model(cfg: ModelConfig, base: Mapping[str, Any] | None = None
         num_key_value_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
         hidden_act="silu",
-        rope_theta=cfg.rope_theta,
-        rope_scaling=None,
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
         max_position_embeddings=cfg.max_seq_len,
-        attention_bias=False,
-        torch_dtype=cfg.param_dtype,
     )
+    if family in ("llama", "qwen3"):
+        out["attention_bias"] = False
+    if family == "llama":
+        out["mlp_bias"] = False
+    if family in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+        out.setdefault("sliding_window", None)  # ignored while use_sliding_window is false
+        if "layer_types" in out:
+            out["layer_types"] = ["full_attention"] * cfg.n_layers
+    if family == "mistral" and out.get("sliding_window") is not None and out["sliding_window"] < cfg.max_seq_len:
+        out["sliding_window"] = None
+    elif family == "mistral":
+        out.setdefault("sliding_window", None)
     return out
 
 
@@ -188,6 +296,9 @@ _LAYER_NAMES: tuple[tuple[str, str], ...] = (
     ("wq", "self_attn.q_proj.weight"),
     ("wk", "self_attn.k_proj.weight"),
     ("wv", "self_attn.v_proj.weight"),
+    ("bq", "self_attn.q_proj.bias"),
+    ("bk", "self_attn.k_proj.bias"),
+    ("bv", "self_attn.v_proj.bias"),
     ("wo", "self_attn.o_proj.weight"),
     ("q_norm", "self_attn.q_norm.weight"),
     ("k_norm", "self_attn.k_norm.weight"),
@@ -199,7 +310,12 @@ _LAYER_NAMES: tuple[tuple[str, str], ...] = (
 
 
 def _layer_keys(cfg: ModelConfig) -> list[tuple[str, str]]:
-    return [(k, s) for k, s in _LAYER_NAMES if cfg.qk_norm or k not in ("q_norm", "k_norm")]
+    skip: set[str] = set()
+    if not cfg.qk_norm:
+        skip |= {"q_norm", "k_norm"}
+    if not cfg.qkv_bias:
+        skip |= {"bq", "bk", "bv"}
+    return [(k, s) for k, s in _LAYER_NAMES if k not in skip]
 
 
 def _hf_shape(key: str, cfg: ModelConfig) -> tuple[int, ...]:
@@ -212,6 +328,9 @@ def _hf_shape(key: str, cfg: ModelConfig) -> tuple[int, ...]:
         "wq": (cfg.n_heads * dh, d),
         "wk": (cfg.n_kv_heads * dh, d),
         "wv": (cfg.n_kv_heads * dh, d),
+        "bq": (cfg.n_heads * dh,),
+        "bk": (cfg.n_kv_heads * dh,),
+        "bv": (cfg.n_kv_heads * dh,),
         "wo": (d, cfg.n_heads * dh),
         "w_gate": (f, d),
         "w_up": (f, d),
@@ -225,6 +344,8 @@ def _from_hf(key: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     if key in ("wq", "wk", "wv"):
         heads = cfg.n_heads if key == "wq" else cfg.n_kv_heads
         return w.T.reshape(d, heads, dh)  # HF splits the out dim as (head, head_dim)
+    if key in ("bq", "bk", "bv"):
+        return w.reshape(-1, dh)
     if key == "wo":
         return w.T.reshape(cfg.n_heads, dh, d)
     if key in ("w_gate", "w_up", "w_down"):
@@ -236,6 +357,8 @@ def _to_hf(key: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     d, dh = cfg.d_model, cfg.head_dim
     if key in ("wq", "wk", "wv"):
         return w.reshape(d, -1).T
+    if key in ("bq", "bk", "bv"):
+        return w.reshape(-1)
     if key == "wo":
         return w.reshape(cfg.n_heads * dh, d).T
     if key in ("w_gate", "w_up", "w_down"):
@@ -248,7 +371,7 @@ def _ignored(name: str) -> bool:
 
 
 def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[str, Any], ModelConfig]:
-    """Load a local Qwen3 / Llama checkpoint into the trainer's param tree (NumPy) and its ModelConfig.
+    """Load a local Llama / Mistral / Qwen2 / Qwen3 checkpoint: the trainer's param tree (NumPy) and ModelConfig.
 
     `param_dtype` None keeps bf16 checkpoints in bf16 and loads everything else as float32.
     """
@@ -290,7 +413,10 @@ def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[st
         used.add("lm_head.weight")  # some tied checkpoints still store a copy; the embedding wins
     unexpected = sorted(n for n in set(tensors) - used if not _ignored(n))
     if unexpected:
-        raise ValueError(f"{root}: unsupported tensors in checkpoint (biases? another architecture?): {unexpected[:8]}")
+        raise ValueError(
+            f"{root}: unsupported tensors in checkpoint (biases the {cfg.family} layout lacks? another "
+            f"architecture?): {unexpected[:8]}"
+        )
     return params, cfg
 
 

@@ -6,6 +6,8 @@ Rows are prompt-major: row b belongs to prompt b // group_size. Token arrays are
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -39,18 +41,36 @@ def _masked_sum(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.A
     return jnp.sum(x * mask, axis=axis)
 
 
-def aggregate(loss_BN: jax.Array, mask_BN: jax.Array, mode: str, max_len: int | None = None) -> jax.Array:
+class Norm(NamedTuple):
+    """Denominators of the means: the tokens and sequences of the whole (mini)batch.
+
+    A micro-batch's loss divides its own sums by the whole batch's counts, so the micro-batch losses (and their
+    gradients and metrics) add up to the single-pass values.
+    """
+
+    tokens: jax.Array
+    seqs: jax.Array | int
+
+    @staticmethod
+    def of(mask_BN: jax.Array) -> Norm:
+        return Norm(jnp.maximum(jnp.sum(mask_BN.astype(jnp.float32)), 1.0), mask_BN.shape[0])
+
+
+def aggregate(
+    loss_BN: jax.Array, mask_BN: jax.Array, mode: str, max_len: int | None = None, norm: Norm | None = None
+) -> jax.Array:
     """token_mean: over all tokens; seq_mean_token_mean: per sequence, then over sequences;
     constant: sum / (B * max_len), the Dr.GRPO length-unbiased form."""
     mask = mask_BN.astype(jnp.float32)
+    norm = norm or Norm.of(mask)
     if mode == "token_mean":
-        return _masked_sum(loss_BN, mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        return _masked_sum(loss_BN, mask) / norm.tokens
     if mode == "seq_mean_token_mean":
         per_seq = _masked_sum(loss_BN, mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-        return jnp.mean(per_seq)
+        return jnp.sum(per_seq) / norm.seqs
     if mode == "constant":
         assert max_len is not None
-        return _masked_sum(loss_BN, mask) / (loss_BN.shape[0] * max_len)
+        return _masked_sum(loss_BN, mask) / (norm.seqs * max_len)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
@@ -73,37 +93,39 @@ def policy_loss(
     *,
     ref_logp_BN: jax.Array | None = None,
     max_len: int | None = None,
+    norm: Norm | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Scalar loss to minimise and metrics (kl, clip_frac, ratio).
 
     grpo: per-token clipped ratio, aggregated by `rl.loss_agg`. gspo: one clipped ratio per sequence, mean over
     sequences. dr_grpo: per-token clipped ratio summed and divided by B * `max_len` (a constant), and its
     advantages skip the std division (see `group_advantages`). The KL term is aggregated like the token
-    loss (gspo: by `rl.loss_agg`).
+    loss (gspo: by `rl.loss_agg`). `norm` (default: this batch's counts) gives the denominators of every mean.
     """
     mask = mask_BN.astype(jnp.float32)
-    n_tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    norm = norm or Norm.of(mask)
+    n_tokens = norm.tokens
     log_ratio_BN = (logp_BN - old_logp_BN) * mask
     if rl.algo == "gspo":
         # One importance ratio per sequence: the geometric mean of its token ratios.
         log_s_B = jnp.sum(log_ratio_BN, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
         s_B = jnp.exp(log_s_B)
         pg_B, clipped_B = _clipped_objective(s_B, adv_B, rl.clip_eps, rl.clip_eps_high)
-        loss = jnp.mean(pg_B)
-        clip_frac = jnp.mean(clipped_B.astype(jnp.float32))
-        ratio_mean = jnp.mean(s_B)
+        loss = jnp.sum(pg_B) / norm.seqs
+        clip_frac = jnp.sum(clipped_B.astype(jnp.float32)) / norm.seqs
+        ratio_mean = jnp.sum(s_B) / norm.seqs
     else:
         ratio_BN = jnp.exp(log_ratio_BN)
         pg_BN, clipped_BN = _clipped_objective(ratio_BN, adv_B[:, None], rl.clip_eps, rl.clip_eps_high)
         mode = "constant" if rl.algo == "dr_grpo" else rl.loss_agg
-        loss = aggregate(pg_BN, mask, mode, max_len)
+        loss = aggregate(pg_BN, mask, mode, max_len, norm)
         clip_frac = _masked_sum(clipped_BN.astype(jnp.float32), mask) / n_tokens
         ratio_mean = _masked_sum(ratio_BN, mask) / n_tokens
     metrics: Metrics = {"pg_loss": loss, "clip_frac": clip_frac, "ratio": ratio_mean}
     if ref_logp_BN is not None:
         kl_BN = kl_estimate(logp_BN, ref_logp_BN, rl.kl_estimator)
         kl_mode = "constant" if rl.algo == "dr_grpo" else rl.loss_agg
-        kl = aggregate(kl_BN, mask, kl_mode, max_len)
+        kl = aggregate(kl_BN, mask, kl_mode, max_len, norm)
         loss = loss + rl.kl_beta * kl
         metrics["kl"] = _masked_sum(kl_BN, mask) / n_tokens
     else:

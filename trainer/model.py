@@ -12,11 +12,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from trainer.config import ModelConfig
+from trainer.config import ComputeConfig, ModelConfig
 from trainer.sharding import constrain
 
 Params = dict[str, Any]
 f32 = jnp.float32
+DEFAULT_COMPUTE = ComputeConfig()
+# What a decoder layer keeps for the backward pass (compute.remat); None = everything.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class KVCache(NamedTuple):
@@ -27,6 +33,15 @@ class KVCache(NamedTuple):
 
 def dtype_of(cfg: ModelConfig) -> jnp.dtype:
     return jnp.dtype(cfg.param_dtype)
+
+
+def compute_dtype(cfg: ModelConfig, cc: ComputeConfig) -> jnp.dtype:
+    return jnp.dtype(cc.dtype or cfg.param_dtype)
+
+
+def cast_weights(p: Params, dt: jnp.dtype) -> Params:
+    """Matrices (and biases) to the compute dtype; 1-D norm scales stay as stored (they are applied in fp32)."""
+    return jax.tree.map(lambda w: w.astype(dt) if w.ndim >= 2 else w, p)
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -46,6 +61,10 @@ def param_shapes(cfg: ModelConfig) -> Params:
     if cfg.qk_norm:
         layers["q_norm"] = (L, E)
         layers["k_norm"] = (L, E)
+    if cfg.qkv_bias:
+        layers["bq"] = (L, H, E)
+        layers["bk"] = (L, K, E)
+        layers["bv"] = (L, K, E)
     shapes: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (D, V)
@@ -68,6 +87,10 @@ def param_axes(cfg: ModelConfig) -> Params:
     if cfg.qk_norm:
         layers["q_norm"] = ("layers", "norm")
         layers["k_norm"] = ("layers", "norm")
+    if cfg.qkv_bias:
+        layers["bq"] = ("layers", "q_heads", "head_dim")
+        layers["bk"] = ("layers", "kv_heads", "head_dim")
+        layers["bv"] = ("layers", "kv_heads", "head_dim")
     axes: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
     if not cfg.tie_embeddings:
         axes["lm_head"] = ("embed", "vocab")
@@ -81,7 +104,7 @@ def abstract_params(cfg: ModelConfig) -> Params:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-    """Random init: norms at 1, matrices ~ N(0, 1/fan_in), residual outputs scaled down by sqrt(2L)."""
+    """Random init: norms at 1, biases at 0, matrices ~ N(0, 1/fan_in), residual outputs scaled down by sqrt(2L)."""
     dt = dtype_of(cfg)
     shapes = param_shapes(cfg)
     fan_in = {"wq": cfg.d_model, "wk": cfg.d_model, "wv": cfg.d_model, "wo": cfg.n_heads * cfg.head_dim,
@@ -97,6 +120,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
         if name in fan_in:
             std = fan_in[name] ** -0.5 / ((2 * cfg.n_layers) ** 0.5 if name in residual_out else 1.0)
             layers[name] = normal(shape, std)
+        elif name in ("bq", "bk", "bv"):
+            layers[name] = jnp.zeros(shape, dt)
         else:
             layers[name] = jnp.ones(shape, dt)
     # Tied: logits = normed_x @ embed.T with |normed_x| ~ sqrt(D), so std D^-1/2 keeps initial logits O(1).
@@ -116,11 +141,31 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(f32)).astype(x.dtype)
 
 
-def rope(x_BTHE: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """RoPE inverse frequencies [E/2] in fp32, with transformers' `linear` or `llama3` (Llama 3.1) scaling."""
+    E = cfg.head_dim
+    inv_freq_e = 1.0 / cfg.rope_theta ** (jnp.arange(0, E, 2, dtype=f32) / E)
+    if cfg.rope_type == "linear":
+        return inv_freq_e / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        # Wavelengths longer than original_len / low_freq_factor are stretched by `factor`, those shorter than
+        # original_len / high_freq_factor are kept, and in between the two are blended linearly in
+        # original_len / wavelength (same operations and fp32 order as transformers).
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        original_len = cfg.rope_original_max_len or cfg.max_seq_len
+        wavelen_e = 2 * jnp.pi / inv_freq_e
+        long_e = wavelen_e > original_len / low
+        scaled_e = jnp.where(long_e, inv_freq_e / factor, inv_freq_e)
+        smooth_e = (original_len / wavelen_e - low) / (high - low)
+        blended_e = (1 - smooth_e) * scaled_e / factor + smooth_e * scaled_e
+        medium_e = ~(wavelen_e < original_len / high) & ~long_e
+        return jnp.where(medium_e, blended_e, scaled_e)
+    return inv_freq_e
+
+
+def rope(x_BTHE: jax.Array, pos_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Hugging Face rotate_half RoPE: pairs are (i, i + E/2), not interleaved."""
-    E = x_BTHE.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=f32) / E)
-    ang_BTe = pos_BT.astype(f32)[..., None] * inv_freq
+    ang_BTe = pos_BT.astype(f32)[..., None] * rope_inv_freq(cfg)
     ang_BT1E = jnp.concatenate([ang_BTe, ang_BTe], axis=-1)[:, :, None, :]
     x = x_BTHE.astype(f32)
     x1, x2 = jnp.split(x, 2, axis=-1)
@@ -158,12 +203,14 @@ def _layer(
     q = jnp.einsum("btd,dhe->bthe", h, p["wq"])
     k = jnp.einsum("btd,dke->btke", h, p["wk"])
     v = jnp.einsum("btd,dke->btke", h, p["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = constrain(q, ("batch", "seq", "q_heads", None))
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
-    q = rope(q, pos_BT, cfg.rope_theta)
-    k = rope(k, pos_BT, cfg.rope_theta)
+    q = rope(q, pos_BT, cfg)
+    k = rope(k, pos_BT, cfg)
     if kv is not None:
         k_cache, v_cache = kv
         k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), index, axis=1)
@@ -180,9 +227,9 @@ def _layer(
     return constrain(x_BTD, ("batch", "seq", None)), kv
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, length: int, cc: ComputeConfig = DEFAULT_COMPUTE) -> KVCache:
     shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-    dt = dtype_of(cfg)
+    dt = compute_dtype(cfg, cc)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, length), bool))
 
 
@@ -194,18 +241,20 @@ def forward(
     positions_BT: jax.Array | None = None,
     cache: KVCache | None = None,
     index: jax.Array | int = 0,
+    cc: ComputeConfig = DEFAULT_COMPUTE,
 ) -> tuple[jax.Array, KVCache | None]:
-    """Final-normed hidden states [B, T, D] (see `logits`) and the updated cache.
+    """Final-normed hidden states [B, T, D] in the compute dtype (see `logits`) and the updated cache.
 
     Without a cache, keys are the T inputs (causal, pad keys masked). With a cache, the T new tokens are
     written at slots [index, index + T) and attend to every valid slot up to their own.
     """
     B, T = tokens_BT.shape
+    dt = compute_dtype(cfg, cc)
     if positions_BT is None:
         positions_BT = positions_from_valid(valid_BT)
     # Gather from a replicated copy of the table: a gather out of the (vocab, embed)-sharded table makes
     # GSPMD produce an embed-sharded result it can only move to batch sharding by full rematerialisation.
-    table_VD = constrain(params["embed"], (None, None))
+    table_VD = constrain(params["embed"].astype(dt), (None, None))
     x_BTD = constrain(table_VD[tokens_BT], ("batch", "seq", None))
     q_slot_T = index + jnp.arange(T)
     if cache is None:
@@ -217,33 +266,85 @@ def forward(
 
     def body(x: jax.Array, xs: tuple[Params, Any]) -> tuple[jax.Array, Any]:
         p, kv = xs
-        x, kv = _layer(cfg, x, p, positions_BT, mask_BTS, kv, index)
+        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, mask_BTS, kv, index)
         return x, kv
 
+    if cc.remat != "none":
+        # prevent_cse=False is safe (and faster) inside scan, per jax.checkpoint's docs.
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cc.remat], prevent_cse=False)
+
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
-    x_BTD, kv_out = jax.lax.scan(body, x_BTD, (params["layers"], kv_in))
+    x_BTD, kv_out = jax.lax.scan(body, x_BTD, (params["layers"], kv_in), unroll=1 if cc.scan_layers else True)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
     new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)
     return x_BTD, new_cache
 
 
-def logits(params: Params, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
-    if cfg.tie_embeddings:
-        out = jnp.einsum("btd,vd->btv", x_BTD, params["embed"], preferred_element_type=f32)
-    else:
-        out = jnp.einsum("btd,dv->btv", x_BTD, params["lm_head"], preferred_element_type=f32)
+def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
+    """The output projection as [D, V] or, tied, the [V, D] embedding (see `logits_from_head`)."""
+    return params["embed"] if cfg.tie_embeddings else params["lm_head"]
+
+
+def logits_from_head(w: jax.Array, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
+    """fp32 logits [B, T, V], vocab-sharded like the head; the matmul runs in x's (compute) dtype."""
+    spec = "btd,vd->btv" if cfg.tie_embeddings else "btd,dv->btv"
+    out = jnp.einsum(spec, x_BTD, w.astype(x_BTD.dtype), preferred_element_type=f32)
     return constrain(out, ("batch", "seq", "vocab"))
+
+
+def logits(params: Params, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
+    return logits_from_head(head_weight(params, cfg), cfg, x_BTD)
 
 
 def logprobs_and_entropy(
     logits_BTV: jax.Array, targets_BT: jax.Array, temperature: float = 1.0
 ) -> tuple[jax.Array, jax.Array]:
-    """log p(target) and the entropy of softmax(logits / temperature); temperature 0 is treated as 1."""
+    """log p(target) and the entropy of softmax(logits / temperature); temperature 0 is treated as 1.
+
+    Written as reductions over the vocab (logsumexp, a masked sum for the target) rather than a gather, so a
+    vocab-sharded input stays sharded: each device reduces its slice and only [B, T] values cross devices.
+    """
     scaled = logits_BTV / (temperature if temperature > 0 else 1.0)
-    logp_BTV = jax.nn.log_softmax(scaled, axis=-1)
-    logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    entropy_BT = -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
-    return logp_BT, entropy_BT
+    lse_BT = jax.nn.logsumexp(scaled, axis=-1)
+    vocab_V = jnp.arange(scaled.shape[-1], dtype=targets_BT.dtype)
+    target_BT = jnp.sum(jnp.where(vocab_V == targets_BT[..., None], scaled, 0.0), axis=-1)
+    probs = jnp.exp(scaled - lse_BT[..., None])
+    entropy_BT = lse_BT - jnp.sum(probs * scaled, axis=-1)
+    return target_BT - lse_BT, entropy_BT
+
+
+def chunked_logprobs(
+    params: Params,
+    cfg: ModelConfig,
+    x_BND: jax.Array,
+    targets_BN: jax.Array,
+    temperature: float,
+    chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+    """`logprobs_and_entropy(logits(x))` over N in chunks of `chunk` tokens.
+
+    Only one chunk's fp32 [B, chunk, V] logits exist at a time, and the backward pass recomputes them chunk by
+    chunk (jax.checkpoint) instead of keeping them for the whole sequence.
+    """
+    B, N, D = x_BND.shape
+    C = min(chunk, N)
+    n = -(-N // C)
+    pad = n * C - N
+    x_BND = jnp.pad(x_BND, ((0, 0), (0, pad), (0, 0)))
+    targets_BN = jnp.pad(targets_BN, ((0, 0), (0, pad)))
+    x_nBCD = x_BND.reshape(B, n, C, D).swapaxes(0, 1)
+    t_nBC = targets_BN.reshape(B, n, C).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(w: jax.Array, x_BCD: jax.Array, t_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x_BCD = constrain(x_BCD, ("batch", None, None))
+        return logprobs_and_entropy(logits_from_head(w, cfg, x_BCD), t_BC, temperature)
+
+    w = head_weight(params, cfg)
+    _, (logp_nBC, ent_nBC) = jax.lax.scan(lambda _, xs: (None, one(w, *xs)), None, (x_nBCD, t_nBC))
+    logp_BN = logp_nBC.swapaxes(0, 1).reshape(B, n * C)[:, :N]
+    ent_BN = ent_nBC.swapaxes(0, 1).reshape(B, n * C)[:, :N]
+    return logp_BN, ent_BN
 
 
 def completion_logprobs(
@@ -254,11 +355,12 @@ def completion_logprobs(
     completion_BN: jax.Array,
     completion_mask_BN: jax.Array,
     temperature: float = 1.0,
+    cc: ComputeConfig = DEFAULT_COMPUTE,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs [B, N] (and entropies) of `completion` given the (any-padded) prompt."""
     tokens = jnp.concatenate([prompt_BP, completion_BN], axis=1)
     valid = jnp.concatenate([prompt_valid_BP, completion_mask_BN], axis=1).astype(bool)
-    x_BTD, _ = forward(params, cfg, tokens, valid)
+    x_BTD, _ = forward(params, cfg, tokens, valid, cc=cc)
     P = prompt_BP.shape[1]
     N = completion_BN.shape[1]
     # Hidden state at t predicts token t + 1, except that the first completion token is predicted by the
@@ -267,4 +369,4 @@ def completion_logprobs(
     n_N = jnp.arange(N)[None, :]
     pred_idx_BN = jnp.where(n_N == 0, last_valid_B[:, None], P - 1 + n_N)
     x_BND = jnp.take_along_axis(x_BTD, pred_idx_BN[..., None], axis=1)
-    return logprobs_and_entropy(logits(params, cfg, x_BND), completion_BN, temperature)
+    return chunked_logprobs(params, cfg, x_BND, completion_BN, temperature, cc.logprob_chunk)

@@ -3,6 +3,9 @@
 Prompts may be left- or right-padded (any layout, given a validity mask): they are moved to left padding first
 so every row writes the same cache slot each step, and RoPE positions count real tokens only.
 
+Randomness is per row (the key folded with the row's index in the whole batch, then with the decode step), so
+sampling the batch in chunks of `max_num_sequences` rows gives exactly the tokens of sampling it at once.
+
 The returned log-probs are log softmax(logits / temperature) of the sampled tokens, before top-k/top-p
 truncation (temperature 0 = greedy, log-probs at temperature 1). That is exactly what
 `model.completion_logprobs` computes at the same temperature, so the first RL iteration has ratio 1.
@@ -15,8 +18,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from trainer.config import ModelConfig
-from trainer.model import KVCache, Params, forward, init_cache, logits, logprobs_and_entropy
+from trainer.config import ComputeConfig, ModelConfig
+from trainer.model import DEFAULT_COMPUTE, KVCache, Params, forward, init_cache, logits, logprobs_and_entropy
+from trainer.sharding import constrain
 
 
 class Samples(NamedTuple):
@@ -59,11 +63,12 @@ def filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits_BV
 
 
-def choose(key: jax.Array, logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+def choose(keys_B: jax.Array, logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """One token per row, each row drawn with its own key."""
     if temperature == 0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     filtered = filter_logits(logits_BV / temperature, top_k, top_p)
-    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys_B, filtered).astype(jnp.int32)
 
 
 def sample(
@@ -79,21 +84,71 @@ def sample(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    cc: ComputeConfig = DEFAULT_COMPUTE,
+    max_num_sequences: int | None = None,
 ) -> Samples:
-    """Sample `max_new_tokens` per row (stopping a row at EOS, and the loop once every row stopped)."""
+    """Sample `max_new_tokens` per row (stopping a row at EOS, and the loop once every row stopped).
+
+    With `max_num_sequences` < B the rows are generated in B / max_num_sequences sequential chunks, so the KV
+    cache holds one chunk. Chunk k takes rows k, k + n, k + 2n, ... (n chunks): with the batch sharded in
+    contiguous blocks over the data devices, every chunk is spread over all of them.
+    """
+    B, P = prompt_BP.shape
+    kw = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k,
+              top_p=top_p, cc=cc)
+    rows_B = jnp.arange(B, dtype=jnp.int32)
+    c = min(max_num_sequences or B, B)
+    if c == B:
+        return _sample_rows(params, cfg, prompt_BP, prompt_valid_BP, rows_B, key, **kw)  # type: ignore[arg-type]
+    if B % c:
+        raise ValueError(f"max_num_sequences={c} must divide the batch of {B} rows")
+    n = B // c
+
+    def chunks(x: jax.Array) -> jax.Array:  # [B, ...] -> [n, c, ...], chunk k = rows k::n
+        return constrain(x.reshape(c, n, *x.shape[1:]).swapaxes(0, 1), (None, "batch", *[None] * (x.ndim - 1)))
+
+    def unchunk(x: jax.Array) -> jax.Array:
+        return constrain(x.swapaxes(0, 1).reshape(B, *x.shape[2:]), ("batch", *[None] * (x.ndim - 2)))
+
+    def one(xs: tuple[jax.Array, jax.Array, jax.Array]) -> Samples:
+        return _sample_rows(params, cfg, *xs, key, **kw)  # type: ignore[arg-type]
+
+    out = jax.lax.map(one, (chunks(prompt_BP), chunks(prompt_valid_BP), chunks(rows_B)))
+    return Samples(*(unchunk(x) for x in out))
+
+
+def _sample_rows(
+    params: Params,
+    cfg: ModelConfig,
+    prompt_BP: jax.Array,
+    prompt_valid_BP: jax.Array,
+    rows_B: jax.Array,
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    cc: ComputeConfig,
+) -> Samples:
+    """`sample` for one set of rows; `rows_B` are their indices in the whole batch (their random streams)."""
     B, P = prompt_BP.shape
     N = max_new_tokens
     prompt_BP, valid_BP = to_left_padding(prompt_BP, prompt_valid_BP.astype(bool))
     n_prompt_B = jnp.sum(valid_BP.astype(jnp.int32), axis=1)
-    cache = init_cache(cfg, B, P + N)
-    x_BPD, cache = forward(params, cfg, prompt_BP, valid_BP, cache=cache, index=0)
+    row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
+    cache = init_cache(cfg, B, P + N, cc)
+    x_BPD, cache = forward(params, cfg, prompt_BP, valid_BP, cache=cache, index=0, cc=cc)
     logits_BV = logits(params, cfg, x_BPD[:, -1:])[:, 0]
 
     def cond(c: _Carry) -> jax.Array:
         return (c.i < N) & ~jnp.all(c.done_B)
 
     def body(c: _Carry) -> _Carry:
-        tok_B = choose(jax.random.fold_in(key, c.i), c.logits_BV, temperature, top_k, top_p)
+        keys_B = jax.vmap(lambda k: jax.random.fold_in(k, c.i))(row_keys_B)
+        tok_B = choose(keys_B, c.logits_BV, temperature, top_k, top_p)
         logp_B, _ = logprobs_and_entropy(c.logits_BV, tok_B, temperature)
         live_B = ~c.done_B
         tok_B = jnp.where(live_B, tok_B, pad_id)
@@ -103,7 +158,8 @@ def sample(
         done_B = c.done_B | (tok_B == eos_id)
         # Feed the token back; a finished row's pad is marked invalid so nothing attends to it.
         x_B1D, cache = forward(
-            params, cfg, tok_B[:, None], live_B[:, None], (n_prompt_B + c.i)[:, None], cache=c.cache, index=P + c.i
+            params, cfg, tok_B[:, None], live_B[:, None], (n_prompt_B + c.i)[:, None], cache=c.cache, index=P + c.i,
+            cc=cc,
         )
         next_logits = logits(params, cfg, x_B1D)[:, 0]
         return _Carry(c.i + 1, next_logits, cache, done_B, tokens_BN, logprobs_BN, mask_BN)

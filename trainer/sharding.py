@@ -36,9 +36,19 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("seq", None),
     ("cache_seq", None),
 )
-_RULE_MAP: dict[str, MeshAxes] = {}
-for _name, _axes in RULES:
-    _RULE_MAP.setdefault(_name, _axes)
+# `mesh.fsdp_across_slices`: parameters (and so optimizer state) also shard over the slice axis, ZeRO-3 style
+# over DCN. Halves per-chip state on 2 slices; costs a DCN all-gather of the weights every forward and backward.
+RULES_ACROSS_SLICES: tuple[tuple[str, MeshAxes], ...] = (("embed", ("slices", "fsdp")), *RULES)
+
+
+def _rule_map(rules: Sequence[tuple[str, MeshAxes]]) -> dict[str, MeshAxes]:
+    out: dict[str, MeshAxes] = {}
+    for name, axes in rules:
+        out.setdefault(name, axes)
+    return out
+
+
+_RULE_MAP = _rule_map(RULES)
 
 
 def make_mesh(slices: int, fsdp: int, tensor: int, devices: Sequence[Any] | None = None) -> Mesh:
@@ -67,16 +77,22 @@ def _mesh_size(mesh: Mesh, axes: MeshAxes) -> int:
     return int(np.prod([mesh.shape[a] for a in names]))
 
 
-def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
-    """Map logical axis names to a PartitionSpec via RULES.
+def logical_to_spec(
+    logical: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    rules: Sequence[tuple[str, MeshAxes]] = RULES,
+) -> P:
+    """Map logical axis names to a PartitionSpec via `rules` (default RULES).
 
     With `shape` and `mesh`, a dimension the mesh axes do not divide is replicated instead (e.g. 2 KV heads on
     tensor=4), so any model fits any mesh; the cost is only memory/compute duplication on that dim.
     """
+    rule_map = _RULE_MAP if rules is RULES else _rule_map(rules)
     used: set[str] = set()
     out: list[MeshAxes] = []
     for i, name in enumerate(logical):
-        axes = _RULE_MAP.get(name) if name is not None else None
+        axes = rule_map.get(name) if name is not None else None
         names = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
         if any(a in used for a in names):
             axes, names = None, ()
@@ -91,10 +107,12 @@ def is_axes_leaf(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 
 
-def named_shardings(mesh: Mesh, axes_tree: Any, shapes_tree: Any) -> Any:
+def named_shardings(
+    mesh: Mesh, axes_tree: Any, shapes_tree: Any, rules: Sequence[tuple[str, MeshAxes]] = RULES
+) -> Any:
     """Logical-axes tree + matching shapes (arrays or ShapeDtypeStructs) -> NamedSharding tree."""
     return jax.tree.map(
-        lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)),
+        lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules)),
         axes_tree,
         shapes_tree,
         is_leaf=is_axes_leaf,

@@ -1,7 +1,13 @@
 """The jitted programs of one RL step: sampling, reference log-probs, and the mu-iteration policy update.
 
-Built once per (model, rl, sampling, optim, steps, mesh) and cached, with explicit in/out shardings from the
-rule table so params and optimizer state stay where `sharding.RULES` puts them.
+Built once per (config sections, mesh) and cached, with explicit in/out shardings from the rule table so params
+and optimizer state stay where `sharding.RULES` puts them. The loop calls them on real arrays; the preflight
+(`trainer.fit`) lowers the very same programs on `abstract_args` for a TPU topology.
+
+The update, top to bottom: advantages over the whole batch; then `mu_iterations` passes, each taking one
+optimizer step per minibatch (`rl.minibatches`); each minibatch's gradient is summed over micro-batches
+(`compute.train_micro_batch_size`) whose losses are normalised by the minibatch's token and sequence counts, so
+accumulation equals one pass over the minibatch up to float rounding.
 """
 
 from __future__ import annotations
@@ -13,18 +19,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from trainer import model as M
-from trainer.config import ModelConfig, OptimConfig, RLConfig, SamplingConfig
-from trainer.losses import group_advantages, policy_loss
+from trainer.config import ComputeConfig, ModelConfig, OptimConfig, RLConfig, SamplingConfig, TrainConfig
+from trainer.losses import Norm, group_advantages, policy_loss
 from trainer.optim import make_optimizer
 from trainer.sampler import Samples, sample
-from trainer.sharding import batch_sharding, named_shardings, opt_state_shardings, replicated
+from trainer.sharding import (
+    RULES,
+    RULES_ACROSS_SLICES,
+    batch_sharding,
+    constrain,
+    named_shardings,
+    opt_state_shardings,
+    replicated,
+)
 
 # Folded into the base key so parameter init and per-step sampling never share a stream.
 INIT_STREAM, STEP_STREAM = 0, 1
 BATCH_KEYS = ("prompt", "prompt_valid", "completion", "mask", "old_logp", "rewards")
+Batch = dict[str, jax.Array]
 
 
 @dataclass(frozen=True)
@@ -41,57 +56,107 @@ class Programs:
     update: Any
 
 
+def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
+    """The programs for a resolved config (mesh axes known) on `mesh`."""
+    rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
+    return _build(cfg.model_cfg, cfg.compute, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, cfg.micro_batch_rows,
+                  mesh, rules, pad_id, eos_id)
+
+
+def split_rows(x: jax.Array, n_outer: int, n_inner: int) -> jax.Array:
+    """[B, ...] -> [n_outer, n_inner, B / (n_outer n_inner), ...], piece (o, i) = rows o + n_outer i + ...
+
+    Pieces take strided rows, so with rows sharded in contiguous blocks over the data devices each piece is
+    spread over all of them (given the piece size divides over the data axes; see config.resolve_mesh).
+    """
+    b = x.shape[0] // (n_outer * n_inner)
+    y = x.reshape(b, n_inner, n_outer, *x.shape[1:])
+    y = jnp.moveaxis(y, (0, 1, 2), (2, 1, 0))
+    return constrain(y, (None, None, "batch", *[None] * (x.ndim - 1)))
+
+
 @functools.lru_cache(maxsize=4)
-def build_programs(mcfg: ModelConfig, rl: RLConfig, sc: SamplingConfig, optim: OptimConfig, steps: int,
-                    mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
+def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfig, optim: OptimConfig, steps: int,
+           micro_rows: int, mesh: Mesh, rules: tuple, pad_id: int, eos_id: int) -> Programs:
     """Cached on the (frozen, hashable) config sections, so a resumed or repeated run in the same process
     reuses the compiled programs."""
-    optimizer = make_optimizer(optim, steps, rl.mu_iterations)
-    param_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg))
+    n_mb = rl.minibatches
+    optimizer = make_optimizer(optim, steps, rl.mu_iterations * n_mb)
+    param_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), rules)
     opt_sh = opt_state_shardings(mesh, optimizer, param_sh, M.abstract_params(mcfg))
     b2 = batch_sharding(mesh, 2)
     rep = replicated(mesh)
 
-    def sample_fn(
-        params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array
-    ) -> Samples:
+    def sample_fn(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array
+                  ) -> Samples:
         key = jax.random.fold_in(jax.random.fold_in(base_key, STEP_STREAM), step)
         return sample(params, mcfg, prompt, valid, key, max_new_tokens=sc.max_new_tokens, eos_id=eos_id,
-                      pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p)
+                      pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, cc=cc,
+                      max_num_sequences=sc.max_num_sequences)
 
-    def logprobs(params: M.Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def logprobs(params: M.Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
         return M.completion_logprobs(params, mcfg, batch["prompt"], batch["prompt_valid"], batch["completion"],
-                                     batch["mask"], sc.temperature)
+                                     batch["mask"], sc.temperature, cc)
 
-    def update_fn(params: M.Params, opt_state: Any, batch: dict[str, jax.Array], ref_logp: jax.Array | None) -> Any:
-        mask = batch["mask"].astype(jnp.float32)
+    def loss_fn(p: M.Params, rows: Batch, norm: Norm) -> tuple[jax.Array, dict[str, jax.Array]]:
+        logp, entropy = logprobs(p, rows)
+        mask = rows["mask"].astype(jnp.float32)
+        loss, m = policy_loss(logp, rows["old_logp"], rows["adv"], mask, rl, ref_logp_BN=rows.get("ref_logp"),
+                              max_len=sc.max_new_tokens, norm=norm)
+        m["entropy"] = jnp.sum(entropy * mask) / norm.tokens
+        return loss, m
+
+    def minibatch_grads(p: M.Params, micro: Batch) -> tuple[M.Params, dict[str, jax.Array]]:
+        """Summed gradient and metrics of one minibatch, given as [n_micro, rows, ...] micro-batches."""
+        n_micro, rows = micro["mask"].shape[:2]
+        norm = Norm(jnp.maximum(jnp.sum(micro["mask"].astype(jnp.float32)), 1.0), n_micro * rows)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if n_micro == 1:
+            (_, m), g = grad_fn(p, jax.tree.map(lambda x: x[0], micro), norm)
+            return g, m
+
+        def accumulate(acc: Any, xs: Batch) -> tuple[Any, None]:
+            (_, m), g = grad_fn(p, xs, norm)
+            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g), param_sh)
+            return jax.tree.map(jnp.add, acc, (g, m)), None
+
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+        m0 = jax.eval_shape(lambda: grad_fn(p, jax.tree.map(lambda x: x[0], micro), norm)[0][1])
+        acc0 = (jax.lax.with_sharding_constraint(zeros, param_sh), jax.tree.map(lambda s: jnp.zeros(s.shape), m0))
+        (g, m), _ = jax.lax.scan(accumulate, acc0, micro)
+        return jax.tree.map(lambda x, q: x.astype(q.dtype), g, p), m
+
+    def update_fn(params: M.Params, opt_state: Any, batch: Batch, ref_logp: jax.Array | None) -> Any:
         rewards_BR = batch["rewards"]
         total_B = jnp.sum(rewards_BR, axis=1)
         adv_B = group_advantages(total_B, rl.group_size, normalize_std=rl.algo != "dr_grpo", eps=rl.adv_eps)
+        rows: Batch = {k: batch[k] for k in ("prompt", "prompt_valid", "completion", "mask", "old_logp")}
+        rows["adv"] = adv_B
+        if ref_logp is not None:
+            rows["ref_logp"] = ref_logp
+        B = adv_B.shape[0]
+        n_micro = B // n_mb // micro_rows
+        pieces = jax.tree.map(lambda x: split_rows(x, n_mb, n_micro), rows)  # [n_mb, n_micro, rows, ...]
 
-        def loss_fn(p: M.Params) -> tuple[jax.Array, dict[str, jax.Array]]:
-            logp, entropy = logprobs(p, batch)
-            loss, m = policy_loss(logp, batch["old_logp"], adv_B, mask, rl, ref_logp_BN=ref_logp,
-                                  max_len=sc.max_new_tokens)
-            m["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-            return loss, m
-
-        def one_update(carry: tuple[M.Params, Any], _: None) -> tuple[tuple[M.Params, Any], dict[str, jax.Array]]:
+        def optimizer_step(carry: tuple[M.Params, Any], micro: Batch) -> tuple[tuple[M.Params, Any], Any]:
             p, s = carry
-            (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(p)
+            grads, m = minibatch_grads(p, micro)
             updates, s = optimizer.update(grads, s, p)
             m["grad_norm"] = optax.global_norm(grads)
             return (optax.apply_updates(p, updates), s), m
 
-        (params, opt_state), ms = jax.lax.scan(one_update, (params, opt_state), None, length=rl.mu_iterations)
-        metrics = {k: jnp.mean(v) for k, v in ms.items()}
-        metrics["loss_first"] = ms["loss"][0]  # on-policy loss of the first iteration (ratio 1)
+        def one_pass(carry: tuple[M.Params, Any], _: None) -> tuple[tuple[M.Params, Any], Any]:
+            return jax.lax.scan(optimizer_step, carry, pieces)
+
+        (params, opt_state), ms = jax.lax.scan(one_pass, (params, opt_state), None, length=rl.mu_iterations)
+        metrics = {k: jnp.mean(v) for k, v in ms.items()}  # ms: [mu_iterations, minibatches]
+        metrics["loss_first"] = jnp.mean(ms["loss"][0])  # the first pass (on-policy: ratio 1 at its first step)
         metrics["reward_mean"] = jnp.mean(total_B)
         metrics["reward_std"] = jnp.std(total_B)
         metrics["rewards_mean_R"] = jnp.mean(rewards_BR, axis=0)
         metrics["rewards_std_R"] = jnp.std(rewards_BR, axis=0)
-        metrics["completion_len"] = jnp.mean(jnp.sum(mask, axis=1))
-        metrics["tokens"] = jnp.sum(mask)
+        metrics["completion_len"] = jnp.mean(jnp.sum(batch["mask"], axis=1))
+        metrics["tokens"] = jnp.sum(batch["mask"])
         return params, opt_state, metrics
 
     batch_sh = {k: b2 for k in BATCH_KEYS}
@@ -103,3 +168,38 @@ def build_programs(mcfg: ModelConfig, rl: RLConfig, sc: SamplingConfig, optim: O
                           in_shardings=(rep,), out_shardings=param_sh)
     init_opt = jax.jit(optimizer.init, in_shardings=(param_sh,), out_shardings=opt_sh)
     return Programs(param_sh, opt_sh, optimizer, init_params, init_opt, sample_jit, ref_jit, update_jit)
+
+
+def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[str, tuple[Any, ...]]:
+    """Arguments (ShapeDtypeStructs carrying shardings) of `programs.sample`, `.ref_logprobs` and `.update`, for
+    lowering them without any real array, e.g. for a TPU topology on a CPU machine."""
+    mcfg = cfg.model_cfg
+    B, P, N = cfg.batch_size, cfg.prompt_len, cfg.sampling.max_new_tokens
+    mesh = _mesh_of(programs.param_sh)
+    b2, rep = batch_sharding(mesh, 2), replicated(mesh)
+
+    def sds(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    params = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), M.abstract_params(mcfg), programs.param_sh)
+    opt_shape = jax.eval_shape(programs.optimizer.init, M.abstract_params(mcfg))
+    opt = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), opt_shape, programs.opt_sh)
+    batch = {
+        "prompt": sds((B, P), jnp.int32, b2),
+        "prompt_valid": sds((B, P), jnp.int32, b2),
+        "completion": sds((B, N), jnp.int32, b2),
+        "mask": sds((B, N), jnp.int32, b2),
+        "old_logp": sds((B, N), jnp.float32, b2),
+        "rewards": sds((B, n_rewards), jnp.float32, b2),
+    }
+    ref = sds((B, N), jnp.float32, b2) if cfg.rl.kl_beta > 0 else None
+    key = sds((2,), jnp.uint32, rep)
+    return {
+        "sample": (params, batch["prompt"], batch["prompt_valid"], key, sds((), jnp.int32, rep)),
+        "ref_logprobs": (params, batch),
+        "update": (params, opt, batch, ref),
+    }
+
+
+def _mesh_of(shardings: Any) -> Mesh:
+    return jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0].mesh

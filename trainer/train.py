@@ -133,7 +133,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     if cfg.init.from_ == "hf":
         from trainer.hf import import_hf
 
-        hf_params, hf_model = import_hf(cfg.init.path or "")
+        hf_params, hf_model = import_hf(cfg.init.path or "", cfg.compute.param_dtype)
         cfg = with_model(cfg, hf_model)
     try:
         cfg = resolve_mesh(cfg, jax.device_count(), exact=jax.process_count() > 1)
@@ -150,8 +150,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     n_mesh = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
     mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n_mesh])
     tok = data.tokenizer
-    programs = build_programs(cfg.model_cfg, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, mesh, tok.pad_id,
-                               tok.eos_id)
+    programs = build_programs(cfg, mesh, tok.pad_id, tok.eos_id)
     param_sh, opt_sh = programs.param_sh, programs.opt_sh
 
     base_key = jax.random.PRNGKey(cfg.seed)

@@ -12,7 +12,14 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from trainer.hf import export_hf, import_hf, read_checkpoint_tensors
+from trainer.hf import (
+    export_hf,
+    hf_config_from_model,
+    import_hf,
+    model_config_from_hf,
+    model_family,
+    read_checkpoint_tensors,
+)
 from trainer.tokenizer import HFTokenizer, load_tokenizer
 
 VOCAB = 48
@@ -139,6 +146,13 @@ def test_import_qwen3_places_every_tensor(qwen3_dir: tuple[Path, dict[str, np.nd
         "tie_embeddings": True,
         "param_dtype": "bfloat16",
         "max_seq_len": 128,
+        "family": "qwen3",
+        "qkv_bias": False,
+        "rope_type": "default",
+        "rope_factor": 1.0,
+        "rope_low_freq_factor": 1.0,
+        "rope_high_freq_factor": 4.0,
+        "rope_original_max_len": None,
     }
     assert set(params) == {"embed", "layers", "final_norm"}  # tied: no lm_head
     lay = params["layers"]
@@ -241,11 +255,11 @@ def test_tokenizer_loads_from_checkpoint_dir(qwen3_dir: tuple[Path, dict[str, np
 
 def test_import_errors(tmp_path: Path) -> None:
     t = hf_tensors(LLAMA, np.float32, seed=2)
-    bad = dict(LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ValueError, match="unsupported rope scaling 'llama3'"):
+    bad = dict(LLAMA, rope_scaling={"rope_type": "yarn", "factor": 8.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
         import_hf(write_checkpoint(tmp_path / "rope", bad, t))
-    with pytest.raises(ValueError, match="unsupported model_type 'qwen2'"):
-        import_hf(write_checkpoint(tmp_path / "qwen2", dict(LLAMA, model_type="qwen2"), t))
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma'"):
+        import_hf(write_checkpoint(tmp_path / "gemma", dict(LLAMA, model_type="gemma"), t))
     extra = dict(t, **{"model.layers.0.self_attn.q_proj.bias": np.zeros(24, np.float32)})
     with pytest.raises(ValueError, match=r"unsupported tensors.*q_proj.bias"):
         import_hf(write_checkpoint(tmp_path / "bias", LLAMA, extra))
@@ -338,3 +352,121 @@ def test_import_tolerates_tied_lm_head_copy_and_rope_table(tmp_path: Path) -> No
     assert cfg.tie_embeddings and "lm_head" not in params
     assert cfg.param_dtype == "float32" and params["embed"].dtype == np.float32
     np.testing.assert_array_equal(params["embed"], t["model.embed_tokens.weight"])
+
+
+LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # transformers < 4.56: rope_theta beside rope_scaling; "type" is the even older spelling of rope_type
+        {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **LLAMA31_SCALING}},
+        {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **LLAMA31_SCALING}},
+        # transformers >= 4.56: one rope_parameters dict holding the theta too
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **LLAMA31_SCALING}},
+        {"rope_theta": 1.0, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **LLAMA31_SCALING}},
+    ],
+)
+def test_llama3_rope_scaling_layouts(layout: dict[str, Any]) -> None:
+    base = {k: v for k, v in LLAMA.items() if k != "rope_theta"}
+    cfg = model_config_from_hf(base | layout)
+    assert (cfg.family, cfg.rope_type, cfg.rope_theta, cfg.rope_factor) == ("llama", "llama3", 5e5, 8.0)
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len) == (1.0, 4.0, 16)
+    # Back out in the layout it came in (rope_parameters when the base has it), and in again unchanged.
+    out = hf_config_from_model(cfg, base | layout)
+    assert ("rope_parameters" in out) == ("rope_parameters" in layout)
+    assert model_config_from_hf(out) == cfg
+
+
+def test_rope_defaults_and_linear() -> None:
+    no_original = dict(LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0})
+    assert model_config_from_hf(no_original).rope_original_max_len == 64  # transformers: max_position_embeddings
+    linear = model_config_from_hf(dict(LLAMA, rope_scaling={"type": "linear", "factor": 2.0}))
+    assert (linear.rope_type, linear.rope_factor) == ("linear", 2.0)
+    assert hf_config_from_model(linear)["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    plain = model_config_from_hf(dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 7.0}))
+    assert (plain.rope_type, plain.rope_theta) == ("default", 7.0)
+
+
+QWEN2 = dict(LLAMA, model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+             sliding_window=8, max_window_layers=1)
+MISTRAL = dict(LLAMA, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+
+
+def test_qwen2_and_mistral_configs() -> None:
+    qwen2 = model_config_from_hf(QWEN2)  # sliding_window is ignored while use_sliding_window is false
+    assert (qwen2.family, qwen2.qkv_bias, qwen2.qk_norm) == ("qwen2", True, False)
+    # use_sliding_window with no sliding layer (max_window_layers >= layers) or a window >= the context is fine
+    assert model_config_from_hf(dict(QWEN2, use_sliding_window=True, max_window_layers=3)).family == "qwen2"
+    assert model_config_from_hf(dict(QWEN2, use_sliding_window=True, sliding_window=64)).family == "qwen2"
+    mistral = model_config_from_hf(MISTRAL)
+    assert (mistral.family, mistral.qkv_bias, mistral.qk_norm) == ("mistral", False, False)
+    assert model_config_from_hf(dict(MISTRAL, sliding_window=64)).family == "mistral"  # = max_position_embeddings
+    out = hf_config_from_model(mistral)
+    assert out["architectures"] == ["MistralForCausalLM"] and out["sliding_window"] is None
+
+
+@pytest.mark.parametrize(
+    ("hf", "match"),
+    [
+        (dict(MISTRAL, sliding_window=32), "sliding_window=32 < max_position_embeddings=64"),
+        # MistralConfig's default window is 4096, so a config without the key has one
+        ({k: v for k, v in MISTRAL.items() if k != "sliding_window"} | {"max_position_embeddings": 8192},
+         "sliding_window=4096"),
+        (dict(QWEN2, use_sliding_window=True), "use_sliding_window=true with sliding_window=8"),
+        (dict(QWEN2, use_sliding_window=True, layer_types=["full_attention", "sliding_attention", "full_attention"],
+              max_window_layers=9), "sliding_window=8"),
+        (dict(LLAMA, attention_bias=True), "attention_bias=true .*o_proj bias"),
+        (dict(QWEN3, attention_bias=True), "attention_bias=true .*o_proj bias"),
+        (dict(LLAMA, mlp_bias=True), "mlp_bias"),
+        (dict(LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+         "partial_rotary_factor"),
+        (dict(LLAMA, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1.0}}), "nested"),
+    ],
+)
+def test_unsupported_configs_are_refused(hf: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf(hf)
+
+
+def test_qwen2_checkpoint_biases(tmp_path: Path) -> None:
+    t = hf_tensors(QWEN2, np.float32, seed=5)
+    rng = np.random.default_rng(6)
+    for i in range(3):
+        for proj, n in (("q", 24), ("k", 8), ("v", 8)):
+            t[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = rng.standard_normal(n).astype(np.float32)
+    params, cfg = import_hf(write_checkpoint(tmp_path / "qwen2", QWEN2, t))
+    assert params["layers"]["bq"].shape == (3, 6, 4) and params["layers"]["bk"].shape == (3, 2, 4)
+    np.testing.assert_array_equal(params["layers"]["bq"][1].reshape(-1), t["model.layers.1.self_attn.q_proj.bias"])
+    np.testing.assert_array_equal(params["layers"]["bv"][2].reshape(-1), t["model.layers.2.self_attn.v_proj.bias"])
+    out = export_hf(params, cfg, tmp_path / "out", source_dir=tmp_path / "qwen2")
+    back = read_checkpoint_tensors(out)
+    assert sorted(back) == sorted(t) and all(back[k].tobytes() == t[k].tobytes() for k in t)
+    # A missing bias, or an o_proj bias (Llama/Qwen3 attention_bias layout), is an error.
+    no_bias = {k: v for k, v in t.items() if k != "model.layers.0.self_attn.k_proj.bias"}
+    with pytest.raises(ValueError, match="no tensor 'model.layers.0.self_attn.k_proj.bias'"):
+        import_hf(write_checkpoint(tmp_path / "missing", QWEN2, no_bias))
+    o_bias = dict(t, **{"model.layers.0.self_attn.o_proj.bias": np.zeros(24, np.float32)})
+    with pytest.raises(ValueError, match=r"unsupported tensors.*o_proj.bias"):
+        import_hf(write_checkpoint(tmp_path / "obias", QWEN2, o_bias))
+
+
+def test_family_inference_and_validation() -> None:
+    from trainer.config import ModelConfig
+
+    shape = dict(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8, max_seq_len=8)
+    assert model_family(ModelConfig(**shape)) == "llama"
+    assert model_family(ModelConfig(**shape, qk_norm=True)) == "qwen3"
+    assert model_family(ModelConfig(**shape, qkv_bias=True)) == "qwen2"
+    assert model_family(ModelConfig(**shape, family="mistral")) == "mistral"
+    with pytest.raises(ValueError, match="both QK-norm and q/k/v biases"):
+        model_family(ModelConfig(**shape, qk_norm=True, qkv_bias=True))
+    with pytest.raises(ValueError, match="family=qwen2 needs qk_norm=False and qkv_bias=True"):
+        ModelConfig(**shape, family="qwen2")
+    with pytest.raises(ValueError, match="family=llama needs"):
+        ModelConfig(**shape, family="llama", qk_norm=True)
+    with pytest.raises(ValueError, match="rope_original_max_len"):
+        ModelConfig(**shape, rope_type="llama3")
