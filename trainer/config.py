@@ -154,6 +154,9 @@ class SamplingConfig(_Strict):
 
 
 class OptimConfig(_Strict):
+    # adamw: two param-sized moments. adafactor: factored second moments and no first moment (optax.adafactor,
+    # lr as an absolute step: multiply_by_parameter_scale off), for models whose Adam state does not fit.
+    name: Literal["adamw", "adafactor"] = "adamw"
     lr: float = Field(1e-5, gt=0)
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio

@@ -1,4 +1,4 @@
-"""AdamW with linear warmup + cosine decay and global-norm gradient clipping."""
+"""AdamW (or Adafactor) with linear warmup + cosine decay and global-norm gradient clipping."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ def make_schedule(cfg: OptimConfig, total_updates: int, updates_per_step: int = 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, updates_per_step: int = 1) -> optax.GradientTransformation:
     schedule = make_schedule(cfg, total_steps * updates_per_step, updates_per_step)
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
-    )
+    if cfg.name == "adafactor":
+        # clipping_threshold=None: the global-norm clip below is the one clip, as for AdamW.
+        inner = optax.adafactor(schedule, multiply_by_parameter_scale=False, clipping_threshold=None,
+                                momentum=None, weight_decay_rate=cfg.weight_decay or None)
+    else:
+        inner = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner)

@@ -131,15 +131,27 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def opt_state_shardings(
     mesh: Mesh, optimizer: optax.GradientTransformation, param_shardings: Any, params_shape: Any
 ) -> Any:
-    """Optimizer-state shardings: param-shaped leaves (Adam moments) follow their param, the rest replicate."""
+    """Optimizer-state shardings: param-shaped leaves (Adam moments) follow their param, the rest replicate.
+
+    Some states sit in a param-structured tree without the param's shape (Adafactor's factored row/column
+    statistics): those replicate too; they are O(rows + cols), not O(rows x cols).
+    """
     state_shape = jax.eval_shape(optimizer.init, params_shape)
-    return optax.tree_map_params(
+    tree = optax.tree_map_params(
         optimizer,
         lambda _, sharding: sharding,
         state_shape,
         param_shardings,
         transform_non_params=lambda _: replicated(mesh),
     )
+
+    def fits(sharding: NamedSharding, leaf: Any) -> NamedSharding:
+        spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+        ok = len(sharding.spec) <= leaf.ndim and all(
+            axes is None or leaf.shape[i] % _mesh_size(mesh, axes) == 0 for i, axes in enumerate(spec))
+        return sharding if ok and len(sharding.spec) == leaf.ndim else replicated(mesh)
+
+    return jax.tree.map(fits, tree, state_shape, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:

@@ -237,3 +237,27 @@ def test_fsdp_across_slices_shards_state_over_the_slice_axis(base: dict) -> None
     shape = (2, 32, 64)
     assert per_device(across.param_sh["layers"]["w_up"], shape)[1] * 2 == per_device(plain.param_sh["layers"]["w_up"],
                                                                                      shape)[1]
+
+
+def test_adafactor_keeps_factored_state_and_trains(base: dict) -> None:
+    cfg = _cfg(base, (2, 2, 2), optim={"name": "adafactor"})
+    params, m, opt = _run_update(cfg)
+    init = _initial_params(base)
+    assert max(float(np.max(np.abs(a - b))) for a, b in
+               zip(jax.tree.leaves(init), jax.tree.leaves(params), strict=True)) > 1e-4
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    # At real sizes (dims >= 128 get factored) the state is a small fraction of the params, and every leaf gets
+    # a sharding that fits its shape.
+    from trainer.optim import make_optimizer
+    from trainer.sharding import named_shardings, opt_state_shardings
+
+    big = ModelConfig(**{**TINY_MODEL, "d_model": 256, "d_ff": 512, "head_dim": 64, "vocab_size": 512})
+    abstract = M.abstract_params(big)
+    optimizer = make_optimizer(cfg.optim, 10)
+    mesh = make_mesh(2, 2, 2)
+    sh = opt_state_shardings(mesh, optimizer, named_shardings(mesh, M.param_axes(big), abstract), abstract)
+    state = jax.eval_shape(optimizer.init, abstract)
+    for leaf, s in zip(jax.tree.leaves(state), jax.tree.leaves(sh), strict=True):
+        s.shard_shape(leaf.shape)  # raises if the spec does not fit the leaf
+    n_params = sum(x.size for x in jax.tree.leaves(abstract))
+    assert sum(x.size for x in jax.tree.leaves(state)) < n_params / 2  # AdamW holds 2 x n_params
