@@ -1,8 +1,10 @@
-"""Qwen3 / Llama-family decoder: RMSNorm, RoPE (rotate_half), GQA, SwiGLU, optional QK-norm.
+"""Llama / Mistral / Qwen2 / Qwen3 decoder: RMSNorm, RoPE (rotate_half; linear or Llama-3.1 scaling), GQA, SwiGLU,
+optional q/k/v biases (Qwen2) and QK-norm (Qwen3).
 
-Layers are stacked on a leading L axis and run with `lax.scan`. Shape suffixes: B batch, T query length,
-S key length (cache slots), D d_model, H query heads, K kv heads, G = H/K, E head_dim, F d_ff, V vocab, L layers.
-Norms, softmax and logits are computed in fp32 whatever the parameter dtype.
+Layers are stacked on a leading L axis and run with `lax.scan` (optionally rematerialised). Shape suffixes: B batch,
+T query length, S key length (cache slots), D d_model, H query heads, K kv heads, G = H/K, E head_dim, F d_ff,
+V vocab, L layers. Matmuls run in the compute dtype (`ComputeConfig.dtype`); norms, softmax, logits and log-probs
+are fp32 whatever the parameter or compute dtype.
 """
 
 from __future__ import annotations
