@@ -1,13 +1,23 @@
-"""`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline) and `train` (the trainer's own CLI)."""
+"""`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline), `fit` (the trainer compiled for a TPU slice on this
+machine) and `train` (the trainer's own CLI)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from infra.config import EnvironmentSpec
+    from infra.fit import FitJob
+    from trainer.fit import FitReport
 
 EXIT_OK = 0
 EXIT_CONFIG = 2  # bad stack config, unknown environment, unreadable file: the message says which
+EXIT_NO_FIT = 3  # fit / plan --fit: a trainer program does not fit in HBM; the message names it and what to change
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +39,32 @@ def build_parser() -> argparse.ArgumentParser:
                       "DIR/plan.md (with several environments: DIR/ENV/...)")
     plan.add_argument("--format", choices=("text", "markdown"), default="text",
                       help="text (a tree for the terminal) or markdown (for a PR comment)")
+    plan.add_argument("--fit", action="store_true",
+                      help="also compile the environment's trainer for its TPU slices (as `fit ENV`) and add the "
+                      "summary; exits 3 when a program does not fit")
+    fit = sub.add_parser(
+        "fit", help="compile the trainer for a TPU slice on this machine: HBM per chip, FLOPs, MFU",
+        description="Compiles the trainer's jitted programs (sample, reference log-probs, update) with libtpu for "
+        "a TPU topology, on this CPU machine, and reports per-chip HBM against the chip's, FLOPs, estimated time "
+        "and MFU of one RL step. Exit 0: fits (a warning above 90% of HBM); 3: a program does not fit (the "
+        "message names it and the settings that reduce it); 2: bad input.",
+        epilog="examples: gke-tpu-rl fit dev | gke-tpu-rl fit --config run.yaml --tpu v6e:4x4 --slices 2 "
+        "--set rl.group_size=16 | gke-tpu-rl fit --config qwen3-8b-grpo-v6e-4x4.yaml --tpu v6e:4x4 --model "
+        "qwen3-8b --format markdown")
+    fit.add_argument("env", nargs="?", metavar="ENV",
+                     help="environment: its trainer's slice group, slice count, trainer.config and trainer.args")
+    fit.add_argument("--config-file", type=Path, metavar="FILE", help="read ENV's stack config from FILE")
+    fit.add_argument("--config", metavar="YAML",
+                     help="trainer config file (or the name of one under trainer/configs/); with ENV it replaces "
+                     "trainer.config, without ENV --tpu is required")
+    fit.add_argument("--tpu", metavar="TYPE:TOPOLOGY", help="with --config: the slice, e.g. v6e:4x4 or v5p:4x4x4")
+    fit.add_argument("--slices", type=int, default=1, metavar="N", help="with --config: how many slices (default 1)")
+    fit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a trainer config value after the environment's (repeatable)")
+    fit.add_argument("--model", metavar="NAME",
+                     help="size this bundled model instead (case-insensitive): see trainer/presets/")
+    fit.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                     help="text (tables for the terminal), markdown (a PR comment) or json")
     sub.add_parser("train", add_help=False, help="run the trainer (gke-tpu-rl train --help for its flags)")
     return p
 
@@ -41,9 +77,68 @@ def _env_from_file(path: Path) -> str:
     return path.stem
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _console() -> Console:
     from rich.console import Console
 
+    # Piped output (make demo | tee, CI logs) gets a width that keeps the tables readable.
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _run_fit(job: FitJob, model: str | None = None) -> FitReport:
+    """Compile a job (JAX and libtpu are imported here, never for a plain plan); progress goes to stderr."""
+    from trainer.fit import fit
+
+    return fit(job.cfg, job.target, title=job.title, model=model,
+               progress=lambda msg: print(f"{msg} ...", file=sys.stderr, flush=True))
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from infra import render
+    from infra.config import ConfigError
+    from infra.fit import env_job, env_spec, file_job
+    from infra.plan import PlanError
+    from trainer.config import ConfigError as TrainerConfigError
+
+    try:
+        if args.env is None and args.config_file is None:
+            if not args.config or not args.tpu:
+                raise ConfigError("fit needs ENV, or --config YAML with --tpu TYPE:TOPOLOGY (e.g. v6e:4x4)")
+            job = file_job(args.config, args.tpu, args.slices, args.overrides)
+        else:
+            if args.tpu or args.slices != 1:
+                raise ConfigError("--tpu and --slices go with --config alone; ENV fits its trainer's own slices")
+            env = args.env or _env_from_file(args.config_file)
+            job = env_job(env_spec(env, args.config_file), args.config, args.overrides)
+        report = _run_fit(job, args.model)
+    except (ConfigError, PlanError, TrainerConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.format == "json":
+        sys.stdout.write(report.json())
+    elif args.format == "markdown":
+        sys.stdout.write(report.markdown())
+    else:
+        render.print_fit(report, _console())  # the errors and what to change are part of it
+    if not report.fits:
+        _no_fit(report, verbose=args.format != "text")
+        return EXIT_NO_FIT
+    return EXIT_OK
+
+
+def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True) -> None:
+    """On stderr: each program that does not fit and what would reduce it, or (after a text report that shows
+    them) one line naming the programs."""
+    where = f"{env}: " if env else ""
+    if verbose:
+        for e in report.errors():
+            print(e if e.startswith("  ") else f"error: {where}{e}", file=sys.stderr)
+    else:
+        names = ", ".join(p.name for p in report.failures)
+        print(f"error: {where}does not fit on {report.target.label}: {names} (see above for what to change)",
+              file=sys.stderr)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from infra import render
     from infra.config import ConfigError
     from infra.plan import PlanError, available_envs, plan, repo_root, write_out
@@ -61,28 +156,45 @@ def _plan(args: argparse.Namespace) -> int:
         if not envs:
             print(f"error: no environments/Pulumi.*.yaml under {root}", file=sys.stderr)
             return EXIT_CONFIG
-    # Piped output (make demo | tee, CI logs) gets a width that keeps the slice table readable.
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = _console()
     status = EXIT_OK
     for i, env in enumerate(envs):
         try:
             result = plan(env, args.config_file, root)
+            report = _plan_fit(result.spec) if args.fit else None
         except (ConfigError, PlanError) as e:
             print(f"error: {e}", file=sys.stderr)
             status = EXIT_CONFIG
             continue
-        md = render.markdown(result)
+        if report is not None and not report.fits:
+            _no_fit(report, env, verbose=args.format != "text")
+            status = max(status, EXIT_NO_FIT)
+        md = render.markdown(result, report)
         if args.format == "markdown":
             sys.stdout.write(("\n" if i else "") + md)  # verbatim: no wrapping, markup or emoji codes
         else:
             if i:
                 console.print()
-            render.print_text(result, console)
+            render.print_text(result, console, report)
         if args.out is not None:
             out_dir = args.out / env if len(envs) > 1 else args.out
             written = write_out(result, out_dir, markdown=md)
             print(f"wrote {len(written)} files to {out_dir}", file=sys.stderr)
     return status
+
+
+def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
+    """`plan --fit`: the environment's trainer, as `fit ENV` compiles it (None when the trainer is disabled)."""
+    from infra.config import ConfigError
+    from infra.fit import env_job
+    from trainer.config import ConfigError as TrainerConfigError
+
+    if not spec.trainer.enabled:
+        return None
+    try:
+        return _run_fit(env_job(spec))
+    except TrainerConfigError as e:
+        raise ConfigError(f"{spec.env}: fit: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(train_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
-    return _plan(args)
+    return _fit(args) if args.command == "fit" else _plan(args)
 
 
 if __name__ == "__main__":

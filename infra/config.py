@@ -194,6 +194,8 @@ class TrainerSpec(_Model):
     name: str = "grpo"
     image: str | None = Field(None, description="trainer image; the environment's registry when unset")
     image_tag: str = "latest"
+    config: str | None = Field(None, description="trainer YAML by file name under trainer/configs/, passed to the "
+                               "pod as --config; the trainer's embedded demo config when unset")
     args: list[str] = Field(default_factory=list)
     slice_group: str | None = Field(None, description="which slice group runs the trainer; the first when unset")
     slices: int = Field(1, ge=1)
@@ -207,6 +209,17 @@ class TrainerSpec(_Model):
     def _dns(cls, v: str) -> str:
         if not _DNS_LABEL.match(v):
             raise ValueError(f"{v!r} must be a lowercase DNS label")
+        return v
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, v: str | None) -> str | None:
+        # The image installs the package, so the pod can only name a config bundled under trainer/configs/.
+        from trainer.config import default_config_path
+
+        if v is not None and ("/" in v or not default_config_path(v).is_file()):
+            bundled = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
+            raise ValueError(f"{v!r} is not a trainer config under trainer/configs/; allowed: {', '.join(bundled)}")
         return v
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -14,6 +14,9 @@ from rich.tree import Tree
 
 from infra.mockrun import SECRET_MASK, PlanResult, Resource
 from infra.plan import is_kubernetes_object
+
+if TYPE_CHECKING:
+    from trainer.fit import FitReport
 
 # ---------------------------------------------------------------- which settings the tree shows, per type
 
@@ -332,7 +335,7 @@ def summarize(result: PlanResult) -> Summary:
         trainer = (f"JobSet {spec.queues.namespace}/{spec.trainer.name}: {spec.trainer.slices} x {group.name} "
                    f"({group.topology}) = {_n(spec.trainer.slices * group.shape.hosts, 'pod')} x "
                    f"{group.shape.chips_per_host} chips, priority {spec.trainer.priority}, "
-                   f"max {spec.trainer.max_restarts} restarts")
+                   f"max {spec.trainer.max_restarts} restarts, config {spec.trainer.config or 'demo.yaml'}")
     return Summary(
         env=result.env, project=spec.project, zone=spec.zone, cluster=spec.cluster_name, slices=rows,
         chips_by_type=dict(sorted(chips_by_type.items())), peak_bf16_pflops=round(pflops, 2), hbm_gib=hbm,
@@ -356,7 +359,27 @@ def _outputs_lines(result: PlanResult) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------- whole plans
 
 
-def print_text(result: PlanResult, console: Console) -> None:
+def print_fit(report: FitReport, console: Console) -> None:
+    """`gke-tpu-rl fit`'s report (also `plan --fit`): headline, one row per program, the step's MFU, notes."""
+    console.rule(Text(f"fit: {report.title}", style="bold"))
+    for line in report.headline():
+        console.print(line, highlight=False)
+    table = Table(*report.HEADERS, title="Per-program HBM (per " + report.unit + "), FLOPs and time per RL step",
+                  title_justify="left")
+    styles = {"fits": "green", "tight": "yellow", "does not fit": "bold red", "skipped": "dim"}
+    for row, p in zip(report.rows(), report.programs, strict=True):
+        table.add_row(*row[:-1], Text(row[-1], style=styles.get(report.status(p), "")))
+    console.print(table)
+    console.print(Text(report.summary_line(), style="bold"))
+    for w in report.warnings():
+        console.print(Text.assemble(("warning: ", "bold yellow"), w))
+    for e in report.errors():
+        console.print(Text(e) if e.startswith("  ") else Text.assemble(("error: ", "bold red"), e))
+    for n in report.notes():
+        console.print(Text(n, style="dim"))
+
+
+def print_text(result: PlanResult, console: Console, fit: FitReport | None = None) -> None:
     s = summarize(result)
     console.rule(Text(f"plan: {s.env}  (cluster {s.cluster}, project {s.project}, zone {s.zone})", style="bold"))
     table = Table(*_SLICE_HEADERS, title="TPU slices", title_justify="left")
@@ -371,12 +394,15 @@ def print_text(result: PlanResult, console: Console) -> None:
     console.print(Text("Stack outputs", style="bold"))
     for key, value in _outputs_lines(result):
         console.print(Text.assemble(f"  {key}: ", (value, "red" if value == SECRET_MASK else "")))
+    if fit is not None:
+        console.print()
+        print_fit(fit, console)
 
 
-def text(result: PlanResult, width: int = 400) -> str:
+def text(result: PlanResult, width: int = 400, fit: FitReport | None = None) -> str:
     buf = io.StringIO()
     print_text(result, Console(file=buf, width=width, color_system=None, no_color=True, force_terminal=False,
-                               emoji=False, highlight=False, legacy_windows=False))
+                               emoji=False, highlight=False, legacy_windows=False), fit)
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
 
 
@@ -384,8 +410,9 @@ def _md_cell(value: str) -> str:
     return value.replace("|", "\\|")
 
 
-def markdown(result: PlanResult) -> str:
-    """A block fit for a PR comment: summary up front, the full tree and outputs folded away."""
+def markdown(result: PlanResult, fit: FitReport | None = None) -> str:
+    """A block fit for a PR comment: summary up front (with `fit`, the trainer's preflight after it), the full
+    tree and outputs folded away."""
     s = summarize(result)
     lines = [f"### gke-tpu-rl plan: `{s.env}`", "",
              f"Cluster `{s.cluster}` in project `{s.project}`, zone `{s.zone}`.", "",
@@ -393,6 +420,8 @@ def markdown(result: PlanResult) -> str:
     lines += ["| " + " | ".join(_md_cell(c) for c in _slice_cells(row)) + " |" for row in s.slices]
     lines.append("")
     lines += [f"- **{label}**: {_md_cell(text)}" for label, text in s.facts()]
+    if fit is not None:
+        lines += ["", fit.markdown(heading="####").rstrip("\n")]
     lines += ["", f"<details><summary>Resource tree ({s.resources} resources)</summary>", "", "```text",
               plain(resource_tree(result)).rstrip("\n"), "```", "", "</details>", "",
               "<details><summary>Stack outputs</summary>", ""]

@@ -16,6 +16,7 @@ class TpuGeneration:
     tensorcores_per_chip: int
     peak_bf16_tflops_per_chip: float
     hbm_gib_per_chip: int
+    hbm_gbps_per_chip: float  # HBM bandwidth, GB/s (Cloud TPU docs' per-chip figure)
     # Ironwood (tpu7x) places multi-host slices with a workload policy instead of tpu_topology.
     uses_workload_policy: bool = False
 
@@ -35,6 +36,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             tensorcores_per_chip=2,
             peak_bf16_tflops_per_chip=275.0,
             hbm_gib_per_chip=32,
+            hbm_gbps_per_chip=1200.0,
         ),
         TpuGeneration(
             name="v5e",
@@ -45,6 +47,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             tensorcores_per_chip=1,
             peak_bf16_tflops_per_chip=197.0,
             hbm_gib_per_chip=16,
+            hbm_gbps_per_chip=819.0,
         ),
         TpuGeneration(
             name="v5p",
@@ -56,6 +59,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             tensorcores_per_chip=2,
             peak_bf16_tflops_per_chip=459.0,
             hbm_gib_per_chip=95,
+            hbm_gbps_per_chip=2765.0,
         ),
         TpuGeneration(
             name="v6e",
@@ -66,6 +70,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             tensorcores_per_chip=1,
             peak_bf16_tflops_per_chip=918.0,
             hbm_gib_per_chip=32,
+            hbm_gbps_per_chip=1638.0,
         ),
         TpuGeneration(
             name="tpu7x",
@@ -77,6 +82,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             tensorcores_per_chip=2,
             peak_bf16_tflops_per_chip=2307.0,
             hbm_gib_per_chip=192,
+            hbm_gbps_per_chip=7380.0,
             uses_workload_policy=True,
         ),
     )

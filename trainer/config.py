@@ -151,6 +151,9 @@ class SamplingConfig(_Strict):
     # Global sequences generated at once (the rollout batch is sampled in chunks of this size, so the KV cache
     # does not grow with prompts x group size). None = the whole batch at once.
     max_num_sequences: int | None = Field(None, gt=0)
+    # All-gather the weights over mesh.fsdp once per step, in the compute dtype, for sampling: decoding then needs
+    # no all-gather per generated token. Costs params x bytes / mesh.tensor of HBM per chip while sampling.
+    gather_weights: bool = False
 
 
 class OptimConfig(_Strict):

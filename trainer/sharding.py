@@ -41,6 +41,11 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
 RULES_ACROSS_SLICES: tuple[tuple[str, MeshAxes], ...] = (("embed", ("slices", "fsdp")), *RULES)
 
 
+# `sampling.gather_weights`: the sampler's copy of the weights is replicated over fsdp (still split over tensor), so
+# decode steps run data-parallel over fsdp with no per-token all-gather of the weights.
+RULES_GATHERED: tuple[tuple[str, MeshAxes], ...] = (("embed", None), *RULES)
+
+
 def _rule_map(rules: Sequence[tuple[str, MeshAxes]]) -> dict[str, MeshAxes]:
     out: dict[str, MeshAxes] = {}
     for name, axes in rules:

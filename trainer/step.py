@@ -29,6 +29,7 @@ from trainer.sampler import Samples, sample
 from trainer.sharding import (
     RULES,
     RULES_ACROSS_SLICES,
+    RULES_GATHERED,
     batch_sharding,
     constrain,
     named_shardings,
@@ -86,10 +87,23 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     opt_sh = opt_state_shardings(mesh, optimizer, param_sh, M.abstract_params(mcfg))
     b2 = batch_sharding(mesh, 2)
     rep = replicated(mesh)
+    gathered_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), RULES_GATHERED)
+    compute_dt = M.compute_dtype(mcfg, cc)
+
+    def sampler_weights(params: M.Params) -> M.Params:
+        """The weights as the sampler reads them: with sampling.gather_weights, one compute-dtype copy gathered
+        over fsdp (norm scales keep their dtype: they are applied in fp32)."""
+        if not sc.gather_weights:
+            return params
+        paths = jax.tree_util.tree_flatten_with_path(params)[0]
+        leaves = [x if "norm" in jax.tree_util.keystr(path) else x.astype(compute_dt) for path, x in paths]
+        cast = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        return jax.lax.with_sharding_constraint(cast, gathered_sh)
 
     def sample_fn(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array
                   ) -> Samples:
         key = jax.random.fold_in(jax.random.fold_in(base_key, STEP_STREAM), step)
+        params = sampler_weights(params)
         return sample(params, mcfg, prompt, valid, key, max_new_tokens=sc.max_new_tokens, eos_id=eos_id,
                       pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, cc=cc,
                       max_num_sequences=sc.max_num_sequences)

@@ -68,10 +68,11 @@ def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
 
 
 def trainer_args(spec: EnvironmentSpec) -> list[str]:
-    """Metrics next to the checkpoints in the bucket, and a mesh that spans every slice; the config's args
-    come last so they can override either."""
+    """The trainer config (a bundled file name), metrics next to the checkpoints in the bucket, and a mesh that
+    spans every slice; the config's args come last so they can override any of it."""
     t = spec.trainer
-    return ["--run-dir", f"{CHECKPOINT_MOUNT}/{t.name}/run", "--set", f"mesh.slices={t.slices}",
+    config = ["--config", t.config] if t.config else []
+    return [*config, "--run-dir", f"{CHECKPOINT_MOUNT}/{t.name}/run", "--set", f"mesh.slices={t.slices}",
             "--set", "mesh.fsdp=-1", *t.args]
 
 

@@ -60,6 +60,10 @@ BAD = [
      r"gke-tpu-rl:storage: forceDestroy would delete checkpoints on destroy; it needs protect: false"),
     ("bad CIDR", "staging", "network.nodeCidr", "10.0.0.1/20",
      r"gke-tpu-rl:network\.nodeCidr: '10\.0\.0\.1/20' is not a CIDR block"),
+    ("trainer config not bundled", "dev", "trainer.config", "mine.yaml",
+     r"gke-tpu-rl:trainer\.config: 'mine\.yaml' is not a trainer config under trainer/configs/; allowed: demo\.yaml, "),
+    ("trainer config as a path", "dev", "trainer.config", "trainer/configs/demo.yaml",
+     r"gke-tpu-rl:trainer\.config: 'trainer/configs/demo\.yaml' is not a trainer config under trainer/configs/"),
 ]
 
 

@@ -261,3 +261,20 @@ def test_adafactor_keeps_factored_state_and_trains(base: dict) -> None:
         s.shard_shape(leaf.shape)  # raises if the spec does not fit the leaf
     n_params = sum(x.size for x in jax.tree.leaves(abstract))
     assert sum(x.size for x in jax.tree.leaves(state)) < n_params / 2  # AdamW holds 2 x n_params
+
+
+def test_gathered_sampler_weights_give_the_same_samples(base: dict) -> None:
+    cfg = _cfg(base, (1, 4, 2), sampling={"temperature": 1.0})
+    gathered = _cfg(base, (1, 4, 2), sampling={"temperature": 1.0, "gather_weights": True})
+    mesh = make_mesh(1, 4, 2)
+    batch = _batch(mesh)
+    key = replicate(mesh, np.asarray(jax.random.key_data(jax.random.PRNGKey(4))))
+    step = replicate(mesh, np.int32(0))
+    outs = []
+    for c in (cfg, gathered):
+        progs = build_programs(c, mesh, 0, 2)
+        with jax.set_mesh(mesh):
+            params = progs.init_params(key)
+            outs.append(jax.device_get(progs.sample(params, batch["prompt"], batch["prompt_valid"], key, step)))
+    np.testing.assert_array_equal(outs[0].tokens_BN, outs[1].tokens_BN)
+    np.testing.assert_allclose(outs[0].logprobs_BN, outs[1].logprobs_BN, rtol=1e-5, atol=1e-5)

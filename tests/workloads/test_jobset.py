@@ -82,13 +82,17 @@ def test_single_slice_gets_no_megascale_env() -> None:
 
 
 def test_trainer_args_span_the_slices_and_keep_user_overrides_last() -> None:
+    from trainer.cli import build_parser
     from trainer.config import load_config
 
     spec = _spec("staging")
     args = jobset.trainer_args(spec)
-    assert args[:2] == ["--run-dir", "/checkpoints/grpo-stg/run"]
-    overrides = [a for prev, a in zip(args, args[1:], strict=False) if prev == "--set"]
-    cfg = load_config(None, overrides)  # the image's embedded default config plus what the JobSet passes
-    assert (cfg.mesh.slices, cfg.mesh.fsdp) == (2, -1)
+    assert args[:4] == ["--config", "llama3-70b-grpo-2xv6e-4x4.yaml", "--run-dir", "/checkpoints/grpo-stg/run"]
+    pod = build_parser().parse_args(args)  # the trainer's own parser, as in the container
+    cfg = load_config(pod.config, pod.overrides)  # a bare name: the config bundled in the image's package
+    assert (cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, -1, 4)
+    assert cfg.init.path == "/checkpoints/models/Llama-3.1-70B"
     dev = jobset.trainer_args(_spec("dev"))
     assert dev[-len(_spec("dev").trainer.args):] == list(_spec("dev").trainer.args)
+    no_config = _spec("dev").model_copy(update={"trainer": _spec("dev").trainer.model_copy(update={"config": None})})
+    assert "--config" not in jobset.trainer_args(no_config)  # the image's embedded demo config

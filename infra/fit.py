@@ -1,0 +1,98 @@
+"""What `gke-tpu-rl fit` compiles: the trainer config as the JobSet's pod loads it, and the slice from the catalog.
+
+No JAX here: the compilation itself is trainer/fit.py, imported only when a fit runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from infra import tpu
+from infra.config import NAMESPACE, ConfigError, EnvironmentSpec, parse_spec
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.fit import Target
+
+
+@dataclass(frozen=True)
+class FitJob:
+    title: str
+    cfg: TrainConfig
+    target: Target
+
+
+def env_spec(env: str, config_file: Path | None = None, root: Path | None = None) -> EnvironmentSpec:
+    """The validated spec of environments/Pulumi.ENV.yaml (or `config_file`), without running the program."""
+    from infra.plan import load_stack_config, repo_root, stack_file
+
+    raw = load_stack_config(config_file if config_file is not None else stack_file(env, root or repo_root()))
+    prefix = NAMESPACE + ":"
+    ours = {k.removeprefix(prefix): v for k, v in raw.items() if k.startswith(prefix) or ":" not in k}
+    return parse_spec(ours, env)
+
+
+def target(shape: tpu.SliceShape, slices: int) -> Target:
+    """The trainer's compile target for `slices` slices of `shape`, every figure from the TPU catalog."""
+    from trainer.fit import Target
+
+    gen = shape.generation
+    dims = tuple(int(d) for d in shape.topology.split("x"))
+    return Target(
+        tpu_type=gen.name, topology=shape.topology, slices=slices, chips_per_slice=shape.chips,
+        hbm_bytes_per_chip=gen.hbm_gib_per_chip << 30, peak_flops_per_chip=gen.peak_bf16_tflops_per_chip * 1e12,
+        hbm_bytes_per_s_per_chip=gen.hbm_gbps_per_chip * 1e9,
+        host_bounds=None if shape.multi_host else (*dims, *(1,) * (3 - len(dims))),  # type: ignore[arg-type]
+    )
+
+
+def parse_tpu(value: str) -> tpu.SliceShape:
+    """`--tpu TYPE:TOPOLOGY` (v6e:4x4, v5p:4x4x4, trillium:2x2) -> a catalog slice shape; errors name the flag."""
+    kind, sep, topology = value.partition(":")
+    if not sep or not kind or not topology:
+        raise ConfigError(f"--tpu {value!r}: expected TYPE:TOPOLOGY such as v6e:4x4; types: "
+                          f"{', '.join(sorted(tpu.GENERATIONS))}")
+    try:
+        return tpu.slice_shape(kind, topology)
+    except ValueError as err:
+        raise ConfigError(f"--tpu {value!r}: {err}") from None
+
+
+def _trainer_config(config: str | None, overrides: list[str]) -> TrainConfig:
+    from trainer.config import ConfigError as TrainerConfigError
+    from trainer.config import load_config
+
+    try:
+        return load_config(config, overrides)
+    except TrainerConfigError as err:
+        raise ConfigError(f"trainer config {config or '(embedded demo)'}: {err}") from None
+
+
+def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[str] | None = None) -> FitJob:
+    """The environment's trainer: its slice group, and its config loaded from the very arguments the JobSet gives
+    the pod (workloads.jobset.trainer_args, parsed by the trainer's own parser), then `overrides`."""
+    from trainer.cli import build_parser
+    from workloads.jobset import trainer_args
+
+    t = spec.trainer
+    group = spec.trainer_group
+    if not t.enabled or group is None:
+        raise ConfigError(f"environment {spec.env!r}: trainer.enabled is false; there is no trainer to fit")
+    pod, unknown = build_parser().parse_known_args(trainer_args(spec))
+    if unknown:
+        raise ConfigError(f"environment {spec.env!r}: trainer.args has arguments the trainer does not take: {unknown}")
+    name = config or pod.config
+    cfg = _trainer_config(name, [*pod.overrides, *(overrides or [])])
+    title = f"{spec.env} (trainer {t.name}, config {name or 'demo.yaml'})"
+    return FitJob(title, cfg, target(group.shape, t.slices))
+
+
+def file_job(config: str, tpu_value: str, slices: int, overrides: list[str] | None = None) -> FitJob:
+    """A trainer YAML alone on `slices` x `--tpu`, with the mesh overrides the JobSet would pass first."""
+    if slices < 1:
+        raise ConfigError(f"--slices {slices}: must be 1 or more")
+    shape = parse_tpu(tpu_value)
+    cfg = _trainer_config(config, [f"mesh.slices={slices}", "mesh.fsdp=-1", *(overrides or [])])
+    return FitJob(f"{config} on {slices} x {shape.generation.name} {shape.topology}", cfg, target(shape, slices))

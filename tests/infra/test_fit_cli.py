@@ -1,0 +1,181 @@
+"""`gke-tpu-rl fit` and `plan --fit` as a user runs them: real libtpu compiles of small models, bad input named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra import cli
+from tests.infra.conftest import ROOT
+
+TINY_HF = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 384,
+           "max_position_embeddings": 64, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000}
+SMALL_STEP = ["--set", "sampling.max_prompt_len=16", "--set", "sampling.max_new_tokens=16", "--set",
+              "rl.prompts_per_step=4", "--set", "compute.logprob_chunk=8"]
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint directory holding only config.json: all `fit` reads of a checkpoint."""
+    path = tmp_path / "tiny-qwen3"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_HF))
+    return path
+
+
+def _run_yaml(path: Path, model: dict | None = None, **sections: dict) -> Path:
+    doc = {"model": {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                     "head_dim": 32, "d_ff": 384, "max_seq_len": 64, **(model or {})},
+           "rl": {"group_size": 4, "prompts_per_step": 4}, "sampling": {"max_new_tokens": 8, "max_prompt_len": 16}}
+    for k, v in sections.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_fit_dev_compiles_the_environments_trainer(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # dev's trainer config, slice group and JobSet mesh; the checkpoint path swapped for a small model.
+    args = ["fit", "dev", "--set", f"init.path={tiny_checkpoint}", *SMALL_STEP]
+    assert cli.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "fit: dev (trainer grpo-dev, config qwen3-0.6b-grpo-v6e-2x2.yaml)" in out
+    assert "1 x v6e 2x2: 4 chips, 32.00 GiB HBM" in out and "mesh slices=1 x fsdp=4 x tensor=1" in out
+    assert "skipped: rl.kl_beta = 0" in out and "MFU" in out
+    assert "compiling sample for 1 x v6e 2x2 (1/3)" in err and "Traceback" not in err
+    assert "could not determine TPU" not in err  # libtpu's no-TPU warnings are silenced
+
+    assert cli.main([*args, "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] and doc["target"]["tpu_type"] == "v6e" and doc["target"]["chips"] == 4
+    assert doc["mesh"] == {"slices": 1, "fsdp": 4, "tensor": 1}
+    assert doc["model"].startswith("tiny-qwen3") and doc["param_dtype"] == "float32"  # compute.param_dtype wins
+    assert [p["status"] for p in doc["programs"]] == ["fits", "skipped", "fits"]
+
+
+def test_fit_a_config_alone_on_several_slices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run_yaml(tmp_path / "run.yaml")
+    assert cli.main(["fit", "--config", str(run), "--tpu", "v5e:2x2", "--slices", "2", "--set", "rl.kl_beta=0.1",
+                     "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith(f"### gke-tpu-rl fit: {run} on 2 x v5e 2x2")
+    assert "2 x v5e 2x2: 8 chips, 16.00 GiB HBM" in md and "mesh slices=2 x fsdp=4 x tensor=1" in md
+    assert "| ref_logprobs |" in md and "skipped" not in md
+
+
+def test_an_oversized_config_is_refused_naming_the_program_and_the_fix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # ~8.6 B float32 params, nearly all in a 1M-token embedding and head: with Adam's moments ~24 GiB of state per
+    # v5e chip (16 GiB). One layer and short sequences keep the compile to seconds.
+    run = _run_yaml(tmp_path / "big.yaml", {"vocab_size": 1 << 20, "d_model": 4096, "n_layers": 1, "n_heads": 32,
+                                            "n_kv_heads": 8, "head_dim": 128, "d_ff": 4096, "tie_embeddings": False})
+    reports = []
+    real_run_fit = cli._run_fit
+    monkeypatch.setattr(cli, "_run_fit", lambda job, model=None: reports[0] if reports else
+                        reports.append(real_run_fit(job, model)) or reports[0])  # compile once, render twice
+    assert cli.main(["fit", "--config", str(run), "--tpu", "v5e:2x2", "--format", "json"]) == cli.EXIT_NO_FIT
+    out, err = capsys.readouterr()
+    assert json.loads(out)["fits"] is False
+    assert "error: update does not fit: needs" in err and "per chip" in err and "available" in err
+    assert "compute.remat=full" in err and "compute.param_dtype=bfloat16" in err and "more chips" in err
+    # The text report carries the same errors; stderr then only names the programs.
+    assert cli.main(["fit", "--config", str(run), "--tpu", "v5e:2x2"]) == cli.EXIT_NO_FIT
+    out, err = capsys.readouterr()
+    assert "error: update does not fit: needs" in out and "- compute.remat=full" in out
+    assert err.splitlines()[-1].startswith("error: does not fit on 1 x v5e 2x2: ") and "update" in err
+
+
+BAD = [
+    (["--config", "run.yaml", "--tpu", "v9:2x2"],
+     "--tpu 'v9:2x2': unknown TPU type 'v9'; allowed: tpu7x, v4, v5e, v5p, v6e"),
+    (["--config", "run.yaml", "--tpu", "v6e:4x3"],
+     "--tpu 'v6e:4x3': topology '4x3' is not valid for v6e; allowed: 1x1, 2x2, 2x4, 4x4, 4x8, 8x8"),
+    (["--config", "run.yaml", "--tpu", "v6e"], "--tpu 'v6e': expected TYPE:TOPOLOGY such as v6e:4x4"),
+    (["--config", "run.yaml", "--tpu", "v6e:2x2", "--slices", "0"], "--slices 0: must be 1 or more"),
+    (["--config", "run.yaml"], "fit needs ENV, or --config YAML with --tpu TYPE:TOPOLOGY"),
+    ([], "fit needs ENV"),
+    (["dev", "--tpu", "v6e:2x2"], "--tpu and --slices go with --config alone"),
+    (["nope"], "no stack config for environment 'nope'"),
+    (["dev", "--model", "gpt-5"], "--model 'gpt-5': not a bundled model; choose one of: Llama-3.1-70B, "),
+    (["--config", "absent.yaml", "--tpu", "v6e:2x2"], "cannot read config absent.yaml"),
+    (["--config", "run.yaml", "--tpu", "v6e:2x2", "--set", "mesh.tensor=3"],
+     "mesh.fsdp=-1 cannot be inferred: 4 devices are not divisible by the other axes' product 3"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(b[0]) or "nothing" for b in BAD])
+def test_bad_input_exits_2_naming_the_flag(args: list[str], message: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    _run_yaml(tmp_path / "run.yaml")
+    monkeypatch.chdir(tmp_path)  # run.yaml resolves here; environments/ through --config-file below
+    if args and args[0] in ("dev", "nope"):
+        args = ["--config-file", str(ROOT / "environments" / f"Pulumi.{args[0]}.yaml"), *args[1:]] \
+            if args[0] == "dev" else args
+    assert cli.main(["fit", *args]) == cli.EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert message in err and "Traceback" not in err and out == ""
+
+
+# ---------------------------------------------------------------------------------------------- plan --fit
+
+
+@pytest.fixture(scope="module")
+def small_report():  # noqa: ANN201 - trainer.fit.FitReport
+    from trainer.config import load_config
+    from trainer.fit import Target, fit
+
+    path = Path(__file__).parent / "_fit_small.yaml"
+    try:
+        _run_yaml(path)
+        cfg = load_config(str(path), ["mesh.fsdp=-1"])
+    finally:
+        path.unlink(missing_ok=True)
+    return fit(cfg, Target("v6e", "2x2", 1, 4, 32 << 30, 918e12, 1638e9), title="dev (stand-in)")
+
+
+def test_plan_fit_adds_the_summary_to_text_and_markdown(small_report, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    seen = []
+    monkeypatch.setattr(cli, "_run_fit", lambda job, model=None: seen.append(job) or small_report)
+    assert cli.main(["plan", "dev", "--fit"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("plan: dev") < out.index("fit: dev (stand-in)") and "MFU" in out
+    job = seen[0]  # what `fit dev` would compile: the environment's trainer, as its JobSet runs it
+    assert job.title == "dev (trainer grpo-dev, config qwen3-0.6b-grpo-v6e-2x2.yaml)"
+    assert (job.target.label, job.cfg.mesh.slices, job.cfg.mesh.fsdp, job.cfg.steps) == ("1 x v6e 2x2", 1, -1, 200)
+    assert cli.main(["plan", "dev", "--fit", "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert "#### gke-tpu-rl fit: dev (stand-in)" in md and md.index("#### gke-tpu-rl fit") < md.index("Resource tree")
+
+
+def test_plan_fit_exits_3_when_a_program_does_not_fit(small_report, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import copy
+
+    failing = copy.deepcopy(small_report)
+    failing.programs[-1].temp = 64 << 30
+    monkeypatch.setattr(cli, "_run_fit", lambda job, model=None: failing)
+    assert cli.main(["plan", "dev", "--fit"]) == cli.EXIT_NO_FIT
+    assert "error: dev: does not fit on 1 x v6e 2x2: update" in capsys.readouterr().err
+    assert cli.main(["plan", "dev", "--fit", "--format", "markdown"]) == cli.EXIT_NO_FIT
+    out, err = capsys.readouterr()
+    assert "**Does not fit:**" in out and "error: dev: update does not fit: needs" in err
+
+
+def test_plan_without_fit_never_imports_jax() -> None:
+    code = ("import sys, contextlib, io; from infra.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): rc = main(['plan', 'dev'])\n"
+            "assert rc == 0 and 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -1,0 +1,235 @@
+"""The preflight: the trainer's own programs compiled with libtpu for a TPU topology on this CPU machine.
+
+Small models on v6e 2x2 / v5e 2x2 keep each compile to a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from trainer import fit as F
+from trainer import presets
+from trainer.config import ConfigError, config_from_dict, resolve_mesh
+
+GiB = 1 << 30
+V6E_2X2 = F.Target("v6e", "2x2", 1, 4, 32 * GiB, 918e12, 1638e9)
+V5E_2X2 = F.Target("v5e", "2x2", 1, 4, 16 * GiB, 197e12, 819e9)
+SMALL = {"vocab_size": 512, "d_model": 128, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32,
+         "d_ff": 384, "max_seq_len": 64, "qk_norm": True, "tie_embeddings": False, "param_dtype": "float32"}
+
+
+def _cfg(model: dict | None = None, **sections: dict) -> Any:
+    d: dict[str, Any] = {"model": {**SMALL, **(model or {})}, "mesh": {"slices": 1, "fsdp": -1, "tensor": 1},
+                         "rl": {"group_size": 4, "prompts_per_step": 4, "mu_iterations": 1},
+                         "sampling": {"max_new_tokens": 8, "max_prompt_len": 24}}
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v}
+    return config_from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def once() -> F.FitReport:
+    """Every loop runs once per body except the decode loop (1 layer, mu 1, one minibatch, one log-prob chunk)."""
+    return F.fit(_cfg(rl={"kl_beta": 0.05}), V6E_2X2, title="once")
+
+
+@pytest.fixture(scope="module")
+def deep() -> F.FitReport:
+    return F.fit(_cfg({"n_layers": 3}, rl={"mu_iterations": 2},
+                      compute={"remat": "full", "train_micro_batch_size": 8, "logprob_chunk": 4}), V6E_2X2,
+                 title="deep")
+
+
+def _by_name(report: F.FitReport) -> dict[str, F.ProgramFit]:
+    return {p.name: p for p in report.programs}
+
+
+def test_the_compiler_counts_a_loop_body_once() -> None:
+    """Why the report's FLOPs are analytic: a 10-step scan costs what one step costs, in FLOPs and in time."""
+    F.prepare_environment(V6E_2X2)
+    devices = F.topology_devices(V6E_2X2)
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16,
+                             sharding=jax.sharding.SingleDeviceSharding(devices[0]))
+
+    def scanned(x: jax.Array) -> jax.Array:
+        return jax.lax.scan(lambda c, _: (c @ x, None), x, None, length=10)[0]
+
+    def unrolled(x: jax.Array) -> jax.Array:
+        c = x
+        for _ in range(10):
+            c = c @ x
+        return c
+
+    costs = [jax.jit(f).lower(x).compile().cost_analysis() for f in (scanned, unrolled)]
+    one_step = 2 * 1024**3
+    assert costs[0]["flops"] == pytest.approx(one_step, rel=0.01)
+    assert costs[1]["flops"] == pytest.approx(10 * one_step, rel=0.01)
+    assert costs[1]["optimal_seconds"] > 1.5 * costs[0]["optimal_seconds"]
+
+
+def test_analytic_flops_match_the_compiler_where_loops_run_once(once: F.FitReport) -> None:
+    p = _by_name(once)
+    for name in ("ref_logprobs", "update"):
+        assert p[name].compiler_flops == pytest.approx(p[name].flops, rel=0.08), name
+    # The sampler's decode loop is a while_loop: the compiler counts prefill plus ONE of its 8 decode steps.
+    cfg = F.resolve_model(_cfg(rl={"kl_beta": 0.05}))[0]
+    flops = F.step_flops(cfg)
+    assert p["sample"].compiler_flops == pytest.approx(cfg.batch_size * (flops.prefill_row + flops.decode_row),
+                                                       rel=0.08)
+    assert p["sample"].flops == pytest.approx(cfg.batch_size * (flops.prefill_row + 8 * flops.decode_row))
+
+
+def test_memory_figures_are_consistent(once: F.FitReport) -> None:
+    cfg = resolve_mesh(_cfg(rl={"kl_beta": 0.05}), 4)
+    n_params = F.param_count(cfg.model_cfg)
+    params_per_chip = n_params * 4 / 4  # float32, fully sharded over fsdp=4 (every dim here divides)
+    p = _by_name(once)
+    assert once.mesh == {"slices": 1, "fsdp": 4, "tensor": 1} and once.devices == 4
+    assert p["sample"].argument >= params_per_chip
+    assert p["update"].argument >= 3 * params_per_chip  # params + Adam's two moments
+    assert p["update"].alias >= 3 * params_per_chip  # params and optimizer state are donated
+    # Resident while sampling: the optimizer state and (kl_beta > 0) the reference weights.
+    assert p["sample"].resident == pytest.approx(3 * params_per_chip, rel=0.05)
+    assert p["ref_logprobs"].resident == pytest.approx(3 * params_per_chip, rel=0.05)
+    assert p["update"].resident == pytest.approx(params_per_chip, rel=0.05)
+    for prog in once.programs:
+        assert 0 < prog.peak <= once.hbm_per_device
+        assert prog.peak == prog.argument + prog.output - prog.alias + prog.temp + prog.code + prog.resident
+        assert once.status(prog) == "fits"
+    assert once.fits and not once.errors() and not once.warnings()
+    assert once.hbm_per_device == 32 * GiB
+
+
+def test_update_flops_scale_like_6_params_tokens_mu(deep: F.FitReport) -> None:
+    cfg = resolve_mesh(_cfg({"n_layers": 3}, rl={"mu_iterations": 2}), 4)
+    tokens = cfg.batch_size * (cfg.prompt_len + cfg.sampling.max_new_tokens)
+    six_n_d = 6 * F.param_count(cfg.model_cfg) * tokens * cfg.rl.mu_iterations
+    p = _by_name(deep)
+    # Attention over 32 tokens, remat (one more forward) and re-running the head: more than 6ND, not wildly.
+    assert six_n_d < p["update"].flops < 3 * six_n_d
+    assert p["update"].model_flops < p["update"].flops  # remat is executed, not model, work
+    # The compiler saw each loop body once (3 layers, 2 iterations, 2 micro-batches, 2 log-prob chunks).
+    assert p["update"].compiler_flops < p["update"].flops / 4
+    assert p["update"].seconds > p["update"].compiler_seconds
+    assert p["ref_logprobs"].skipped == "rl.kl_beta = 0" and p["ref_logprobs"].seconds == 0
+    assert 0 < deep.mfu < 1
+    assert deep.step_seconds == pytest.approx(p["sample"].seconds + p["update"].seconds)
+
+
+def test_renderings_carry_the_same_figures(deep: F.FitReport) -> None:
+    text, md, doc = deep.text(), deep.markdown(), json.loads(deep.json())
+    assert "fit: deep" in text and "sample" in text and "skipped: rl.kl_beta = 0" in text
+    assert "| update |" in md and "MFU" in md
+    assert doc["fits"] is True and doc["mesh"] == {"slices": 1, "fsdp": 4, "tensor": 1}
+    assert [p["name"] for p in doc["programs"]] == ["sample", "ref_logprobs", "update"]
+    assert doc["programs"][2]["peak"] == _by_name(deep)["update"].peak
+
+
+def test_above_90_percent_warns_and_above_hbm_refuses(deep: F.FitReport) -> None:
+    import copy
+
+    report = copy.deepcopy(deep)
+    update = _by_name(report)["update"]
+    hbm = report.hbm_per_device
+    update.temp += int(0.93 * hbm) - update.peak
+    assert report.status(update) == "tight" and report.fits
+    assert report.warnings()[0].startswith("update uses 93% of HBM per chip")
+    assert "compute.train_micro_batch_size=4 (now 8)" in report.warnings()[0]
+    update.temp += int(0.1 * hbm)
+    assert report.status(update) == "does not fit" and not report.fits
+    errors = report.errors()
+    assert errors[0].startswith("update does not fit: needs 32.96 GiB per chip, 32.00 GiB available (peak exceeds")
+    assert any(e.startswith("  - compute.train_micro_batch_size=4 (now 8)") for e in errors)
+    assert errors[-1].startswith("  - more chips")
+    # A program the compiler refused: its message's figures stand in for the memory analysis.
+    update.oom_message = "RESOURCE_EXHAUSTED: ... (40.00G) exceeds available HBM (31.25G)"
+    update.oom_required, update.oom_available = 40 * GiB, int(31.25 * GiB)
+    assert update.peak == 40 * GiB + update.resident
+    assert "31.25 GiB available (the compiler ran out of HBM" in report.errors()[0]
+
+
+def test_oom_messages_are_parsed() -> None:
+    assert F.parse_oom("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                       "temporaries (33.56G) exceeds available HBM (31.25G).") == (int(33.56 * GiB), int(31.25 * GiB))
+    assert F.parse_oom("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+                       "hbm. Used 40.12G of 15.75G hbm. Exceeded hbm capacity by 24.37G.") == (
+        int(40.12 * GiB), int(15.75 * GiB))
+    assert F.parse_oom("RESOURCE_EXHAUSTED: something else") is None
+
+
+@pytest.mark.parametrize("program", ["sample", "ref_logprobs", "update"])
+def test_suggested_settings_pass_the_configs_own_checks(program: str) -> None:
+    from trainer.config import apply_overrides
+
+    cfg = resolve_mesh(_cfg(rl={"prompts_per_step": 16, "group_size": 8},
+                            sampling={"max_new_tokens": 512, "max_prompt_len": 256},
+                            model={"max_seq_len": 1024}), 8, exact=True)
+    found = F.suggestions(program, cfg)
+    assert found[-1].startswith("more chips")
+    for s in found[:-1]:
+        setting = s.split(" ", 1)[0].rstrip(":")
+        # The JobSet passes mesh.fsdp=-1, so a mesh.tensor suggestion re-derives fsdp.
+        data = apply_overrides(cfg.model_dump(by_alias=True), [setting, "mesh.fsdp=-1"])
+        resolve_mesh(config_from_dict(data), 8, exact=True)  # raises if the suggestion is not a valid config
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+# Parameter counts as published for each model (embeddings and untied heads included).
+PUBLISHED = {"Qwen3-0.6B": 596_049_920, "Qwen3-8B": 8_190_735_360, "Qwen3-32B": 32_762_123_264,
+             "Llama-3.1-8B": 8_030_261_248, "Llama-3.1-70B": 70_553_706_496}
+
+
+def test_every_preset_is_bundled() -> None:
+    assert presets.names() == sorted(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_convert_to_the_published_size(name: str) -> None:
+    # The Llama-3.1 ones need trainer.hf to accept rope_type llama3 (its rope scaling).
+    cfg, source = F.resolve_model(_cfg(), name.lower())
+    assert source.startswith(name)
+    assert F.param_count(cfg.model_cfg) == PUBLISHED[name]
+    assert cfg.model_cfg.param_dtype == "bfloat16"  # the checkpoints' dtype, as import_hf would keep it
+
+
+def _hf_cfg(path: str) -> Any:
+    return config_from_dict({"init": {"from": "hf", "path": path}, "rl": {"group_size": 4, "prompts_per_step": 4},
+                             "sampling": {"max_new_tokens": 8, "max_prompt_len": 24}})
+
+
+def test_the_model_comes_from_init_path_or_a_preset_named_like_it(tmp_path: Path) -> None:
+    cfg, source = F.resolve_model(_hf_cfg("/gcs/models/qwen3-0.6b/"))
+    assert source.startswith("Qwen3-0.6B (bundled") and cfg.model_cfg.n_layers == 28
+    assert cfg.init.from_ == "hf"  # the run still imports its checkpoint; only the shape was attached
+    local = tmp_path / "Qwen3-8B"  # a local config.json wins over the preset of the same name
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({**presets.hf_config("Qwen3-0.6B"), "num_hidden_layers": 3}))
+    cfg, source = F.resolve_model(_hf_cfg(str(local)))
+    assert cfg.model_cfg.n_layers == 3 and str(local / "config.json") in source
+    with pytest.raises(ConfigError, match=r"init.path '/nowhere/my-model': no config.json there.*Qwen3-8B.*--model"):
+        F.resolve_model(_hf_cfg("/nowhere/my-model"))
+    with pytest.raises(ConfigError, match=r"--model 'gpt-5': not a bundled model; choose one of: Llama-3.1-70B"):
+        F.resolve_model(_hf_cfg("/nowhere/my-model"), "gpt-5")
+
+
+def test_bundled_configs_load_by_bare_name_and_size_their_model(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    from trainer.config import default_config_path, load_config
+
+    monkeypatch.chdir(tmp_path)  # as in the image: no repository around, only the installed package
+    names = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
+    assert {"qwen3-0.6b-grpo-v6e-2x2.yaml", "qwen3-8b-grpo-v6e-4x4.yaml", "llama3.1-70b-grpo-v5p-4x4x4.yaml",
+            "llama3.1-70b-gspo-v5p-4x4x4.yaml", "llama3-70b-grpo-2xv6e-4x4.yaml"} <= set(names)
+    for name in names:
+        cfg, _ = F.resolve_model(load_config(name))  # init.path names a bundled model
+        assert cfg.batch_size >= 64 and cfg.prompt_len + cfg.sampling.max_new_tokens >= 1024 or name == "demo.yaml"
+    with pytest.raises(ConfigError, match=r"cannot read config nope.yaml: .*\(nor a bundled config: demo.yaml, "):
+        load_config("nope.yaml")
