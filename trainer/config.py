@@ -95,6 +95,9 @@ class ComputeConfig(_Strict):
     remat: Literal["none", "full", "dots"] = "none"
     train_micro_batch_size: int | None = Field(None, gt=0)
     logprob_chunk: int = Field(512, gt=0)
+    # The gradient-accumulation buffer (with train_micro_batch_size). float32 adds a params x 4 bytes buffer; bfloat16
+    # halves it and rounds each micro-batch's sum to 8 mantissa bits: for bf16 training state that does not fit.
+    grad_accum_dtype: DType = "float32"
     # Run the decoder layers as one lax.scan (compile time flat in depth) or unrolled (XLA sees every layer: what
     # the preflight's cost model needs, and sometimes faster for shallow models).
     scan_layers: bool = True

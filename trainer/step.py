@@ -129,12 +129,14 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
             (_, m), g = grad_fn(p, jax.tree.map(lambda x: x[0], micro), norm)
             return g, m
 
+        acc_dt = jnp.dtype(cc.grad_accum_dtype)
+
         def accumulate(acc: Any, xs: Batch) -> tuple[Any, None]:
             (_, m), g = grad_fn(p, xs, norm)
-            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g), param_sh)
+            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(acc_dt), g), param_sh)
             return jax.tree.map(jnp.add, acc, (g, m)), None
 
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dt), p)
         m0 = jax.eval_shape(lambda: grad_fn(p, jax.tree.map(lambda x: x[0], micro), norm)[0][1])
         acc0 = (jax.lax.with_sharding_constraint(zeros, param_sh), jax.tree.map(lambda s: jnp.zeros(s.shape), m0))
         (g, m), _ = jax.lax.scan(accumulate, acc0, micro)
