@@ -1,0 +1,61 @@
+"""Analytic FLOPs of the trainer's programs: what they execute (every loop iteration, remat and padded log-prob
+chunks included) and the model FLOPs MFU is quoted in. XLA's cost analysis counts each loop body once on TPU, so
+the preflight needs these (see trainer/fit.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.config import ModelConfig, TrainConfig
+
+
+def _fwd_flops(m: ModelConfig, tokens: float, pairs: float, logit_rows: float) -> float:
+    """Matmul FLOPs of one forward pass of one row: `tokens` through every layer, `pairs` (query, key) pairs of
+    attention per layer, `logit_rows` positions through the output head."""
+    per_layer = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + m.n_heads * m.head_dim * m.d_model
+    per_layer += 3 * m.d_model * m.d_ff
+    attn = 4 * m.n_heads * m.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
+    return m.n_layers * (2 * per_layer * tokens + attn * pairs) + 2 * m.d_model * m.vocab_size * logit_rows
+
+
+def param_count(m: ModelConfig) -> int:
+    import jax
+
+    from trainer.model import param_shapes
+
+    return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(m), is_leaf=lambda x: isinstance(x, tuple)))
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Per RL step, all devices: executed FLOPs per program, model FLOPs per program, sampler phases per row."""
+
+    executed: dict[str, float]
+    model: dict[str, float]
+    prefill_row: float  # executed, one row
+    decode_row: float  # executed, one row, one decode step
+
+
+def step_flops(cfg: TrainConfig) -> StepFlops:
+    m, B, P, N = cfg.model_cfg, cfg.batch_size, cfg.prompt_len, cfg.sampling.max_new_tokens
+    T, S = P + N, P + N
+    chunk = min(cfg.compute.logprob_chunk, N)
+    n_head = -(-N // chunk) * chunk  # log-prob chunks are padded to whole chunks
+    causal = T * (T + 1) / 2
+    # The sampler: prefill writes the prompt into an S-slot cache and attends over all S slots (masked), each
+    # decode step runs one token per row against the S slots.
+    prefill = _fwd_flops(m, P, P * S, 1)
+    decode = _fwd_flops(m, 1, S, 1)
+    fwd = _fwd_flops(m, T, T * T, n_head)  # completion_logprobs: full [T, T] attention, padded head chunks
+    head = 2 * m.d_model * m.vocab_size * n_head
+    attn = 4 * m.n_heads * m.head_dim * m.n_layers * T * T
+    remat = {"none": 0.0, "full": fwd - head, "dots": attn}[cfg.compute.remat]
+    # Backward = 2x forward; the head chunks are recomputed in the backward (jax.checkpoint), layers per remat.
+    train_pass = 3 * fwd + head + remat
+    model_fwd = _fwd_flops(m, T, causal, N)
+    executed = {"sample": B * (prefill + N * decode), "ref_logprobs": B * fwd,
+                "update": B * cfg.rl.mu_iterations * train_pass}
+    model = {"sample": B * model_fwd, "ref_logprobs": B * model_fwd,
+             "update": B * cfg.rl.mu_iterations * 3 * model_fwd}
+    return StepFlops(executed, model, prefill, decode)
