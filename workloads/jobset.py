@@ -125,8 +125,11 @@ def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
         ],
     }
     if group.capacity == "spot":
-        pod["tolerations"].append(
-            {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+        pod["tolerations"].append({"key": L.SPOT, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    if group.capacity == "flex-start":
+        # Without the toleration the pods never land on the nodes queued provisioning creates for them.
+        pod["nodeSelector"][L.QUEUED] = "true"
+        pod["tolerations"].append({"key": L.QUEUED, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
     if refs.claim_template:
         pod["resourceClaims"] = [{"name": "netdev", "resourceClaimTemplateName": refs.claim_template}]
     return pod

@@ -5,6 +5,10 @@ TPU_TOPOLOGY = "cloud.google.com/gke-tpu-topology"
 NODEPOOL = "cloud.google.com/gke-nodepool"
 DRANET_NODE = "cloud.google.com/gke-networking-dra-driver"
 TPU_RESOURCE = "google.com/tpu"
+SPOT = "cloud.google.com/gke-spot"
+# Nodes of a queued-provisioning (flex-start) pool carry this label and a NoSchedule taint of the same key, both
+# "true" (xpk src/xpk/core/capacity.py selects on it; GKE's flex-start node pools are created with the taint).
+QUEUED = "cloud.google.com/gke-queued"
 
 KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY = "kueue.x-k8s.io/priority-class"

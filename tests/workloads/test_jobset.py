@@ -3,6 +3,7 @@ to chance: every host of every slice resolves to a distinct process id that cove
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -96,3 +97,18 @@ def test_trainer_args_span_the_slices_and_keep_user_overrides_last() -> None:
     assert dev[-len(_spec("dev").trainer.args):] == list(_spec("dev").trainer.args)
     no_config = _spec("dev").model_copy(update={"trainer": _spec("dev").trainer.model_copy(update={"config": None})})
     assert "--config" not in jobset.trainer_args(no_config)  # the image's embedded demo config
+
+
+@pytest.mark.parametrize(("group", "tolerated"), [("v5p-prod", set()), ("v6e-burst", {"cloud.google.com/gke-queued"})])
+def test_flex_start_trainer_tolerates_the_queued_provisioning_taint(group: str, tolerated: set[str]) -> None:
+    raw = copy.deepcopy(_raw("prod"))
+    raw["trainer"] = {**raw["trainer"], "sliceGroup": group, "slices": 1}
+    spec = parse_spec(raw, "prod")
+    pod = jobset.trainer_jobset(spec, jobset.TrainerRefs(image="img", bucket="b", service_account="trainer"))[
+        "spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    queued = {t["key"] for t in pod["tolerations"] if t["key"] == "cloud.google.com/gke-queued"}
+    assert queued == tolerated
+    if tolerated:
+        assert {"key": "cloud.google.com/gke-queued", "operator": "Equal", "value": "true",
+                "effect": "NoSchedule"} in pod["tolerations"]
+        assert pod["nodeSelector"]["cloud.google.com/gke-queued"] == "true"
