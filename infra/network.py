@@ -11,6 +11,7 @@ from infra.config import EnvironmentSpec
 
 POD_RANGE = "pods"
 SERVICE_RANGE = "services"
+WEBHOOK_PORT = "9443"  # controller-runtime's default webhook port, used by the JobSet and Kueue managers
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,15 @@ class Network(pulumi.ComponentResource):
             f"{name}-nat", project=spec.project, region=spec.region, router=router.name,
             nat_ip_allocate_option="AUTO_ONLY", source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
             opts=child)
+
+        # GKE's own control-plane rule opens only 443 and 10250 to private nodes; the JobSet and Kueue admission
+        # webhooks listen on 9443, so without this creating the queues and the JobSet fails with "failed calling
+        # webhook" (GKE private-cluster docs: "Adding firewall rules for specific use cases").
+        gcp.compute.Firewall(
+            f"{name}-webhooks", project=spec.project, network=self.vpc.id, direction="INGRESS",
+            source_ranges=[net.master_cidr],
+            allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=[WEBHOOK_PORT])],
+            description="control plane to admission webhooks (JobSet, Kueue)", opts=child)
 
         self.dranet_vpcs, self.dranet_subnets = [], []
         if net.dranet.enabled:

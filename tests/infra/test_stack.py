@@ -200,3 +200,14 @@ def test_outputs(plans: dict[str, PlanResult]) -> None:
     assert out["localQueue"] == "tpu" and out["clusterQueue"] == "tpu-cluster-queue"
     assert out["chipsPerSliceGroup"] == {"v6e-stg": 32}
     assert out["kubeconfig"] == "[secret]"
+
+
+def test_control_plane_reaches_the_webhooks_on_private_nodes(plans: dict[str, PlanResult]) -> None:
+    for env, plan in plans.items():
+        rules = [r.inputs for r in plan.of_type("gcp:compute/firewall:Firewall") if r.name.endswith("-webhooks")]
+        assert len(rules) == 1, env
+        rule = rules[0]
+        master = stack_config(env).get("gke-tpu-rl:network", {}).get("masterCidr", "172.16.0.0/28")
+        assert rule["sourceRanges"] == [master]
+        assert rule["direction"] == "INGRESS"
+        assert rule["allows"] == [{"protocol": "tcp", "ports": ["9443"]}]
