@@ -12,6 +12,22 @@ REPLICATED_JOB = "slice"
 COORDINATOR_PORT = 8476  # jax.distributed coordinator on process 0
 MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
 CHECKPOINT_MOUNT = "/checkpoints"
+TRAINER_UID = 1000  # the `trainer` user of trainer/Dockerfile
+# gcsfuse mounts a bucket for root unless told otherwise: the non-root trainer needs uid/gid to write checkpoints
+# (gcs-fuse-csi-driver docs/troubleshooting.md). No file cache, so no file-cache:* options: gcsfuse refuses
+# file-cache:enable-parallel-downloads without one (gcsfuse cfg/validate.go).
+CHECKPOINT_MOUNT_OPTIONS = f"implicit-dirs,uid={TRAINER_UID},gid={TRAINER_UID},file-mode=664,dir-mode=775"
+# The sidecar's defaults (256 MiB of memory) are too small to stream multi-GB checkpoints: "0" lifts a limit
+# (gcs-fuse-csi-driver pkg/webhook annotations; Google's TPU and GPU samples do the same), the requests reserve
+# enough for it to be scheduled beside the trainer.
+GCSFUSE_SIDECAR = {
+    "gke-gcsfuse/cpu-limit": "0",
+    "gke-gcsfuse/memory-limit": "0",
+    "gke-gcsfuse/ephemeral-storage-limit": "0",
+    "gke-gcsfuse/cpu-request": "500m",
+    "gke-gcsfuse/memory-request": "1Gi",
+    "gke-gcsfuse/ephemeral-storage-request": "5Gi",
+}
 HF_TOKEN_KEY = "token"
 
 
@@ -107,6 +123,9 @@ def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
         "restartPolicy": "Never",
         # Leaves time for the SIGTERM checkpoint to finish before the kubelet kills the pod.
         "terminationGracePeriodSeconds": spec.trainer.termination_grace_seconds,
+        # The image's user (trainer/Dockerfile); fsGroup makes the checkpoint mount group-writable for it.
+        "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID, "runAsGroup": TRAINER_UID,
+                            "fsGroup": TRAINER_UID},
         "nodeSelector": {L.TPU_ACCELERATOR: group.shape.accelerator, L.TPU_TOPOLOGY: group.shape.topology},
         "tolerations": [{"key": L.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [_container(spec, refs)],
@@ -117,7 +136,7 @@ def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
                     "driver": L.GCSFUSE_DRIVER,
                     "volumeAttributes": {
                         "bucketName": refs.bucket,
-                        "mountOptions": "implicit-dirs,file-cache:enable-parallel-downloads:true",
+                        "mountOptions": CHECKPOINT_MOUNT_OPTIONS,
                     },
                 },
             },
@@ -163,7 +182,7 @@ def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
                             "completionMode": "Indexed",
                             "backoffLimit": 0,
                             "template": {
-                                "metadata": {"annotations": {L.GCSFUSE_INJECT: "true"}},
+                                "metadata": {"annotations": {L.GCSFUSE_INJECT: "true", **GCSFUSE_SIDECAR}},
                                 "spec": _pod_spec(spec, refs),
                             },
                         }

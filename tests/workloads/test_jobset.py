@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,3 +113,25 @@ def test_flex_start_trainer_tolerates_the_queued_provisioning_taint(group: str, 
         assert {"key": "cloud.google.com/gke-queued", "operator": "Equal", "value": "true",
                 "effect": "NoSchedule"} in pod["tolerations"]
         assert pod["nodeSelector"]["cloud.google.com/gke-queued"] == "true"
+
+
+def test_checkpoint_mount_is_writable_by_the_image_user_and_gcsfuse_accepts_it() -> None:
+    pod_template = jobset.trainer_jobset(_spec("staging"), jobset.TrainerRefs(
+        image="img", bucket="b", service_account="trainer"))["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"]
+    pod = pod_template["spec"]
+    # The uid the image runs as (trainer/Dockerfile) is the one the pod runs as and the mount belongs to.
+    dockerfile = (Path(__file__).resolve().parents[2] / "trainer" / "Dockerfile").read_text()
+    uid = int(re.search(r"useradd[^\n]*--uid (\d+)", dockerfile).group(1))
+    assert re.search(r"^USER trainer$", dockerfile, re.M)
+    ctx = pod["securityContext"]
+    assert ctx["runAsUser"] == ctx["runAsGroup"] == ctx["fsGroup"] == uid and ctx["runAsNonRoot"] is True
+    [volume] = [v for v in pod["volumes"] if v["name"] == "checkpoints"]
+    options = volume["csi"]["volumeAttributes"]["mountOptions"].split(",")
+    assert f"uid={uid}" in options and f"gid={uid}" in options
+    # gcsfuse refuses file-cache options without a file cache (max-size-mb); we configure none.
+    assert not any(o.startswith("file-cache:") for o in options)
+    annotations = pod_template["metadata"]["annotations"]
+    assert annotations["gke-gcsfuse/volumes"] == "true"
+    for resource in ("cpu", "memory", "ephemeral-storage"):
+        assert f"gke-gcsfuse/{resource}-limit" in annotations and f"gke-gcsfuse/{resource}-request" in annotations
