@@ -49,7 +49,8 @@ def _cidr(value: str) -> str:
 
 class DranetSpec(_Model):
     enabled: bool = False
-    networks: int = Field(2, ge=1, le=8, description="extra high-MTU networks attached to each TPU pod")
+    networks: int | None = Field(None, ge=1, le=8, description="extra high-MTU networks; derived from the TPU "
+                                 "catalog (the NICs of the DRANET machines) when unset, and must match it when set")
     mtu: int = Field(8896, ge=1460, le=8896)
     cidrs: list[str] | None = Field(None, description="one subnet CIDR per extra network; derived when unset")
 
@@ -58,14 +59,8 @@ class DranetSpec(_Model):
     def _check_cidrs(cls, v: list[str] | None) -> list[str] | None:
         return None if v is None else [_cidr(c) for c in v]
 
-    @model_validator(mode="after")
-    def _cidr_count(self) -> DranetSpec:
-        if self.cidrs is not None and len(self.cidrs) != self.networks:
-            raise ValueError(f"cidrs lists {len(self.cidrs)} blocks but networks is {self.networks}")
-        return self
-
-    def subnet_cidrs(self) -> list[str]:
-        return self.cidrs or [f"10.{200 + i}.0.0/16" for i in range(self.networks)]
+    def subnet_cidrs(self, count: int) -> list[str]:
+        return self.cidrs or [f"10.{200 + i}.0.0/16" for i in range(count)]
 
 
 class NetworkSpec(_Model):
@@ -272,6 +267,7 @@ class EnvironmentSpec(_Model):
             raise ValueError(
                 f"cluster.minVersion: {self.cluster.min_version!r} is too old for managed DRANET "
                 f"(network.dranet.enabled); use {DRANET_MIN_GKE} or later")
+        self._check_dranet()
         t = self.trainer
         if t.enabled:
             group = self.trainer_group
@@ -284,6 +280,32 @@ class EnvironmentSpec(_Model):
                 raise ValueError(f"trainer.priority: {t.priority!r} is not a priority class; "
                                  f"allowed: {sorted(self.queues.priority_classes)}")
         return self
+
+    def _check_dranet(self) -> None:
+        d = self.network.dranet
+        if not d.enabled:
+            return
+        capable = sorted({g.shape.machine_type for g in self.slices if self.dranet_networks_for(g)})
+        if not capable:
+            machines = sorted({g.shape.machine_type for g in self.slices})
+            raise ValueError(f"network.dranet.enabled: none of the slice groups' machines ({', '.join(machines)}) "
+                             "supports GKE managed DRANET (multi-host ct6e, i.e. v6e)")
+        n = self.dranet_network_count
+        if d.networks is not None and d.networks != n:
+            raise ValueError(f"network.dranet.networks: {d.networks}, but the DRANET machines here "
+                             f"({', '.join(capable)}) have {n} NICs; use {n} or leave it unset")
+        if d.cidrs is not None and len(d.cidrs) != n:
+            raise ValueError(f"network.dranet.cidrs: lists {len(d.cidrs)} blocks; {n} networks need {n}")
+
+    def dranet_networks_for(self, group: SliceGroupSpec) -> int:
+        """Extra networks a slice group's pods attach (0: no DRANET there), from the TPU catalog."""
+        shape = group.shape
+        return shape.generation.dranet_nics if self.network.dranet.enabled and shape.multi_host else 0
+
+    @property
+    def dranet_network_count(self) -> int:
+        """Extra VPCs the environment creates: the most any slice group attaches."""
+        return max((self.dranet_networks_for(g) for g in self.slices), default=0)
 
     @property
     def trainer_group(self) -> SliceGroupSpec | None:

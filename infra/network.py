@@ -60,7 +60,7 @@ class Network(pulumi.ComponentResource):
 
         self.dranet_vpcs, self.dranet_subnets = [], []
         if net.dranet.enabled:
-            for i, cidr in enumerate(net.dranet.subnet_cidrs()):
+            for i, cidr in enumerate(net.dranet.subnet_cidrs(spec.dranet_network_count)):
                 vpc = gcp.compute.Network(
                     f"{name}-dranet-{i}", project=spec.project, auto_create_subnetworks=False,
                     mtu=net.dranet.mtu, routing_mode="REGIONAL", opts=child)

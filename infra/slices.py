@@ -53,7 +53,6 @@ class TpuSlices(pulumi.ComponentResource):
         super().__init__("gke-tpu-rl:infra:TpuSlices", name, None, opts)
         spec = args.spec
         child = pulumi.ResourceOptions(parent=self)
-        dranet = spec.network.dranet.enabled
         self.pools = {}
         for group in spec.slices:
             shape = group.shape
@@ -67,7 +66,8 @@ class TpuSlices(pulumi.ComponentResource):
                     opts=child).name
             capacity = _capacity(group)
             labels = {"gke-tpu-rl/slice-group": group.name}
-            if dranet:
+            nics = spec.dranet_networks_for(group)  # 0 on machines without managed DRANET (v5p)
+            if nics:
                 labels[DRANET_NODE] = "true"
             for pool_name in group.pool_names():
                 placement = None
@@ -79,8 +79,8 @@ class TpuSlices(pulumi.ComponentResource):
                     additional_node_network_configs=[
                         gcp.container.NodePoolNetworkConfigAdditionalNodeNetworkConfigArgs(
                             network=net, subnetwork=sub)
-                        for net, sub in zip(args.dranet_networks, args.dranet_subnets, strict=True)
-                    ]) if dranet else None
+                        for net, sub in zip(args.dranet_networks[:nics], args.dranet_subnets[:nics], strict=True)
+                    ]) if nics else None
                 # Flex-start pools start empty and scale to a whole slice when capacity is granted.
                 pool_args = capacity.get("pool") or {"node_count": shape.hosts}
                 self.pools[pool_name] = gcp.container.NodePool(
@@ -96,7 +96,7 @@ class TpuSlices(pulumi.ComponentResource):
                         machine_type=shape.machine_type,
                         service_account=args.node_service_account,
                         oauth_scopes=OAUTH_SCOPES,
-                        gvnic=gcp.container.NodePoolNodeConfigGvnicArgs(enabled=True) if dranet else None,
+                        gvnic=gcp.container.NodePoolNodeConfigGvnicArgs(enabled=True) if nics else None,
                         workload_metadata_config=gcp.container.NodePoolNodeConfigWorkloadMetadataConfigArgs(
                             mode="GKE_METADATA"),
                         labels=labels,

@@ -19,6 +19,9 @@ class TpuGeneration:
     hbm_gbps_per_chip: float  # HBM bandwidth, GB/s (Cloud TPU docs' per-chip figure)
     # Ironwood (tpu7x) places multi-host slices with a workload policy instead of tpu_topology.
     uses_workload_policy: bool = False
+    # Physical NICs GKE managed DRANET can hand to pods on a multi-host VM; 0 = not a managed-DRANET machine
+    # (Cluster Toolkit modules/compute/gke-node-pool: ct6e yes, ct5p no).
+    dranet_nics: int = 0
 
 
 _2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -70,6 +73,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             tensorcores_per_chip=1,
             peak_bf16_tflops_per_chip=918.0,
             hbm_gib_per_chip=32,
+            dranet_nics=2,  # a ct6e host has 2 physical NICs
             hbm_gbps_per_chip=1638.0,
         ),
         TpuGeneration(
@@ -84,6 +88,8 @@ GENERATIONS: dict[str, TpuGeneration] = {
             hbm_gib_per_chip=192,
             hbm_gbps_per_chip=7380.0,
             uses_workload_policy=True,
+            # DRANET left off: xpk marks tpu7x-standard-4t without accelerator network profile support, and its NIC
+            # count is not confirmed here.
         ),
     )
 }

@@ -34,9 +34,10 @@ class TrainerJob(pulumi.ComponentResource):
                 "stringData": {jobset.HF_TOKEN_KEY: pulumi.Output.secret(args.hf_token)},
             }, child))
         claim = None
-        if spec.network.dranet.enabled:
+        nics = spec.dranet_networks_for(spec.trainer_group) if spec.trainer_group else 0
+        if nics:
             claim = f"{t.name}-netdev"
-            deps.append(apply(dra.netdev_claim_template(claim, ns, spec.network.dranet.networks), child))
+            deps.append(apply(dra.netdev_claim_template(claim, ns, nics), child))
         refs = jobset.TrainerRefs(image=spec.trainer_image, bucket=spec.bucket_name, service_account=t.service_account,
                                   hf_secret=hf_secret, claim_template=claim)
         self.jobset = apply(jobset.trainer_jobset(spec, refs), pulumi.ResourceOptions(parent=self, depends_on=deps))

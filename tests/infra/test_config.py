@@ -60,6 +60,8 @@ BAD = [
      r"gke-tpu-rl:storage: forceDestroy would delete checkpoints on destroy; it needs protect: false"),
     ("bad CIDR", "staging", "network.nodeCidr", "10.0.0.1/20",
      r"gke-tpu-rl:network\.nodeCidr: '10\.0\.0\.1/20' is not a CIDR block"),
+    ("DRANET networks not the NIC count", "staging", "network.dranet.networks", 4,
+     r"gke-tpu-rl:network\.dranet\.networks: 4, but the DRANET machines here \(ct6e-standard-4t\) have 2 NICs"),
     ("trainer config not bundled", "dev", "trainer.config", "mine.yaml",
      r"gke-tpu-rl:trainer\.config: 'mine\.yaml' is not a trainer config under trainer/configs/; allowed: demo\.yaml, "),
     ("trainer config as a path", "dev", "trainer.config", "trainer/configs/demo.yaml",
@@ -100,3 +102,12 @@ def test_dranet_raises_the_version_floor_when_unset() -> None:
 def test_aliases_become_catalog_names() -> None:
     spec = parse_spec(_with("dev", "slices.0.tpuType", "trillium"), "dev")
     assert spec.slices[0].tpu_type == "v6e"
+
+
+def test_dranet_needs_a_managed_dranet_machine() -> None:
+    # dev's one slice group is a single-host v6e: managed DRANET is for multi-host ct6e, so enabling it is refused.
+    raw = copy.deepcopy(_raw("dev"))
+    raw["network"] = {"dranet": {"enabled": True}}
+    with pytest.raises(ConfigError, match=r"gke-tpu-rl:network\.dranet\.enabled: none of the slice groups' "
+                                          r"machines \(ct6e-standard-4t\) supports GKE managed DRANET"):
+        parse_spec(raw, "dev")

@@ -111,8 +111,13 @@ def test_prod_reservation_and_flex_start(plans: dict[str, PlanResult]) -> None:
         assert p["nodeConfig"]["reservationAffinity"] == {
             "consumeReservationType": "SPECIFIC_RESERVATION",
             "key": "compute.googleapis.com/reservation-name", "values": ["rl-v5p-prod"]}
-        assert len(p["networkConfig"]["additionalNodeNetworkConfigs"]) == 4
+        # ct5p is not a managed-DRANET machine: no extra networks, no DRA driver label.
+        assert "networkConfig" not in p
+        assert "cloud.google.com/gke-networking-dra-driver" not in p["nodeConfig"]["labels"]
     for p in burst:
+        # A ct6e host has 2 physical NICs: 2 extra networks and the DRA driver label.
+        assert len(p["networkConfig"]["additionalNodeNetworkConfigs"]) == 2
+        assert p["nodeConfig"]["labels"]["cloud.google.com/gke-networking-dra-driver"] == "true"
         assert "nodeCount" not in p and p["initialNodeCount"] == 0
         assert p["queuedProvisioning"] == {"enabled": True}
         assert p["autoscaling"]["totalMaxNodeCount"] == 8
@@ -125,6 +130,10 @@ def test_prod_reservation_and_flex_start(plans: dict[str, PlanResult]) -> None:
     assert cluster["addonsConfig"]["rayOperatorConfigs"] == [{"enabled": True}]
     assert cluster["deletionProtection"] is True
     assert plan.outputs["chipsPerSliceGroup"] == {"v5p-prod": 256, "v6e-burst": 64}
+    # The trainer runs on v5p: its pods claim no DRANET devices and no claim template is emitted.
+    pod = _only(plan, JOBSET).inputs["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert "resourceClaims" not in pod
+    assert not plan.of_type("kubernetes:resource.k8s.io/v1:ResourceClaimTemplate")
 
 
 def test_queues_match_declared_slices(plans: dict[str, PlanResult]) -> None:
