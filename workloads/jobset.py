@@ -151,6 +151,12 @@ def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
         pod["tolerations"].append({"key": L.QUEUED, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
     if refs.claim_template:
         pod["resourceClaims"] = [{"name": "netdev", "resourceClaimTemplateName": refs.claim_template}]
+    elif group.shape.multi_host or spec.trainer.slices > 1:
+        # Without DRANET, TPU hosts reach each other (ICI setup, DCN between slices) over the node's own NICs, as
+        # xpk's workloads and GKE's multislice JobSet walkthrough run them; ClusterFirstWithHostNet keeps the
+        # JobSet's pod DNS names resolvable from the host network.
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
     return pod
 
 

@@ -135,3 +135,17 @@ def test_checkpoint_mount_is_writable_by_the_image_user_and_gcsfuse_accepts_it()
     assert annotations["gke-gcsfuse/volumes"] == "true"
     for resource in ("cpu", "memory", "ephemeral-storage"):
         assert f"gke-gcsfuse/{resource}-limit" in annotations and f"gke-gcsfuse/{resource}-request" in annotations
+
+
+@pytest.mark.parametrize(("env", "host_network"), [("dev", False), ("staging", False), ("prod", True)])
+def test_multi_host_pods_without_dranet_use_the_host_network(env: str, host_network: bool) -> None:
+    # dev: one single-host slice; staging: DRANET claims give the pods their own NICs; prod's v5p: no DRANET.
+    spec = _spec(env)
+    claim = "netdev" if spec.dranet_networks_for(spec.trainer_group) else None
+    pod = jobset.trainer_jobset(spec, jobset.TrainerRefs(image="img", bucket="b", service_account="trainer",
+                                                         claim_template=claim))[
+        "spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod.get("hostNetwork", False) is host_network
+    assert ("dnsPolicy" in pod) is host_network
+    if host_network:
+        assert pod["dnsPolicy"] == "ClusterFirstWithHostNet" and "resourceClaims" not in pod
