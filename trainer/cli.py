@@ -10,6 +10,21 @@ from trainer.config import ConfigError, TrainConfig, load_config
 
 EXIT_CONFIG = 2
 EXIT_STOPPED = 143  # 128 + SIGTERM: a preempted pod "fails" so the JobSet restarts it and the run resumes
+# A runtime failure worth retrying from the last checkpoint (a lost peer, a DCN or libtpu timeout): the JobSet
+# restarts on it; every other non-signal exit code is a bug and fails the JobSet at once (workloads/jobset.py).
+# 42 is the code xpk and MaxText use for "restart me".
+EXIT_TRANSIENT = 42
+# Status codes of jax's runtime errors that come from the cluster rather than the program.
+TRANSIENT_STATUS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED")
+
+
+def is_transient(err: BaseException) -> bool:
+    """A JAX runtime error whose status says the cluster, not the program, failed."""
+    import jax
+
+    if not isinstance(err, jax.errors.JaxRuntimeError):
+        return False
+    return str(err).lstrip().startswith(TRANSIENT_STATUS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.launch import quiet_native_stdout
 
             quiet_native_stdout()
-        result = train(cfg)
+        try:
+            result = train(cfg)
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            print(f"error: transient runtime failure, exiting {EXIT_TRANSIENT} to be restarted: {err}",
+                  file=sys.stderr)
+            return EXIT_TRANSIENT
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -12,6 +12,10 @@ REPLICATED_JOB = "slice"
 COORDINATOR_PORT = 8476  # jax.distributed coordinator on process 0
 MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
 CHECKPOINT_MOUNT = "/checkpoints"
+# Exit codes the JobSet restarts on: the trainer's transient-failure code, and death by a signal (128 + n: SIGTERM
+# on preemption is the trainer's own 143, SIGKILL 137, a libtpu abort 134). Pods lost with their node fail without
+# an exit code, so they count against backoffLimit 0 and restart the JobSet too. trainer/cli.py owns the codes.
+RESTART_EXIT_CODES = (42, *range(128, 256))
 TRAINER_UID = 1000  # the `trainer` user of trainer/Dockerfile
 # gcsfuse mounts a bucket for root unless told otherwise: the non-root trainer needs uid/gid to write checkpoints
 # (gcs-fuse-csi-driver docs/troubleshooting.md). No file cache, so no file-cache:* options: gcsfuse refuses
@@ -174,7 +178,11 @@ def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
             "annotations": {L.JOBSET_EXCLUSIVE: L.NODEPOOL},
         },
         "spec": {
-            "failurePolicy": {"maxRestarts": t.max_restarts, "restartStrategy": "Recreate"},
+            # A pod that exits with a bug's code fails its Job by podFailurePolicy, and this rule fails the JobSet
+            # at once; anything else (preemption, node loss, a transient runtime error) restarts it from the last
+            # checkpoint, up to maxRestarts (xpk's split: its workload template and get_restart_exit_codes).
+            "failurePolicy": {"maxRestarts": t.max_restarts, "restartStrategy": "Recreate", "rules": [
+                {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": t.name},
             "replicatedJobs": [
@@ -187,6 +195,8 @@ def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
                             "completions": hosts,
                             "completionMode": "Indexed",
                             "backoffLimit": 0,
+                            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+                                "containerName": "trainer", "operator": "NotIn", "values": list(RESTART_EXIT_CODES)}}]},
                             "template": {
                                 "metadata": {"annotations": {L.GCSFUSE_INJECT: "true", **GCSFUSE_SIDECAR}},
                                 "spec": _pod_spec(spec, refs),

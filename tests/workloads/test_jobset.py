@@ -149,3 +149,16 @@ def test_multi_host_pods_without_dranet_use_the_host_network(env: str, host_netw
     assert ("dnsPolicy" in pod) is host_network
     if host_network:
         assert pod["dnsPolicy"] == "ClusterFirstWithHostNet" and "resourceClaims" not in pod
+
+
+def test_bugs_fail_the_jobset_and_everything_else_restarts_it() -> None:
+    obj = jobset.trainer_jobset(_spec("staging"), jobset.TrainerRefs(image="img", bucket="b", service_account="t"))
+    policy = obj["spec"]["failurePolicy"]
+    assert policy["rules"] == [
+        {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
+    job = obj["spec"]["replicatedJobs"][0]["template"]["spec"]
+    [rule] = job["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "NotIn"
+    assert rule["onExitCodes"]["containerName"] == job["template"]["spec"]["containers"][0]["name"]
+    assert rule["onExitCodes"]["values"] == list(jobset.RESTART_EXIT_CODES)
+    assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
