@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import pulumi
 import pulumi_kubernetes as k8s
+import yaml
 
 from infra.config import EnvironmentSpec
+from workloads import kueue
 
 JOBSET_CHART = "oci://registry.k8s.io/jobset/charts/jobset"
 KUEUE_CHART = "oci://registry.k8s.io/kueue/charts/kueue"
@@ -36,6 +38,10 @@ class Controllers(pulumi.ComponentResource):
         self.kueue = k8s.helm.v3.Release(
             f"{name}-kueue", name="kueue", chart=KUEUE_CHART, version=c.kueue_version,
             namespace=c.namespace, create_namespace=True, atomic=True,
-            values={"controllerManager": {"nodeSelector": SYSTEM_POOL_SELECTOR}},
+            values={"controllerManager": {"nodeSelector": SYSTEM_POOL_SELECTOR},
+                    # The chart's config plus the DRANET DeviceClass mapping, without which Kueue never admits a
+                    # JobSet whose pods claim DRANET devices.
+                    "managerConfig": {"controllerManagerConfigYaml": yaml.safe_dump(
+                        kueue.manager_config(args.spec), sort_keys=False)}},
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.jobset]))
         self.register_outputs({"jobset": self.jobset.status, "kueue": self.kueue.status})

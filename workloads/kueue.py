@@ -7,12 +7,35 @@ from typing import Any
 
 from infra.config import EnvironmentSpec
 from infra.tpu import SliceShape
+from workloads.dra import DRANET_DEVICE_CLASS
 from workloads.labels import MANAGED_BY, TPU_ACCELERATOR, TPU_RESOURCE, TPU_TOPOLOGY
 
 API = "kueue.x-k8s.io/v1beta2"
 PROVISIONING_CHECK = "flex-start"
 # GKE's ProvisioningRequest class for flex-start (queued provisioning) node pools.
 QUEUED_PROVISIONING_CLASS = "queued-provisioning.gke.io"
+# Kueue 0.19 turns DRA on by default and admits a pod with a ResourceClaimTemplate only when the claim's DeviceClass
+# maps to a quota resource (resources.deviceClassMappings; kueue pkg/dra/claims.go, docs tasks/manage/setup_dra.md).
+# This is that resource: one unit per DRANET network device a pod claims.
+DRANET_RESOURCE = "gke-tpu-rl/netdev"
+# The Kueue chart's own manager Configuration (charts/kueue/values.yaml at v0.19.2), restated because the chart takes
+# it as one YAML string: overriding it to add the DRA mapping must keep these, the default integrations above all.
+CHART_MANAGER_CONFIG: dict[str, Any] = {
+    "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+    "kind": "Configuration",
+    "health": {"healthProbeBindAddress": ":8081"},
+    "metrics": {"bindAddress": ":8443"},
+    "webhook": {"port": 9443},
+    "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
+    "controller": {"groupKindConcurrency": {
+        "Job.batch": 5, "Pod": 5, "Workload.kueue.x-k8s.io": 10, "LocalQueue.kueue.x-k8s.io": 5,
+        "ClusterQueue.kueue.x-k8s.io": 5, "ResourceFlavor.kueue.x-k8s.io": 1}},
+    "clientConnection": {"qps": 300, "burst": 500},
+    "integrations": {"frameworks": [
+        "batch/job", "kubeflow.org/mpijob", "ray.io/rayjob", "ray.io/rayservice", "ray.io/raycluster",
+        "jobset.x-k8s.io/jobset", "workload.codeflare.dev/appwrapper", "trainer.kubeflow.org/trainjob", "pod",
+        "deployment", "statefulset", "leaderworkerset.x-k8s.io/leaderworkerset"]},
+}
 
 
 def _meta(name: str, namespace: str | None = None) -> dict[str, Any]:
@@ -43,6 +66,23 @@ def tpu_quota_by_flavor(spec: EnvironmentSpec) -> dict[str, int]:
     return dict(quota)
 
 
+def dranet_quota_by_flavor(spec: EnvironmentSpec) -> dict[str, int]:
+    """DRANET devices per flavor: every host of every declared slice claims one per extra network."""
+    quota: dict[str, int] = defaultdict(int)
+    for group in spec.slices:
+        quota[flavor_name(group.shape)] += group.shape.hosts * group.count * spec.dranet_networks_for(group)
+    return dict(quota)
+
+
+def manager_config(spec: EnvironmentSpec) -> dict[str, Any]:
+    """Kueue's manager Configuration: the chart's, plus the DRANET DeviceClass mapping when pods claim devices."""
+    config = {**CHART_MANAGER_CONFIG}
+    if spec.dranet_network_count:
+        config["resources"] = {"deviceClassMappings": [
+            {"name": DRANET_RESOURCE, "deviceClassNames": [DRANET_DEVICE_CLASS]}]}
+    return config
+
+
 def resource_flavors(spec: EnvironmentSpec) -> list[dict[str, Any]]:
     shapes = {flavor_name(g.shape): g.shape for g in spec.slices}
     return [resource_flavor(s) for s in shapes.values()]
@@ -68,6 +108,14 @@ def cluster_queue(spec: EnvironmentSpec) -> dict[str, Any]:
             }
         ],
     }
+    if spec.dranet_network_count:
+        # Same group as the chips, so a workload's TPUs and its network devices come from one flavor; a flavor
+        # without DRANET (v5p) covers the resource with zero quota, as Kueue requires of every flavor in a group.
+        dranet = dranet_quota_by_flavor(spec)
+        group = body["resourceGroups"][0]
+        group["coveredResources"].append(DRANET_RESOURCE)
+        for flavor in group["flavors"]:
+            flavor["resources"].append({"name": DRANET_RESOURCE, "nominalQuota": dranet.get(flavor["name"], 0)})
     if flex := _flex_flavors(spec):
         body["admissionChecksStrategy"] = {
             "admissionChecks": [{"name": PROVISIONING_CHECK, "onFlavors": flex}]

@@ -97,7 +97,8 @@ def test_staging_summary(plans: dict[str, PlanResult]) -> None:
         "ct6e-standard-4t", 4, 4, "on-demand")
     assert any("mtu 8896" in n for n in s.networks) and len(s.networks) == 3
     assert s.buckets == ["gs://acme-rl-staging-staging-checkpoints (US-EAST5, kept on destroy)"]
-    assert "ClusterQueue tpu-cluster-queue [v6e-4x4:google.com/tpu=32]" in s.queues
+    assert ("ClusterQueue tpu-cluster-queue [v6e-4x4:google.com/tpu=32, v6e-4x4:gke-tpu-rl/netdev=16]"
+            in s.queues)
     assert "LocalQueue rl/tpu" in s.queues
     assert s.controllers == ["jobset 0.12.0", "kueue 0.19.2"]
     facts = dict(s.facts())
@@ -132,7 +133,7 @@ def test_tree_lists_every_resource_with_the_settings_that_matter(plans: dict[str
     assert "role=roles/storage.objectUser" in iam and "member=principal://" in iam
     assert "version=0.19.2" in _line(tree, "staging-controllers-kueue", "kubernetes:helm.sh/v3:Release")
     cq = _line(tree, "clusterqueue-tpu-cluster-queue", "kubernetes:kueue.x-k8s.io/v1beta2:ClusterQueue")
-    assert "quota=v6e-4x4:google.com/tpu=32" in cq
+    assert "quota=[v6e-4x4:google.com/tpu=32, v6e-4x4:gke-tpu-rl/netdev=16]" in cq
     js = _line(tree, "jobset-rl-grpo-stg", "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet")
     assert "replicas=2" in js and "parallelism=4" in js and "queue=tpu" in js and "tpuPerPod=4" in js
 

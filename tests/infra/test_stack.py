@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import yaml
+
 from infra.mockrun import PlanResult, Resource, run_stack
 from tests.infra.conftest import stack_config
 
@@ -137,10 +139,13 @@ def test_prod_reservation_and_flex_start(plans: dict[str, PlanResult]) -> None:
 
 
 def test_queues_match_declared_slices(plans: dict[str, PlanResult]) -> None:
-    for env, chips in {"dev": 4, "staging": 32}.items():
+    # staging's 8 hosts each claim 2 DRANET devices: Kueue needs quota for them or never admits the JobSet.
+    for env, resources in {"dev": [("google.com/tpu", 4)],
+                           "staging": [("google.com/tpu", 32), ("gke-tpu-rl/netdev", 16)]}.items():
         cq = _only(plans[env], CLUSTER_QUEUE).inputs["spec"]
         [flavor] = cq["resourceGroups"][0]["flavors"]
-        assert flavor["resources"] == [{"name": "google.com/tpu", "nominalQuota": chips}]
+        assert flavor["resources"] == [{"name": n, "nominalQuota": q} for n, q in resources]
+        assert cq["resourceGroups"][0]["coveredResources"] == [n for n, _ in resources]
         assert "admissionChecksStrategy" not in cq
     lq = _only(plans["staging"], "kubernetes:kueue.x-k8s.io/v1beta2:LocalQueue").inputs
     assert lq["metadata"]["namespace"] == "rl" and lq["spec"]["clusterQueue"] == "tpu-cluster-queue"
@@ -220,3 +225,23 @@ def test_control_plane_reaches_the_webhooks_on_private_nodes(plans: dict[str, Pl
         assert rule["sourceRanges"] == [master]
         assert rule["direction"] == "INGRESS"
         assert rule["allows"] == [{"protocol": "tcp", "ports": ["9443"]}]
+
+
+def test_kueue_maps_the_dranet_device_class_and_keeps_its_default_integrations(plans: dict[str, PlanResult]) -> None:
+    for env, mapped in {"dev": False, "staging": True, "prod": True}.items():
+        [kueue] = [r for r in plans[env].of_type("kubernetes:helm.sh/v3:Release") if r.inputs["name"] == "kueue"]
+        config = yaml.safe_load(kueue.inputs["values"]["managerConfig"]["controllerManagerConfigYaml"])
+        assert config["kind"] == "Configuration" and config["webhook"]["port"] == 9443
+        assert {"jobset.x-k8s.io/jobset", "batch/job", "pod", "ray.io/raycluster"} <= set(
+            config["integrations"]["frameworks"])
+        mappings = config.get("resources", {}).get("deviceClassMappings", [])
+        assert mappings == ([{"name": "gke-tpu-rl/netdev", "deviceClassNames": ["netdev.google.com"]}]
+                            if mapped else [])
+    # prod: only the v6e burst flavor has DRANET (2 slices x 8 hosts x 2 NICs); v5p covers it with zero quota.
+    cq = _only(plans["prod"], CLUSTER_QUEUE).inputs["spec"]["resourceGroups"][0]
+    quota = {(f["name"], r["name"]): r["nominalQuota"] for f in cq["flavors"] for r in f["resources"]}
+    assert quota[("v6e-4x8", "gke-tpu-rl/netdev")] == 32 and quota[("v5p-4x4x4", "gke-tpu-rl/netdev")] == 0
+    # Every claim the trainer's pods make is a device Kueue now has quota for.
+    rct = _only(plans["staging"], "kubernetes:resource.k8s.io/v1:ResourceClaimTemplate").inputs
+    [request] = rct["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == "netdev.google.com"
