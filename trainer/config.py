@@ -395,12 +395,14 @@ def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> Tr
 
 
 def _batch_splits(cfg: TrainConfig) -> list[tuple[str, int, str]]:
-    """(key, rows, description) of each piece the step cuts the batch into; each must split over the data axes."""
+    """(key, rows, description) of each piece the step cuts the batch into; each must split over the data axes.
+    The whole batch is checked before these (resolve_mesh), so only the options that cut it appear."""
     out = []
-    mb = cfg.micro_batch_rows
-    out.append(("rl.prompts_per_step * rl.group_size / rl.minibatches", cfg.minibatch_rows, "sequences per minibatch"))
+    if cfg.rl.minibatches > 1:
+        out.append(("rl.prompts_per_step * rl.group_size / rl.minibatches", cfg.minibatch_rows,
+                    "sequences per minibatch"))
     if cfg.compute.train_micro_batch_size is not None:
-        out.append(("compute.train_micro_batch_size", mb, "sequences per micro-batch"))
+        out.append(("compute.train_micro_batch_size", cfg.micro_batch_rows, "sequences per micro-batch"))
     if cfg.sampling.max_num_sequences is not None:
         out.append(("sampling.max_num_sequences", cfg.sample_chunk_rows, "sequences sampled at once"))
     return out

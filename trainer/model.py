@@ -42,8 +42,10 @@ def compute_dtype(cfg: ModelConfig, cc: ComputeConfig) -> jnp.dtype:
 
 
 def cast_weights(p: Params, dt: jnp.dtype) -> Params:
-    """Matrices (and biases) to the compute dtype; 1-D norm scales stay as stored (they are applied in fp32)."""
-    return jax.tree.map(lambda w: w.astype(dt) if w.ndim >= 2 else w, p)
+    """Matrices and biases to the compute dtype; norm scales stay as stored (they are applied in fp32). Works on
+    the whole tree or one layer's slice alike: norm scales are the leaves whose name says `norm`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, w: w if "norm" in jax.tree_util.keystr(path) else w.astype(dt), p)
 
 
 def param_shapes(cfg: ModelConfig) -> Params:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from trainer.config import ComputeConfig, ModelConfig
 from trainer.model import DEFAULT_COMPUTE, KVCache, Params, forward, init_cache, logits, logprobs_and_entropy
-from trainer.sharding import constrain
+from trainer.sharding import join_strided, split_strided
 
 
 class Samples(NamedTuple):
@@ -104,17 +104,11 @@ def sample(
         raise ValueError(f"max_num_sequences={c} must divide the batch of {B} rows")
     n = B // c
 
-    def chunks(x: jax.Array) -> jax.Array:  # [B, ...] -> [n, c, ...], chunk k = rows k::n
-        return constrain(x.reshape(c, n, *x.shape[1:]).swapaxes(0, 1), (None, "batch", *[None] * (x.ndim - 1)))
-
-    def unchunk(x: jax.Array) -> jax.Array:
-        return constrain(x.swapaxes(0, 1).reshape(B, *x.shape[2:]), ("batch", *[None] * (x.ndim - 2)))
-
     def one(xs: tuple[jax.Array, jax.Array, jax.Array]) -> Samples:
         return _sample_rows(params, cfg, *xs, key, **kw)  # type: ignore[arg-type]
 
-    out = jax.lax.map(one, (chunks(prompt_BP), chunks(prompt_valid_BP), chunks(rows_B)))
-    return Samples(*(unchunk(x) for x in out))
+    out = jax.lax.map(one, tuple(split_strided(x, n) for x in (prompt_BP, prompt_valid_BP, rows_B)))
+    return Samples(*(join_strided(x) for x in out))
 
 
 def _sample_rows(

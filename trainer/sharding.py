@@ -151,12 +151,27 @@ def opt_state_shardings(
     )
 
     def fits(sharding: NamedSharding, leaf: Any) -> NamedSharding:
-        spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-        ok = len(sharding.spec) <= leaf.ndim and all(
-            axes is None or leaf.shape[i] % _mesh_size(mesh, axes) == 0 for i, axes in enumerate(spec))
-        return sharding if ok and len(sharding.spec) == leaf.ndim else replicated(mesh)
+        ok = len(sharding.spec) == leaf.ndim and all(
+            axes is None or leaf.shape[i] % _mesh_size(mesh, axes) == 0 for i, axes in enumerate(sharding.spec))
+        return sharding if ok else replicated(mesh)
 
     return jax.tree.map(fits, tree, state_shape, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def split_strided(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B / n, ...] with piece k = rows k, k + n, k + 2n, ...
+
+    With rows sharded in contiguous blocks over the data devices, strided pieces are each spread over all of them
+    (given B / n divides over the data axes; see config.resolve_mesh), so a loop over pieces keeps every device busy.
+    """
+    y = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+    return constrain(y, (None, "batch", *[None] * (x.ndim - 1)))
+
+
+def join_strided(x: jax.Array) -> jax.Array:
+    """The inverse of `split_strided`: [n, B / n, ...] -> [B, ...]."""
+    y = x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return constrain(y, ("batch", *[None] * (x.ndim - 2)))
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:

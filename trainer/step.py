@@ -35,6 +35,7 @@ from trainer.sharding import (
     named_shardings,
     opt_state_shardings,
     replicated,
+    split_strided,
 )
 
 # Folded into the base key so parameter init and per-step sampling never share a stream.
@@ -47,6 +48,7 @@ Batch = dict[str, jax.Array]
 class Programs:
     """The jitted pieces of a run for one mesh, and the shardings they use."""
 
+    mesh: Mesh
     param_sh: Any
     opt_sh: Any
     optimizer: optax.GradientTransformation
@@ -65,14 +67,10 @@ def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Pr
 
 
 def split_rows(x: jax.Array, n_outer: int, n_inner: int) -> jax.Array:
-    """[B, ...] -> [n_outer, n_inner, B / (n_outer n_inner), ...], piece (o, i) = rows o + n_outer i + ...
-
-    Pieces take strided rows, so with rows sharded in contiguous blocks over the data devices each piece is
-    spread over all of them (given the piece size divides over the data axes; see config.resolve_mesh).
-    """
-    b = x.shape[0] // (n_outer * n_inner)
-    y = x.reshape(b, n_inner, n_outer, *x.shape[1:])
-    y = jnp.moveaxis(y, (0, 1, 2), (2, 1, 0))
+    """[B, ...] -> [n_outer, n_inner, B / (n_outer n_inner), ...]: `split_strided` into n_outer x n_inner pieces,
+    piece (o, i) = strided piece o + n_outer i, so every piece is spread over all the data devices."""
+    pieces = split_strided(x, n_outer * n_inner)
+    y = pieces.reshape(n_inner, n_outer, *pieces.shape[1:]).swapaxes(0, 1)
     return constrain(y, (None, None, "batch", *[None] * (x.ndim - 1)))
 
 
@@ -95,10 +93,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         over fsdp (norm scales keep their dtype: they are applied in fp32)."""
         if not sc.gather_weights:
             return params
-        paths = jax.tree_util.tree_flatten_with_path(params)[0]
-        leaves = [x if "norm" in jax.tree_util.keystr(path) else x.astype(compute_dt) for path, x in paths]
-        cast = jax.tree.unflatten(jax.tree.structure(params), leaves)
-        return jax.lax.with_sharding_constraint(cast, gathered_sh)
+        return jax.lax.with_sharding_constraint(M.cast_weights(params, compute_dt), gathered_sh)
 
     def sample_fn(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array
                   ) -> Samples:
@@ -122,8 +117,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
 
     def minibatch_grads(p: M.Params, micro: Batch) -> tuple[M.Params, dict[str, jax.Array]]:
         """Summed gradient and metrics of one minibatch, given as [n_micro, rows, ...] micro-batches."""
-        n_micro, rows = micro["mask"].shape[:2]
-        norm = Norm(jnp.maximum(jnp.sum(micro["mask"].astype(jnp.float32)), 1.0), n_micro * rows)
+        n_micro = micro["mask"].shape[0]
+        norm = Norm.of(micro["mask"].reshape(-1, micro["mask"].shape[-1]))  # the whole minibatch's counts
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if n_micro == 1:
             (_, m), g = grad_fn(p, jax.tree.map(lambda x: x[0], micro), norm)
@@ -183,7 +178,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     init_params = jax.jit(lambda key: M.init_params(mcfg, jax.random.fold_in(key, INIT_STREAM)),
                           in_shardings=(rep,), out_shardings=param_sh)
     init_opt = jax.jit(optimizer.init, in_shardings=(param_sh,), out_shardings=opt_sh)
-    return Programs(param_sh, opt_sh, optimizer, init_params, init_opt, sample_jit, ref_jit, update_jit)
+    return Programs(mesh, param_sh, opt_sh, optimizer, init_params, init_opt, sample_jit, ref_jit, update_jit)
 
 
 def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[str, tuple[Any, ...]]:
@@ -191,8 +186,7 @@ def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[
     lowering them without any real array, e.g. for a TPU topology on a CPU machine."""
     mcfg = cfg.model_cfg
     B, P, N = cfg.batch_size, cfg.prompt_len, cfg.sampling.max_new_tokens
-    mesh = _mesh_of(programs.param_sh)
-    b2, rep = batch_sharding(mesh, 2), replicated(mesh)
+    b2, rep = batch_sharding(programs.mesh, 2), replicated(programs.mesh)
 
     def sds(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
@@ -216,6 +210,3 @@ def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[
         "update": (params, opt, batch, ref),
     }
 
-
-def _mesh_of(shardings: Any) -> Mesh:
-    return jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0].mesh

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
-from infra.config import EnvironmentSpec
+from infra.config import EnvironmentSpec, SliceGroupSpec
 from infra.tpu import SliceShape
 from workloads.dra import DRANET_DEVICE_CLASS
 from workloads.labels import MANAGED_BY, TPU_ACCELERATOR, TPU_RESOURCE, TPU_TOPOLOGY
@@ -58,20 +59,22 @@ def resource_flavor(shape: SliceShape) -> dict[str, Any]:
     }
 
 
-def tpu_quota_by_flavor(spec: EnvironmentSpec) -> dict[str, int]:
-    """Chips per flavor: every declared slice of that shape, across groups."""
+def _sum_by_flavor(spec: EnvironmentSpec, per_slice: Callable[[SliceGroupSpec], int]) -> dict[str, int]:
+    """`per_slice(group)` x its slice count, summed per flavor across groups."""
     quota: dict[str, int] = defaultdict(int)
     for group in spec.slices:
-        quota[flavor_name(group.shape)] += group.shape.chips * group.count
+        quota[flavor_name(group.shape)] += per_slice(group) * group.count
     return dict(quota)
+
+
+def tpu_quota_by_flavor(spec: EnvironmentSpec) -> dict[str, int]:
+    """Chips per flavor: every declared slice of that shape, across groups."""
+    return _sum_by_flavor(spec, lambda g: g.shape.chips)
 
 
 def dranet_quota_by_flavor(spec: EnvironmentSpec) -> dict[str, int]:
     """DRANET devices per flavor: every host of every declared slice claims one per extra network."""
-    quota: dict[str, int] = defaultdict(int)
-    for group in spec.slices:
-        quota[flavor_name(group.shape)] += group.shape.hosts * group.count * spec.dranet_networks_for(group)
-    return dict(quota)
+    return _sum_by_flavor(spec, lambda g: g.shape.hosts * spec.dranet_networks_for(g))
 
 
 def manager_config(spec: EnvironmentSpec) -> dict[str, Any]:
