@@ -21,15 +21,19 @@ class ClusterArgs:
     node_service_account: pulumi.Input[str]
 
 
-def kubeconfig(name: str, endpoint: pulumi.Input[str], ca: pulumi.Input[str]) -> pulumi.Output[str]:
-    # Uses the gke-gcloud-auth-plugin, so no long-lived credentials land in the config or the state.
-    return pulumi.Output.all(endpoint, ca).apply(lambda v: f"""apiVersion: v1
+def kubeconfig(name: str, endpoint: pulumi.Input[str], ca: pulumi.Input[str] | None) -> pulumi.Output[str]:
+    """A kubeconfig for the gke-gcloud-auth-plugin, so no long-lived credentials land in the config or the state.
+
+    ca None: the DNS-based endpoint, which serves a publicly trusted certificate, so the config carries no CA
+    (as `gcloud container clusters get-credentials --dns-endpoint` writes it)."""
+    def render(v: list[str]) -> str:
+        ca_line = f"\n    certificate-authority-data: {v[1]}" if len(v) > 1 else ""
+        return f"""apiVersion: v1
 kind: Config
 clusters:
 - name: {name}
   cluster:
-    server: https://{v[0]}
-    certificate-authority-data: {v[1]}
+    server: https://{v[0]}{ca_line}
 contexts:
 - name: {name}
   context: {{cluster: {name}, user: {name}}}
@@ -42,12 +46,14 @@ users:
       command: gke-gcloud-auth-plugin
       provideClusterInfo: true
       interactiveMode: Never
-""")
+"""
+    return pulumi.Output.all(*([endpoint] if ca is None else [endpoint, ca])).apply(render)
 
 
 class Cluster(pulumi.ComponentResource):
     cluster: gcp.container.Cluster
     system_pool: gcp.container.NodePool
+    api_endpoint: pulumi.Output[str]  # the host the Kubernetes provider talks to
     kubeconfig: pulumi.Output[str]
 
     def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -60,6 +66,11 @@ class Cluster(pulumi.ComponentResource):
             ray_operator_configs=[gcp.container.ClusterAddonsConfigRayOperatorConfigArgs(enabled=True)]
             if c.ray_operator else None,
         )
+        # The DNS-based endpoint lets a hosted CI runner reach the API server with IAM
+        # (container.clusters.connect) instead of an IP allow-list; the IP endpoint keeps its authorized networks.
+        endpoints = gcp.container.ClusterControlPlaneEndpointsConfigArgs(
+            dns_endpoint_config=gcp.container.ClusterControlPlaneEndpointsConfigDnsEndpointConfigArgs(
+                allow_external_traffic=True)) if c.control_plane_endpoint == "dns" else None
         authorized = gcp.container.ClusterMasterAuthorizedNetworksConfigArgs(
             cidr_blocks=[gcp.container.ClusterMasterAuthorizedNetworksConfigCidrBlockArgs(cidr_block=b)
                          for b in c.master_authorized_cidrs]) if c.master_authorized_cidrs else None
@@ -86,6 +97,7 @@ class Cluster(pulumi.ComponentResource):
                 enable_private_nodes=True, enable_private_endpoint=False,
                 master_ipv4_cidr_block=spec.network.master_cidr),
             master_authorized_networks_config=authorized,
+            control_plane_endpoints_config=endpoints,
             workload_identity_config=gcp.container.ClusterWorkloadIdentityConfigArgs(
                 workload_pool=f"{spec.project}.svc.id.goog"),
             addons_config=addons,
@@ -112,6 +124,18 @@ class Cluster(pulumi.ComponentResource):
             management=gcp.container.NodePoolManagementArgs(auto_repair=True, auto_upgrade=True),
             opts=child,
         )
-        self.kubeconfig = pulumi.Output.secret(kubeconfig(
-            spec.cluster_name, self.cluster.endpoint, self.cluster.master_auth.cluster_ca_certificate))
-        self.register_outputs({"name": self.cluster.name, "endpoint": self.cluster.endpoint})
+        if c.control_plane_endpoint == "dns":
+            self.api_endpoint = self.cluster.control_plane_endpoints_config.apply(_dns_endpoint)
+            config = kubeconfig(spec.cluster_name, self.api_endpoint, None)
+        else:
+            self.api_endpoint = self.cluster.endpoint
+            config = kubeconfig(spec.cluster_name, self.api_endpoint, self.cluster.master_auth.cluster_ca_certificate)
+        self.kubeconfig = pulumi.Output.secret(config)
+        self.register_outputs({"name": self.cluster.name, "endpoint": self.api_endpoint})
+
+
+def _dns_endpoint(config: gcp.container.outputs.ClusterControlPlaneEndpointsConfig | None) -> str:
+    endpoint = config.dns_endpoint_config.endpoint if config and config.dns_endpoint_config else None
+    if not endpoint:
+        raise ValueError("the cluster reports no DNS endpoint although controlPlaneEndpoint is 'dns'")
+    return endpoint

@@ -87,6 +87,9 @@ class ClusterSpec(_Model):
     ray_operator: bool = False
     system_pool: SystemPoolSpec = SystemPoolSpec()
     master_authorized_cidrs: list[str] = Field(default_factory=list)
+    control_plane_endpoint: Literal["dns", "ip"] = Field(
+        "dns", description="how `pulumi up` reaches the API server: the DNS-based endpoint (IAM-authenticated, "
+        "reachable from any runner, no IP allow-list) or the IP endpoint (callers must be in masterAuthorizedCidrs)")
     deletion_protection: bool = False
 
     @field_validator("min_version")

@@ -34,6 +34,8 @@ SECURE_PLACEHOLDER = "<secure value: not decrypted offline>"
 STACK_TYPE = "pulumi:pulumi:Stack"
 # Fake endpoint from TEST-NET-3 (RFC 5737): never a real address.
 MOCK_ENDPOINT = "203.0.113.10"
+# The DNS endpoint's shape (gke-<uid>.<region>.gke.goog) under the reserved .invalid TLD (RFC 2606).
+MOCK_DNS_SUFFIX = "mock.gke.goog.invalid"
 MOCK_CA = base64.b64encode(b"mock-cluster-ca").decode()
 
 
@@ -142,6 +144,11 @@ def _fake_state(type_: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]
         state.setdefault("selfLink", f"https://www.googleapis.com/mock/{type_}/{state['name']}")
         project = inputs.get("project", "mock-project")
         if type_ == "gcp:container/cluster:Cluster":
+            dns = (inputs.get("controlPlaneEndpointsConfig") or {}).get("dnsEndpointConfig")
+            if dns is not None:
+                state["controlPlaneEndpointsConfig"] = {
+                    **inputs["controlPlaneEndpointsConfig"],
+                    "dnsEndpointConfig": {**dns, "endpoint": f"gke-mock-{name}.{MOCK_DNS_SUFFIX}"}}
             state.update(endpoint=MOCK_ENDPOINT, masterAuth={"clusterCaCertificate": MOCK_CA},
                          masterVersion=inputs.get("minMasterVersion") or "1.34.1-gke.1829001")
         elif type_ == "gcp:storage/bucket:Bucket":

@@ -44,7 +44,7 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
             provider=provider, depends_on=[queues, storage, registry, slices]))
 
     pulumi.export("clusterName", cluster.cluster.name)
-    pulumi.export("clusterEndpoint", cluster.cluster.endpoint)
+    pulumi.export("clusterEndpoint", cluster.api_endpoint)
     pulumi.export("kubeconfig", cluster.kubeconfig)
     pulumi.export("checkpointBucket", storage.url)
     pulumi.export("trainerImage", spec.trainer_image)

@@ -107,6 +107,7 @@ FIELDS: dict[str, list[Field]] = {
         ("gcsFuse", "addonsConfig.gcsFuseCsiDriverConfig.enabled"),
         ("rayOperator", "addonsConfig.rayOperatorConfigs[*].enabled"),
         ("authorizedNetworks", "masterAuthorizedNetworksConfig.cidrBlocks[*].cidrBlock"),
+        ("dnsEndpoint", "controlPlaneEndpointsConfig.dnsEndpointConfig.allowExternalTraffic"),
         ("deletionProtection", "deletionProtection")],
     "gcp:container/nodePool:NodePool": [
         ("machine", "nodeConfig.machineType"), ("nodes", "nodeCount"), ("initialNodes", "initialNodeCount"),

@@ -245,3 +245,37 @@ def test_kueue_maps_the_dranet_device_class_and_keeps_its_default_integrations(p
     rct = _only(plans["staging"], "kubernetes:resource.k8s.io/v1:ResourceClaimTemplate").inputs
     [request] = rct["spec"]["spec"]["devices"]["requests"]
     assert request["exactly"]["deviceClassName"] == "netdev.google.com"
+
+
+def _provider_kubeconfig(env: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    # The provider's kubeconfig is a secret in the plan; read it from the raw registration instead.
+    from infra.mockrun import PlanMocks, RecordingMonitor, _unwrap_secrets
+
+    monitor = RecordingMonitor(PlanMocks())
+    cluster = {**stack_config(env).get("gke-tpu-rl:cluster", {}), **overrides}
+    run_stack(env, {**stack_config(env), "gke-tpu-rl:cluster": cluster}, monitor=monitor)
+    [provider] = [r for r in monitor.registrations if r.type == "pulumi:providers:kubernetes"]
+    return yaml.safe_load(_unwrap_secrets(provider.inputs)["kubeconfig"])
+
+
+def test_ci_reaches_the_api_server_through_the_dns_endpoint(plans: dict[str, PlanResult]) -> None:
+    for env, plan in plans.items():
+        cluster = _only(plan, "gcp:container/cluster:Cluster").inputs
+        assert cluster["controlPlaneEndpointsConfig"]["dnsEndpointConfig"]["allowExternalTraffic"] is True, env
+        assert plan.outputs["clusterEndpoint"].startswith("gke-mock-"), env  # the DNS name, not the IP
+    # prod keeps its IP allow-list for the IP endpoint, but the provider does not depend on it.
+    assert _only(plans["prod"], "gcp:container/cluster:Cluster").inputs[
+        "masterAuthorizedNetworksConfig"]["cidrBlocks"] == [{"cidrBlock": "10.128.0.0/9"}]
+    dns = _provider_kubeconfig("prod", {})["clusters"][0]["cluster"]
+    assert dns == {"server": "https://gke-mock-rl-prod.mock.gke.goog.invalid"}  # public CA: no CA data
+    ip = _provider_kubeconfig("prod", {"controlPlaneEndpoint": "ip"})["clusters"][0]["cluster"]
+    assert ip["server"] == "https://203.0.113.10" and ip["certificate-authority-data"]
+    [user] = _provider_kubeconfig("dev", {})["users"]
+    assert user["user"]["exec"]["command"] == "gke-gcloud-auth-plugin"  # IAM, no static credentials
+
+
+def test_ip_endpoint_is_a_choice_with_no_dns_config() -> None:
+    cluster = {**stack_config("dev").get("gke-tpu-rl:cluster", {}), "controlPlaneEndpoint": "ip"}
+    plan = run_stack("dev", {**stack_config("dev"), "gke-tpu-rl:cluster": cluster})
+    assert "controlPlaneEndpointsConfig" not in _only(plan, "gcp:container/cluster:Cluster").inputs
+    assert plan.outputs["clusterEndpoint"] == "203.0.113.10"
