@@ -190,8 +190,9 @@ class QueuesSpec(_Model):
 class TrainerSpec(_Model):
     enabled: bool = True
     name: str = "grpo"
-    image: str | None = Field(None, description="trainer image; the environment's registry when unset")
-    image_tag: str = "latest"
+    image: str | None = Field(None, description="a prebuilt trainer image; when unset the stack builds "
+                              "trainer/Dockerfile, pushes it to the environment's registry and runs it by digest")
+    image_tag: str = Field("latest", description="the tag the stack's build pushes (the JobSet uses the digest)")
     config: str | None = Field(None, description="trainer YAML by file name under trainer/configs/, passed to the "
                                "pod as --config; the trainer's embedded demo config when unset")
     args: list[str] = Field(default_factory=list)
@@ -336,10 +337,13 @@ class EnvironmentSpec(_Model):
         return self.cluster_name
 
     @property
-    def trainer_image(self) -> str:
-        if self.trainer.image:
-            return self.trainer.image
-        return f"{self.region}-docker.pkg.dev/{self.project}/{self.registry_id}/trainer:{self.trainer.image_tag}"
+    def registry_host(self) -> str:
+        return f"{self.region}-docker.pkg.dev"
+
+    @property
+    def trainer_image_repository(self) -> str:
+        """Where the stack pushes the trainer image it builds (no tag or digest)."""
+        return f"{self.registry_host}/{self.project}/{self.registry_id}/trainer"
 
     def resource_labels(self) -> dict[str, str]:
         return {"app": "gke-tpu-rl", "env": self.env, **self.labels}

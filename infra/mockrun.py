@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextvars
+import hashlib
 import importlib
 import json
 import threading
@@ -158,6 +159,10 @@ def _fake_state(type_: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]
                          member=f"serviceAccount:{inputs.get('accountId', name)}@{project}.iam.gserviceaccount.com")
         elif type_ == "gcp:artifactregistry/repository:Repository":
             state.setdefault("repositoryId", name)
+    elif type_ == "docker-build:index:Image":
+        # A stable fake digest of what the build was asked for; a real build's digest is its content's.
+        digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+        state.update(digest=f"sha256:{digest}", ref=f"{(inputs.get('tags') or [name])[0]}@sha256:{digest}")
     elif type_.startswith("kubernetes:"):
         meta = dict(inputs.get("metadata") or {})
         meta.setdefault("name", name)

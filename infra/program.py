@@ -10,6 +10,7 @@ from infra.cluster import Cluster, ClusterArgs
 from infra.config import NAMESPACE, EnvironmentSpec, load_spec
 from infra.controllers import Controllers, ControllersArgs
 from infra.iam import NodeIdentity, NodeIdentityArgs
+from infra.image import TrainerImage, TrainerImageArgs
 from infra.network import Network, NetworkArgs
 from infra.queues import Queues, QueuesArgs
 from infra.registry import Registry, RegistryArgs
@@ -32,6 +33,8 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
     project_number = gcp.organizations.get_project_output(project_id=spec.project).number
     storage = Storage(f"{env}-storage", StorageArgs(spec, project_number=project_number))
     registry = Registry(f"{env}-registry", RegistryArgs(spec, node_service_account=nodes.account.email))
+    image: pulumi.Input[str] = spec.trainer.image or TrainerImage(
+        f"{env}-image", TrainerImageArgs(spec, repository=registry.repository)).ref
 
     provider = k8s.Provider(f"{env}-gke", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
                             opts=pulumi.ResourceOptions(depends_on=[cluster.system_pool]))
@@ -40,14 +43,14 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
     queues = Queues(f"{env}-queues", QueuesArgs(spec),
                     pulumi.ResourceOptions(provider=provider, depends_on=[controllers]))
     if spec.trainer.enabled:
-        TrainerJob(f"{env}-trainer", TrainerJobArgs(spec, hf_token=hf_token), pulumi.ResourceOptions(
+        TrainerJob(f"{env}-trainer", TrainerJobArgs(spec, image=image, hf_token=hf_token), pulumi.ResourceOptions(
             provider=provider, depends_on=[queues, storage, registry, slices]))
 
     pulumi.export("clusterName", cluster.cluster.name)
     pulumi.export("clusterEndpoint", cluster.api_endpoint)
     pulumi.export("kubeconfig", cluster.kubeconfig)
     pulumi.export("checkpointBucket", storage.url)
-    pulumi.export("trainerImage", spec.trainer_image)
+    pulumi.export("trainerImage", image)
     pulumi.export("clusterQueue", queues.cluster_queue_name)
     pulumi.export("localQueue", queues.local_queue_name)
     pulumi.export("chipsPerSliceGroup", {g.name: g.shape.chips * g.count for g in spec.slices})

@@ -131,6 +131,9 @@ FIELDS: dict[str, list[Field]] = {
                                                    ("format", "format")],
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": [
         ("repository", "repository"), ("role", "role"), ("member", "member")],
+    "docker-build:index:Image": [("dockerfile", "dockerfile.location"), ("context", "context.location"),
+                                 ("platforms", "platforms"), ("tags", "tags"), ("push", "push"),
+                                 ("buildOnPreview", "buildOnPreview")],
     "kubernetes:helm.sh/v3:Release": [("chart", "chart"), ("version", "version"), ("namespace", "namespace")],
     "pulumi:providers:kubernetes": [("serverSideApply", "enableServerSideApply")],
     "kubernetes:core/v1:ServiceAccount": [("annotations", "metadata.annotations")],

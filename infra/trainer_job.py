@@ -15,6 +15,7 @@ from workloads.labels import MANAGED_BY
 @dataclass(frozen=True)
 class TrainerJobArgs:
     spec: EnvironmentSpec
+    image: pulumi.Input[str]  # the built image by digest, or trainer.image
     hf_token: pulumi.Output[str] | None
 
 
@@ -38,7 +39,7 @@ class TrainerJob(pulumi.ComponentResource):
         if nics:
             claim = f"{t.name}-netdev"
             deps.append(apply(dra.netdev_claim_template(claim, ns, nics), child))
-        refs = jobset.TrainerRefs(image=spec.trainer_image, bucket=spec.bucket_name, service_account=t.service_account,
+        refs = jobset.TrainerRefs(image=args.image, bucket=spec.bucket_name, service_account=t.service_account,
                                   hf_secret=hf_secret, claim_template=claim)
         self.jobset = apply(jobset.trainer_jobset(spec, refs), pulumi.ResourceOptions(parent=self, depends_on=deps))
         self.register_outputs({"jobset": t.name})

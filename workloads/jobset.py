@@ -39,7 +39,7 @@ HF_TOKEN_KEY = "token"
 class TrainerRefs:
     """Names of objects the JobSet points at, created elsewhere in the stack."""
 
-    image: str
+    image: Any  # a name, or under Pulumi the Output[str] of the stack's image build (resolved before it is sent)
     bucket: str
     service_account: str
     hf_secret: str | None = None

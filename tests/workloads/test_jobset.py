@@ -122,8 +122,8 @@ def test_checkpoint_mount_is_writable_by_the_image_user_and_gcsfuse_accepts_it()
     pod = pod_template["spec"]
     # The uid the image runs as (trainer/Dockerfile) is the one the pod runs as and the mount belongs to.
     dockerfile = (Path(__file__).resolve().parents[2] / "trainer" / "Dockerfile").read_text()
-    uid = int(re.search(r"useradd[^\n]*--uid (\d+)", dockerfile).group(1))
-    assert re.search(r"^USER trainer$", dockerfile, re.M)
+    uid = int(re.search(r"^ARG TRAINER_UID=(\d+)$", dockerfile, re.M).group(1))
+    assert re.search(r"^USER \$\{TRAINER_UID\}:\$\{TRAINER_UID\}$", dockerfile, re.M)
     ctx = pod["securityContext"]
     assert ctx["runAsUser"] == ctx["runAsGroup"] == ctx["fsGroup"] == uid and ctx["runAsNonRoot"] is True
     [volume] = [v for v in pod["volumes"] if v["name"] == "checkpoints"]

@@ -1,0 +1,65 @@
+"""TrainerImage: builds trainer/Dockerfile and pushes it to the environment's registry; the JobSet runs it by digest."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pulumi
+import pulumi_docker_build as docker_build
+import pulumi_gcp as gcp
+
+from infra.config import EnvironmentSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "trainer" / "Dockerfile"
+# TPU VMs are x86_64; a build on an arm64 laptop needs BuildKit's emulation for this platform.
+PLATFORM = docker_build.Platform.LINUX_AMD64
+# Artifact Registry takes a short-lived OAuth token with this user name (no JSON keys).
+TOKEN_USER = "oauth2accesstoken"
+
+
+@dataclass(frozen=True)
+class TrainerImageArgs:
+    spec: EnvironmentSpec
+    repository: gcp.artifactregistry.Repository
+
+
+def _rel(path: Path) -> str:
+    # Relative to where Pulumi runs the program, so the plan (and its golden files) reads the same on any machine.
+    return os.path.relpath(path)
+
+
+class TrainerImage(pulumi.ComponentResource):
+    image: docker_build.Image
+    ref: pulumi.Output[str]  # <registry>/<repo>/trainer@sha256:...: what the JobSet runs
+
+    def __init__(self, name: str, args: TrainerImageArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("gke-tpu-rl:infra:TrainerImage", name, None, opts)
+        spec = args.spec
+        repo = spec.trainer_image_repository
+        token = gcp.organizations.get_client_config_output().access_token
+        self.image = docker_build.Image(
+            f"{name}-trainer",
+            context=docker_build.BuildContextArgs(location=_rel(ROOT)),  # .dockerignore keeps trainer/ only
+            dockerfile=docker_build.DockerfileArgs(location=_rel(DOCKERFILE)),
+            platforms=[PLATFORM],
+            tags=[f"{repo}:{spec.trainer.image_tag}"],
+            push=True,
+            # Previews (every pull request) do not need a TPU image built; `pulumi up` builds when the context
+            # hash changes, i.e. when pyproject.toml, README.md or trainer/ changed.
+            build_on_preview=False,
+            # Layers of the last pushed image are reused, so a code-only change rebuilds the last layers only.
+            cache_from=[docker_build.CacheFromArgs(registry=docker_build.CacheFromRegistryArgs(
+                ref=f"{repo}:{spec.trainer.image_tag}"))],
+            cache_to=[docker_build.CacheToArgs(inline=docker_build.CacheToInlineArgs())],
+            registries=[docker_build.RegistryArgs(
+                address=spec.registry_host, username=TOKEN_USER, password=pulumi.Output.secret(token))],
+            labels={"org.opencontainers.image.title": "gke-tpu-rl-trainer",
+                    "org.opencontainers.image.source": "trainer/Dockerfile"},
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[args.repository]),
+        )
+        # By digest: a new build changes the JobSet, and a moved tag never swaps the code under a running job.
+        self.ref = pulumi.Output.concat(repo, "@", self.image.digest)
+        self.register_outputs({"ref": self.ref})

@@ -1,0 +1,64 @@
+"""The stack builds the trainer image and the JobSet runs exactly what it pushed, by digest."""
+
+from __future__ import annotations
+
+import re
+
+from infra.mockrun import SECRET_MASK, PlanResult, run_stack
+from tests.infra.conftest import stack_config
+
+IMAGE = "docker-build:index:Image"
+JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+
+
+def _jobset_image(plan: PlanResult) -> str:
+    [jobset] = plan.of_type(JOBSET)
+    [container] = jobset.inputs["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    return container["image"]
+
+
+def test_stack_builds_and_pushes_the_trainer_image(plans: dict[str, PlanResult]) -> None:
+    for env, plan in plans.items():
+        [image] = plan.of_type(IMAGE)
+        repo = f"us-east5-docker.pkg.dev/acme-rl-{env}/rl-{env}/trainer"
+        assert image.inputs["dockerfile"] == {"location": "trainer/Dockerfile"}
+        assert image.inputs["context"] == {"location": "."}
+        assert image.inputs["platforms"] == ["linux/amd64"]  # TPU hosts are x86_64
+        assert image.inputs["push"] is True and image.inputs["tags"] == [f"{repo}:latest"]
+        [registry] = image.inputs["registries"]
+        assert registry["password"] == SECRET_MASK  # the token never reaches the plan or the state in clear
+        # The push waits for the repository it pushes to.
+        [repository] = plan.of_type("gcp:artifactregistry/repository:Repository")
+        assert repository.urn in image.options["dependsOn"]
+        assert re.fullmatch(re.escape(repo) + r"@sha256:[0-9a-f]{64}", _jobset_image(plan)), env
+        assert plan.outputs["trainerImage"] == _jobset_image(plan)
+
+
+def test_push_authenticates_with_a_short_lived_token() -> None:
+    from infra.mockrun import PlanMocks, RecordingMonitor, _unwrap_secrets
+
+    monitor = RecordingMonitor(PlanMocks())
+    run_stack("staging", stack_config("staging"), monitor=monitor)
+    [image] = [r for r in monitor.registrations if r.type == IMAGE]
+    # The deployer's own OAuth token (gcp getClientConfig), as Artifact Registry's docs log in: no key file.
+    assert _unwrap_secrets(image.inputs["registries"]) == [
+        {"address": "us-east5-docker.pkg.dev", "username": "oauth2accesstoken", "password": "mock-access-token"}]
+
+
+def test_jobset_follows_the_built_digest_not_a_tag() -> None:
+    # Anything that changes the build changes its digest output, and the JobSet follows it.
+    base = run_stack("dev", stack_config("dev"))
+    trainer = {**stack_config("dev")["gke-tpu-rl:trainer"], "imageTag": "v2"}
+    rebuilt = run_stack("dev", {**stack_config("dev"), "gke-tpu-rl:trainer": trainer})
+    [image] = rebuilt.of_type(IMAGE)
+    assert image.inputs["tags"] == ["us-east5-docker.pkg.dev/acme-rl-dev/rl-dev/trainer:v2"]
+    assert _jobset_image(rebuilt) != _jobset_image(base)
+    assert ":v2" not in _jobset_image(rebuilt) and ":latest" not in _jobset_image(base)
+
+
+def test_a_prebuilt_image_skips_the_build() -> None:
+    prebuilt = "europe-docker.pkg.dev/other/images/trainer@sha256:" + "ab" * 32
+    trainer = {**stack_config("dev")["gke-tpu-rl:trainer"], "image": prebuilt}
+    plan = run_stack("dev", {**stack_config("dev"), "gke-tpu-rl:trainer": trainer})
+    assert not plan.of_type(IMAGE)
+    assert _jobset_image(plan) == prebuilt and plan.outputs["trainerImage"] == prebuilt
