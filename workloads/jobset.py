@@ -82,6 +82,13 @@ def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
             {"name": "MEGASCALE_SLICE_ID", **slice_index},
             {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_PORT)},
         ]
+        nics = spec.dranet_networks_for(group) if refs.claim_template else 0
+        if nics:
+            # libtpu sends DCN (megascale gRPC) traffic over the interfaces whose names match these prefixes; the
+            # claimed DRANET NICs appear in the pod as eth1..ethN beside the pod network's eth0 (GKE's DRANET doc;
+            # kubernetes-engine-samples ai-ml/gke-ray/raytrain/maxtext/ray-cluster.tpu-multi-slice.yaml sets this).
+            env.append({"name": "LIBTPU_INIT_ARGS", "value": "--megascale_grpc_interface_prefixes="
+                        + ",".join([*(f"eth{i}" for i in range(1, nics + 1)), "lo"])})
     if refs.hf_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": refs.hf_secret, "key": HF_TOKEN_KEY}}})
     return env

@@ -149,6 +149,10 @@ def test_multi_host_pods_without_dranet_use_the_host_network(env: str, host_netw
     assert ("dnsPolicy" in pod) is host_network
     if host_network:
         assert pod["dnsPolicy"] == "ClusterFirstWithHostNet" and "resourceClaims" not in pod
+    # With DRANET, libtpu's DCN traffic between slices is pointed at the claimed NICs (eth1.. in the pod).
+    env_vars = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    expected = {"staging": "--megascale_grpc_interface_prefixes=eth1,eth2,lo"}.get(env)
+    assert env_vars.get("LIBTPU_INIT_ARGS") == expected
 
 
 def test_bugs_fail_the_jobset_and_everything_else_restarts_it() -> None:
