@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.config import EnvironmentSpec
+from infra.config import EnvironmentSpec, gke_version_tuple
 from infra.network import POD_RANGE, SERVICE_RANGE
 
 OAUTH_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
@@ -53,6 +53,7 @@ users:
 class Cluster(pulumi.ComponentResource):
     cluster: gcp.container.Cluster
     system_pool: gcp.container.NodePool
+    version: pulumi.Output[str | None]  # minMasterVersion: resolved from the channel and versionPrefix
     api_endpoint: pulumi.Output[str]  # the host the Kubernetes provider talks to
     kubeconfig: pulumi.Output[str]
 
@@ -75,6 +76,13 @@ class Cluster(pulumi.ComponentResource):
             cidr_blocks=[gcp.container.ClusterMasterAuthorizedNetworksConfigCidrBlockArgs(cidr_block=b)
                          for b in c.master_authorized_cidrs]) if c.master_authorized_cidrs else None
 
+        # Like Cluster Toolkit's gke-cluster: the channel's newest version under the prefix (or the channel default),
+        # looked up at deploy time, and not a pinned patch; later lookups do not move it (the channel upgrades).
+        versions = gcp.container.get_engine_versions_output(
+            project=spec.project, location=spec.zone, version_prefix=c.version_prefix)
+        self.version = versions.apply(lambda v: choose_version(
+            v.release_channel_default_version, v.release_channel_latest_version, c.release_channel,
+            c.version_prefix, spec.gke_version_floor))
         self.cluster = gcp.container.Cluster(
             spec.cluster_name,
             name=spec.cluster_name,
@@ -88,7 +96,7 @@ class Cluster(pulumi.ComponentResource):
             node_config=gcp.container.ClusterNodeConfigArgs(service_account=args.node_service_account,
                                                             oauth_scopes=OAUTH_SCOPES),
             release_channel=gcp.container.ClusterReleaseChannelArgs(channel=c.release_channel),
-            min_master_version=spec.gke_min_version,
+            min_master_version=self.version,
             datapath_provider="ADVANCED_DATAPATH",
             enable_multi_networking=True,
             ip_allocation_policy=gcp.container.ClusterIpAllocationPolicyArgs(
@@ -103,7 +111,7 @@ class Cluster(pulumi.ComponentResource):
             addons_config=addons,
             resource_labels=spec.resource_labels(),
             deletion_protection=c.deletion_protection,
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["minMasterVersion"]),
         )
         # Runs the JobSet and Kueue controllers and their webhooks, away from the TPU hosts.
         self.system_pool = gcp.container.NodePool(
@@ -132,6 +140,22 @@ class Cluster(pulumi.ComponentResource):
             config = kubeconfig(spec.cluster_name, self.api_endpoint, self.cluster.master_auth.cluster_ca_certificate)
         self.kubeconfig = pulumi.Output.secret(config)
         self.register_outputs({"name": self.cluster.name, "endpoint": self.api_endpoint})
+
+
+def choose_version(defaults: dict[str, str] | None, latest: dict[str, str] | None, channel: str,
+                   prefix: str | None, floor: str | None) -> str | None:
+    """The cluster's starting version: with a prefix, the channel's newest under it; else None (GKE's channel
+    default). Fails the deploy, naming the setting, when it is older than the environment's floor."""
+    chosen = (latest if prefix else defaults or {}) or {}
+    version = chosen.get(channel)
+    if prefix and not version:
+        raise ValueError(f"gke-tpu-rl:cluster.versionPrefix: the {channel} channel offers no version starting with "
+                         f"{prefix!r} here; channel versions: {latest or {}}")
+    if floor and version and gke_version_tuple(version) < gke_version_tuple(floor):
+        where = f"versionPrefix {prefix!r}" if prefix else "default"
+        raise ValueError(f"gke-tpu-rl:cluster: the {channel} channel's {where} version {version} is older than "
+                         f"{floor}, which managed DRANET needs; set cluster.versionPrefix to '1.34.' or later")
+    return version if prefix else None
 
 
 def _dns_endpoint(config: gcp.container.outputs.ClusterControlPlaneEndpointsConfig | None) -> str:

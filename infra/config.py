@@ -21,6 +21,7 @@ DRANET_MIN_GKE = "1.34.1-gke.1829001"
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 _PROJECT = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+_VERSION_PREFIX = re.compile(r"^\d+\.\d+\.?$")
 _GKE_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:-gke\.(\d+))?$")
 
 
@@ -38,6 +39,13 @@ def gke_version_tuple(version: str) -> tuple[int, int, int, int]:
     if not m:
         raise ValueError(f"{version!r} is not a GKE version like 1.34.1-gke.1829001")
     return tuple(int(g or 0) for g in m.groups())  # type: ignore[return-value]
+
+
+def prefix_can_reach(prefix: str, version: str) -> bool:
+    """Whether some version starting with `prefix` (e.g. '1.34.') is at least `version`."""
+    parts = [int(p) for p in prefix.rstrip(".").split(".")]
+    floor = gke_version_tuple(version)
+    return tuple(parts) >= floor[:len(parts)]
 
 
 def _cidr(value: str) -> str:
@@ -83,7 +91,10 @@ class SystemPoolSpec(_Model):
 
 class ClusterSpec(_Model):
     release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "RAPID"
-    min_version: str | None = None
+    version_prefix: str | None = Field(
+        None, description="a GKE minor like '1.34.': the cluster starts on the channel's newest version with that "
+        "prefix (Cluster Toolkit's version_prefix); the channel's default when unset. Never a pinned patch, which "
+        "GKE stops offering; the channel upgrades the cluster from there")
     ray_operator: bool = False
     system_pool: SystemPoolSpec = SystemPoolSpec()
     master_authorized_cidrs: list[str] = Field(default_factory=list)
@@ -92,12 +103,23 @@ class ClusterSpec(_Model):
         "reachable from any runner, no IP allow-list) or the IP endpoint (callers must be in masterAuthorizedCidrs)")
     deletion_protection: bool = False
 
-    @field_validator("min_version")
+    @model_validator(mode="before")
     @classmethod
-    def _version(cls, v: str | None) -> str | None:
-        if v is not None:
-            gke_version_tuple(v)
-        return v
+    def _no_pinned_version(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("minVersion" in data or "min_version" in data):
+            raise ValueError("cluster.minVersion pinned a patch GKE stops offering; use cluster.versionPrefix "
+                             "(a minor such as '1.34.') or leave it unset for the release channel's default")
+        return data
+
+    @field_validator("version_prefix")
+    @classmethod
+    def _prefix(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not _VERSION_PREFIX.match(v):
+            raise ValueError(f"{v!r} is not a GKE version prefix like '1.34.' (major.minor)")
+        # A trailing dot, so '1.3' cannot match 1.30 and later (Cluster Toolkit's advice for version_prefix).
+        return v if v.endswith(".") else v + "."
 
     @field_validator("master_authorized_cidrs")
     @classmethod
@@ -265,12 +287,11 @@ class EnvironmentSpec(_Model):
         names = [g.name for g in self.slices]
         if len(set(names)) != len(names):
             raise ValueError(f"slices: group names must be unique, got {names}")
-        if self.network.dranet.enabled and self.cluster.min_version is not None and (
-            gke_version_tuple(self.cluster.min_version) < gke_version_tuple(DRANET_MIN_GKE)
-        ):
+        prefix = self.cluster.version_prefix
+        if self.network.dranet.enabled and prefix is not None and not prefix_can_reach(prefix, DRANET_MIN_GKE):
             raise ValueError(
-                f"cluster.minVersion: {self.cluster.min_version!r} is too old for managed DRANET "
-                f"(network.dranet.enabled); use {DRANET_MIN_GKE} or later")
+                f"cluster.versionPrefix: {prefix!r} has no version new enough for managed DRANET "
+                f"(network.dranet.enabled needs {DRANET_MIN_GKE} or later); use '1.34.' or later")
         self._check_dranet()
         t = self.trainer
         if t.enabled:
@@ -318,11 +339,10 @@ class EnvironmentSpec(_Model):
         return next((g for g in self.slices if g.name == self.trainer.slice_group), None)
 
     @property
-    def gke_min_version(self) -> str | None:
-        """The version floor actually applied: DRANET raises it to the managed-DRANET minimum."""
-        if self.cluster.min_version is None and self.network.dranet.enabled:
-            return DRANET_MIN_GKE
-        return self.cluster.min_version
+    def gke_version_floor(self) -> str | None:
+        """The oldest GKE version this environment can run on (managed DRANET's minimum), checked at deploy time
+        against the version the channel and prefix resolve to."""
+        return DRANET_MIN_GKE if self.network.dranet.enabled else None
 
     @property
     def cluster_name(self) -> str:

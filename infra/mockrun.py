@@ -185,6 +185,13 @@ class PlanMocks(pmocks.Mocks):
         out = dict(args.args)
         if args.token == "gcp:organizations/getProject:getProject":
             out.update(number="123456789012", projectId=args.args.get("projectId", "mock-project"))
+        elif args.token == "gcp:container/getEngineVersions:getEngineVersions":
+            # Channel versions with patch 99: plausible for the checks, and visibly not a real GKE release.
+            prefix = args.args.get("versionPrefix") or ""
+            defaults = {"RAPID": "1.35.99-gke.99999", "REGULAR": "1.34.99-gke.99999", "STABLE": "1.33.99-gke.99999"}
+            latest = {ch: f"{prefix}99-gke.99999" if prefix else v for ch, v in defaults.items()}
+            out.update(releaseChannelDefaultVersion=defaults, releaseChannelLatestVersion=latest,
+                       defaultClusterVersion=defaults["REGULAR"], latestMasterVersion=defaults["RAPID"])
         elif args.token == "gcp:organizations/getClientConfig:getClientConfig":
             out.update(accessToken="mock-access-token", project="mock-project")
         return out

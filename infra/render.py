@@ -116,7 +116,7 @@ FIELDS: dict[str, list[Field]] = {
         ("policy", "placementPolicy.policyName"), ("capacity", _capacity),
         ("queuedProvisioning", "queuedProvisioning.enabled"),
         ("extraNetworks", "networkConfig.additionalNodeNetworkConfigs[*].network"),
-        ("gvnic", "nodeConfig.gvnic.enabled"), ("labels", "nodeConfig.labels"),
+        ("gvnic", "nodeConfig.gvnic.enabled"), ("disk", "nodeConfig.diskType"), ("labels", "nodeConfig.labels"),
         ("taints", lambda i: [f"{t.get('key')}:{t.get('effect')}"
                               for t in path_get(i, "nodeConfig.taints") or []] or None)],
     "gcp:storage/bucket:Bucket": [

@@ -58,9 +58,11 @@ class TpuSlices(pulumi.ComponentResource):
             shape = group.shape
             policy_name = None
             if shape.multi_host and shape.generation.uses_workload_policy:
-                # Ironwood places multi-host slices with a workload policy instead of tpu_topology.
+                # Ironwood places multi-host slices with a HIGH_THROUGHPUT workload policy over the slice's
+                # topology (Cluster Toolkit modules/compute/resource-policy, examples/gke-tpu-7x).
                 policy_name = gcp.compute.ResourcePolicy(
-                    f"{group.name}-placement", project=spec.project, region=spec.region,
+                    f"{group.name}-placement", name=f"{spec.cluster_name}-{group.name}-placement",
+                    project=spec.project, region=spec.region,
                     workload_policy=gcp.compute.ResourcePolicyWorkloadPolicyArgs(
                         type="HIGH_THROUGHPUT", accelerator_topology=shape.topology),
                     opts=child).name
@@ -72,9 +74,10 @@ class TpuSlices(pulumi.ComponentResource):
             for pool_name in group.pool_names():
                 placement = None
                 if shape.multi_host:
+                    # With a workload policy the pool still names its topology, as Cluster Toolkit's gke-node-pool
+                    # passes policy_name and tpu_topology together.
                     placement = gcp.container.NodePoolPlacementPolicyArgs(
-                        type="COMPACT", policy_name=policy_name,
-                        tpu_topology=None if policy_name is not None else shape.topology)
+                        type="COMPACT", policy_name=policy_name, tpu_topology=shape.topology)
                 network_config = gcp.container.NodePoolNetworkConfigArgs(
                     additional_node_network_configs=[
                         gcp.container.NodePoolNetworkConfigAdditionalNodeNetworkConfigArgs(
@@ -96,7 +99,9 @@ class TpuSlices(pulumi.ComponentResource):
                         machine_type=shape.machine_type,
                         service_account=args.node_service_account,
                         oauth_scopes=OAUTH_SCOPES,
-                        gvnic=gcp.container.NodePoolNodeConfigGvnicArgs(enabled=True) if nics else None,
+                        # gVNIC on every TPU pool (xpk passes --enable-gvnic for all; DCN bandwidth needs it).
+                        gvnic=gcp.container.NodePoolNodeConfigGvnicArgs(enabled=True),
+                        disk_type=shape.generation.boot_disk_type,
                         workload_metadata_config=gcp.container.NodePoolNodeConfigWorkloadMetadataConfigArgs(
                             mode="GKE_METADATA"),
                         labels=labels,

@@ -22,6 +22,8 @@ class TpuGeneration:
     # Physical NICs GKE managed DRANET can hand to pods on a multi-host VM; 0 = not a managed-DRANET machine
     # (Cluster Toolkit modules/compute/gke-node-pool: ct6e yes, ct5p no).
     dranet_nics: int = 0
+    # Boot disk type where the machine needs one other than GKE's default (pd-balanced).
+    boot_disk_type: str | None = None
 
 
 _2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -88,6 +90,8 @@ GENERATIONS: dict[str, TpuGeneration] = {
             hbm_gib_per_chip=192,
             hbm_gbps_per_chip=7380.0,
             uses_workload_policy=True,
+            # Cluster Toolkit's examples/gke-tpu-7x blueprint gives Ironwood pools Hyperdisk Balanced boot disks.
+            boot_disk_type="hyperdisk-balanced",
             # DRANET left off: xpk marks tpu7x-standard-4t without accelerator network profile support, and its NIC
             # count is not confirmed here.
         ),

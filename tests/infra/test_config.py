@@ -42,9 +42,13 @@ BAD = [
      r"gke-tpu-rl:trainer\.slices: 3 is more slices than group 'v6e-stg' declares \(2\); allowed: 1\.\.2"),
     ("trainer on unknown group", "prod", "trainer.sliceGroup", "v4-none",
      r"gke-tpu-rl:trainer\.sliceGroup: 'v4-none' is not a slice group; allowed: \['v5p-prod', 'v6e-burst'\]"),
-    ("DRANET on an old GKE", "staging", "cluster.minVersion", "1.33.5-gke.1000",
-     r"gke-tpu-rl:cluster\.minVersion: '1\.33\.5-gke\.1000' is too old for managed DRANET .*"
-     r"use 1\.34\.1-gke\.1829001 or later"),
+    ("DRANET on an old GKE", "staging", "cluster.versionPrefix", "1.33",
+     r"gke-tpu-rl:cluster\.versionPrefix: '1\.33\.' has no version new enough for managed DRANET .*"
+     r"1\.34\.1-gke\.1829001 or later\); use '1\.34\.' or later"),
+    ("a pinned GKE patch", "staging", "cluster.minVersion", "1.34.1-gke.1829001",
+     r"gke-tpu-rl:cluster: cluster\.minVersion pinned a patch GKE stops offering; use cluster\.versionPrefix"),
+    ("a version, not a prefix", "dev", "cluster.versionPrefix", "1.34.1-gke.1829001",
+     r"gke-tpu-rl:cluster\.versionPrefix: '1\.34\.1-gke\.1829001' is not a GKE version prefix like '1\.34\.'"),
     ("bad region", "dev", "region", "useast5", r"gke-tpu-rl:region: 'useast5' is not a region like us-east5"),
     ("bad zone form", "dev", "zone", "us-east5", r"gke-tpu-rl:zone: 'us-east5' is not a zone like us-east5-b"),
     ("zone outside region", "dev", "zone", "europe-west4-a",
@@ -93,10 +97,11 @@ def test_every_error_is_reported_at_once() -> None:
     assert "gke-tpu-rl:slices[0].topology" in str(err.value)
 
 
-def test_dranet_raises_the_version_floor_when_unset() -> None:
-    spec = parse_spec(_with("staging", "cluster.minVersion", ...), "staging")
-    assert spec.gke_min_version == "1.34.1-gke.1829001"
-    assert parse_spec(_raw("dev"), "dev").gke_min_version is None
+def test_version_prefix_gets_a_trailing_dot_and_dranet_sets_the_floor() -> None:
+    spec = parse_spec(_with("staging", "cluster.versionPrefix", "1.35"), "staging")
+    assert spec.cluster.version_prefix == "1.35."  # so '1.3' could never match 1.30+
+    assert spec.gke_version_floor == "1.34.1-gke.1829001"
+    assert parse_spec(_raw("dev"), "dev").gke_version_floor is None
 
 
 def test_aliases_become_catalog_names() -> None:

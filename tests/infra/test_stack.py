@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import yaml
 
 from infra.mockrun import PlanResult, Resource, run_stack
@@ -78,7 +79,7 @@ def test_staging_multihost_slices_with_dranet(plans: dict[str, PlanResult]) -> N
     cluster = _only(plan, "gcp:container/cluster:Cluster").inputs
     assert cluster["datapathProvider"] == "ADVANCED_DATAPATH"
     assert cluster["enableMultiNetworking"] is True
-    assert cluster["minMasterVersion"] == "1.34.1-gke.1829001"
+    assert cluster["minMasterVersion"] == "1.34.99-gke.99999"  # the channel's newest 1.34 (mocked)
     assert cluster["privateClusterConfig"]["enablePrivateNodes"] is True
     assert cluster["workloadIdentityConfig"] == {"workloadPool": "acme-rl-staging.svc.id.goog"}
     assert cluster["addonsConfig"]["gcsFuseCsiDriverConfig"] == {"enabled": True}
@@ -279,3 +280,60 @@ def test_ip_endpoint_is_a_choice_with_no_dns_config() -> None:
     plan = run_stack("dev", {**stack_config("dev"), "gke-tpu-rl:cluster": cluster})
     assert "controlPlaneEndpointsConfig" not in _only(plan, "gcp:container/cluster:Cluster").inputs
     assert plan.outputs["clusterEndpoint"] == "203.0.113.10"
+
+
+def test_gke_version_is_a_channel_default_or_a_prefix_never_a_pinned_patch(plans: dict[str, PlanResult]) -> None:
+    from infra.cluster import choose_version
+
+    # staging/prod: versionPrefix 1.34. -> the channel's newest 1.34 at deploy time (the mock's patch 99).
+    for env in ("staging", "prod"):
+        cluster = _only(plans[env], "gcp:container/cluster:Cluster")
+        assert cluster.inputs["minMasterVersion"] == "1.34.99-gke.99999", env
+    # dev: no prefix -> GKE's channel default, no version field at all.
+    assert "minMasterVersion" not in _only(plans["dev"], "gcp:container/cluster:Cluster").inputs
+    # No node pool pins a version: nodes follow the control plane and auto-upgrade with the channel.
+    for plan in plans.values():
+        assert all("version" not in p.inputs for p in plan.of_type(POOL))
+
+    floor = "1.34.1-gke.1829001"
+    defaults = {"REGULAR": "1.33.5-gke.100", "RAPID": "1.35.0-gke.1"}
+    assert choose_version(defaults, {"REGULAR": "1.34.7-gke.3"}, "REGULAR", "1.34.", floor) == "1.34.7-gke.3"
+    assert choose_version(defaults, {}, "RAPID", None, floor) is None
+    with pytest.raises(ValueError, match=r"REGULAR channel's default version 1\.33\.5-gke\.100 is older than "
+                                         r"1\.34\.1-gke\.1829001.*set cluster\.versionPrefix"):
+        choose_version(defaults, {}, "REGULAR", None, floor)
+    with pytest.raises(ValueError, match=r"cluster\.versionPrefix: the STABLE channel offers no version starting "
+                                         r"with '1\.36\.'"):
+        choose_version(defaults, {"RAPID": "1.36.0-gke.1"}, "STABLE", "1.36.", None)
+
+
+def test_tpu_pools_as_the_walkthroughs_create_them(plans: dict[str, PlanResult]) -> None:
+    for env, plan in plans.items():
+        for name, pool in _tpu_pools(plan).items():
+            node = pool.inputs["nodeConfig"]
+            assert node["gvnic"] == {"enabled": True}, (env, name)
+            assert node["workloadMetadataConfig"] == {"mode": "GKE_METADATA"}
+            assert node["oauthScopes"] == ["https://www.googleapis.com/auth/cloud-platform"]
+            assert pool.inputs["nodeLocations"] == [plan.spec.zone]
+            assert pool.inputs["upgradeSettings"] == {"maxSurge": 0, "maxUnavailable": 1}
+            assert "diskType" not in node  # GKE's default boot disk, as the v5p/v6e walkthroughs leave it
+
+
+def test_ironwood_slices_are_placed_like_cluster_toolkit() -> None:
+    raw = stack_config("dev")
+    config = {**raw, "gke-tpu-rl:slices": [
+        {"name": "ironwood", "tpuType": "tpu7x", "topology": "2x2x2", "count": 2, "capacity": "on-demand"}]}
+    config["gke-tpu-rl:trainer"] = {**raw["gke-tpu-rl:trainer"], "slices": 2}
+    plan = run_stack("dev", config)
+    [policy] = plan.of_type("gcp:compute/resourcePolicy:ResourcePolicy")
+    assert policy.inputs["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "2x2x2"}
+    assert policy.inputs["region"] == "us-east5" and policy.inputs["name"] == "rl-dev-ironwood-placement"
+    pools = _tpu_pools(plan)
+    assert sorted(pools) == ["ironwood-0", "ironwood-1"]
+    for pool in pools.values():
+        # Cluster Toolkit's gke-node-pool passes the policy and the topology together.
+        assert pool.inputs["placementPolicy"] == {"type": "COMPACT", "policyName": policy.inputs["name"],
+                                                  "tpuTopology": "2x2x2"}
+        assert pool.inputs["nodeConfig"]["machineType"] == "tpu7x-standard-4t"
+        assert pool.inputs["nodeConfig"]["diskType"] == "hyperdisk-balanced"
+        assert pool.inputs["nodeCount"] == 2
