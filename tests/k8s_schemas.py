@@ -23,7 +23,10 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Override the location with GKE_TPU_RL_SCHEMAS; missing schemas fail tests unless this is "1":
 ALLOW_MISSING_ENV = "GKE_TPU_RL_ALLOW_NO_SCHEMAS"
-KUBERNETES_VERSION = "v1.34"
+# The Kubernetes releases whose core schemas every object must pass (GKE's DRANET floor is 1.34).
+KUBERNETES_VERSIONS = ("v1.34", "v1.35")
+KUBERNETES_VERSION = KUBERNETES_VERSIONS[0]
+POD_TEMPLATE = "io.k8s.api.core.v1.PodTemplateSpec"
 OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
@@ -123,16 +126,16 @@ def _crds() -> dict[tuple[str, str, str], dict[str, Any]]:
 
 
 @cache
-def _openapi_docs() -> list[dict[str, Any]]:
-    d = require_schemas() / "kubernetes" / KUBERNETES_VERSION
+def _openapi_docs(kv: str = KUBERNETES_VERSION) -> list[dict[str, Any]]:
+    d = require_schemas() / "kubernetes" / kv
     return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
 
 
 @cache
-def _openapi_index() -> dict[tuple[str, str, str], tuple[int, str]]:
+def _openapi_index(kv: str = KUBERNETES_VERSION) -> dict[tuple[str, str, str], tuple[int, str]]:
     """(group, version, kind) -> (document index, schema name) from x-kubernetes-group-version-kind."""
     out: dict[tuple[str, str, str], tuple[int, str]] = {}
-    for i, doc in enumerate(_openapi_docs()):
+    for i, doc in enumerate(_openapi_docs(kv)):
         for name, schema in doc["components"]["schemas"].items():
             for gvk in schema.get("x-kubernetes-group-version-kind", []):
                 key = (gvk["group"], gvk["version"], gvk["kind"])
@@ -143,18 +146,18 @@ def _openapi_index() -> dict[tuple[str, str, str], tuple[int, str]]:
 
 
 @cache
-def _strict_components(doc_index: int) -> dict[str, Any]:
-    return strict({"components": _openapi_docs()[doc_index]["components"]})["components"]
+def _strict_components(doc_index: int, kv: str = KUBERNETES_VERSION) -> dict[str, Any]:
+    return strict({"components": _openapi_docs(kv)[doc_index]["components"]})["components"]
 
 
 @cache
-def _validator(group: str, version: str, kind: str) -> jsonschema.protocols.Validator:
+def _validator(group: str, version: str, kind: str, kv: str = KUBERNETES_VERSION) -> jsonschema.protocols.Validator:
     crd = _crds().get((group, version, kind))
     if crd is not None:
         schema = strict(copy.deepcopy(crd))
-    elif (group, version, kind) in _openapi_index():
-        doc_index, name = _openapi_index()[(group, version, kind)]
-        schema = {"$ref": f"#/components/schemas/{name}", "components": _strict_components(doc_index)}
+    elif (group, version, kind) in _openapi_index(kv):
+        doc_index, name = _openapi_index(kv)[(group, version, kind)]
+        schema = {"$ref": f"#/components/schemas/{name}", "components": _strict_components(doc_index, kv)}
     else:
         raise KeyError(kind)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -162,18 +165,19 @@ def _validator(group: str, version: str, kind: str) -> jsonschema.protocols.Vali
 
 
 @cache
-def _object_meta_validator() -> jsonschema.protocols.Validator:
-    # CRD schemas declare metadata as a bare object; check it against the real ObjectMeta instead.
-    for i, doc in enumerate(_openapi_docs()):
-        if OBJECT_META in doc["components"]["schemas"]:
-            schema = {"$ref": f"#/components/schemas/{OBJECT_META}", "components": _strict_components(i)}
+def _core_validator(name: str, kv: str = KUBERNETES_VERSION) -> jsonschema.protocols.Validator:
+    """A core type by schema name, e.g. ObjectMeta for CRD metadata (CRDs declare it as a bare object), or the
+    PodTemplateSpec a JobSet embeds (its CRD carries the pod schema of the release it was built against)."""
+    for i, doc in enumerate(_openapi_docs(kv)):
+        if name in doc["components"]["schemas"]:
+            schema = {"$ref": f"#/components/schemas/{name}", "components": _strict_components(i, kv)}
             return jsonschema.Draft202012Validator(schema)
-    raise SchemasMissing(f"{OBJECT_META} not found in the Kubernetes {KUBERNETES_VERSION} OpenAPI documents")
+    raise SchemasMissing(f"{name} not found in the Kubernetes {kv} OpenAPI documents")
 
 
-def known_kinds() -> set[tuple[str, str]]:
+def known_kinds(kv: str = KUBERNETES_VERSION) -> set[tuple[str, str]]:
     """Every (apiVersion, kind) this module can validate."""
-    keys = set(_crds()) | set(_openapi_index())
+    keys = set(_crds()) | set(_openapi_index(kv))
     return {(f"{g}/{v}" if g else v, k) for g, v, k in keys}
 
 
@@ -184,25 +188,34 @@ def _format(err: jsonschema.ValidationError, prefix: tuple[str, ...] = ()) -> st
     return f"{path}: {msg}"
 
 
-def validate(obj: dict[str, Any]) -> list[str]:
-    """Every schema error in one Kubernetes object (empty when it is valid), each as `path: message`."""
+def validate(obj: dict[str, Any], kv: str = KUBERNETES_VERSION) -> list[str]:
+    """Every schema error in one Kubernetes object for Kubernetes release `kv` (empty when it is valid), each as
+    `path: message`."""
     api_version, kind = obj.get("apiVersion"), obj.get("kind")
     if not isinstance(api_version, str) or not isinstance(kind, str):
         return [".: apiVersion and kind are required"]
     group, version = _split_api_version(api_version)
     try:
-        validator = _validator(group, version, kind)
+        validator = _validator(group, version, kind, kv)
     except KeyError:
         return [f".: no schema for {api_version} {kind} under {schemas_dir()}"]
     errors = [_format(e) for e in validator.iter_errors(obj)]
     if (group, version, kind) in _crds() and isinstance(obj.get("metadata"), dict):
-        errors += [_format(e, ("metadata",)) for e in _object_meta_validator().iter_errors(obj["metadata"])]
-    return sorted(errors)
+        errors += [_format(e, ("metadata",)) for e in _core_validator(OBJECT_META, kv).iter_errors(obj["metadata"])]
+    if kind == "JobSet":
+        for i, rj in enumerate((obj.get("spec") or {}).get("replicatedJobs") or []):
+            template = ((rj.get("template") or {}).get("spec") or {}).get("template")
+            if isinstance(template, dict):
+                prefix = ("spec", "replicatedJobs", i, "template", "spec", "template")
+                errors += [_format(e, prefix) for e in _core_validator(POD_TEMPLATE, kv).iter_errors(template)]
+    return sorted(set(errors))
 
 
-def assert_valid(obj: dict[str, Any]) -> None:
-    errors = validate(obj)
-    if errors:
-        meta = obj.get("metadata") or {}
-        raise AssertionError(f"{obj.get('apiVersion')} {obj.get('kind')} {meta.get('name')!r} does not match "
-                             f"its upstream schema:\n  " + "\n  ".join(errors))
+def assert_valid(obj: dict[str, Any], versions: tuple[str, ...] = KUBERNETES_VERSIONS) -> None:
+    """The object passes its schema for every Kubernetes release in `versions`."""
+    for kv in versions:
+        errors = validate(obj, kv)
+        if errors:
+            meta = obj.get("metadata") or {}
+            raise AssertionError(f"{obj.get('apiVersion')} {obj.get('kind')} {meta.get('name')!r} does not match "
+                                 f"its upstream schema for Kubernetes {kv}:\n  " + "\n  ".join(errors))

@@ -31,9 +31,25 @@ POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
        "spec": {"containers": [{"name": "c", "image": "busybox", "resources": {"limits": {"cpu": "1"}}}]}}
 
 
+@pytest.mark.parametrize("kv", k8s_schemas.KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("obj", [JOBSET, LOCAL_QUEUE, POD], ids=lambda o: o["kind"])
-def test_known_good_objects_pass(obj: dict[str, Any]) -> None:
-    assert k8s_schemas.validate(obj) == []
+def test_known_good_objects_pass(obj: dict[str, Any], kv: str) -> None:
+    assert k8s_schemas.validate(obj, kv) == []
+
+
+@pytest.mark.parametrize("kv", k8s_schemas.KUBERNETES_VERSIONS)
+def test_a_jobset_pod_is_checked_against_the_releases_own_pod_schema(kv: str) -> None:
+    # The JobSet CRD embeds the pod schema of the release it was built with; the core PodTemplateSpec of each
+    # release checks it again, so a pod field that release lacks or types differently is caught.
+    bad = copy.deepcopy(JOBSET)
+    pod = bad["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod["containers"][0]["resources"]["claims"] = [{"name": 3}]
+    errors = k8s_schemas.validate(bad, kv)
+    assert errors and all(e.startswith("spec.replicatedJobs[0].template.spec.template.spec.containers[0]")
+                          for e in errors)
+    core = k8s_schemas._core_validator(k8s_schemas.POD_TEMPLATE, kv)
+    assert core.is_valid(JOBSET["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
+    assert not core.is_valid(bad["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
 
 
 def test_a_typo_in_a_crd_field_fails() -> None:
