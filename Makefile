@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: install demo plan train-demo test lint golden bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/package-lock.json
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	npm --prefix tools ci --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,4 +39,4 @@ bench: install
 	$(PY) -m bench.sampler
 
 clean:
-	rm -rf $(VENV) runs plan-out .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "DIR/plan.md (with several environments: DIR/ENV/...)")
     plan.add_argument("--format", choices=("text", "markdown"), default="text",
                       help="text (a tree for the terminal) or markdown (for a PR comment)")
+    plan.add_argument("--diff", metavar="GIT_REF",
+                      help="compare with the plan at GIT_REF (its program and stack file, e.g. origin/main): "
+                      "resources and Kubernetes objects added, removed and changed, TPU chips and list price; "
+                      "the delta comes first")
     plan.add_argument("--fit", action="store_true",
                       help="also compile the environment's trainer for its TPU slices (as `fit ENV`) and add the "
                       "summary; exits 3 when a program does not fit")
@@ -141,6 +145,9 @@ def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True) -> 
 def _plan(args: argparse.Namespace) -> int:
     from infra import render
     from infra.config import ConfigError
+    from infra.diff import diff_plan
+    from infra.diff import markdown as diff_markdown
+    from infra.diff import text as diff_text
     from infra.plan import PlanError, available_envs, plan, repo_root, write_out
 
     root = repo_root()
@@ -161,6 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
     for i, env in enumerate(envs):
         try:
             result = plan(env, args.config_file, root)
+            delta = diff_plan(result, args.diff, root) if args.diff else None
             report = _plan_fit(result.spec) if args.fit else None
         except (ConfigError, PlanError) as e:
             print(f"error: {e}", file=sys.stderr)
@@ -170,11 +178,15 @@ def _plan(args: argparse.Namespace) -> int:
             _no_fit(report, env, verbose=args.format != "text")
             status = max(status, EXIT_NO_FIT)
         md = render.markdown(result, report)
+        if delta is not None:
+            md = diff_markdown(delta) + "\n" + md  # the delta first: it is what the reviewer decides on
         if args.format == "markdown":
             sys.stdout.write(("\n" if i else "") + md)  # verbatim: no wrapping, markup or emoji codes
         else:
             if i:
                 console.print()
+            if delta is not None:
+                console.print(diff_text(delta), highlight=False, markup=False)
             render.print_text(result, console, report)
         if args.out is not None:
             out_dir = args.out / env if len(envs) > 1 else args.out

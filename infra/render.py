@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from infra.cost import EnvironmentCost, environment_cost, usd
 from infra.mockrun import SECRET_MASK, PlanResult, Resource
 from infra.plan import is_kubernetes_object
 
@@ -236,6 +237,7 @@ class SliceRow:
     chips_per_host: int
     chips_per_slice: int
     capacity: str
+    price: str  # list price of the whole group per hour, or "no price"
 
     @property
     def hosts(self) -> int:
@@ -263,6 +265,7 @@ class Summary:
     trainer: str | None
     resources: int
     kubernetes_objects: int
+    cost: EnvironmentCost
 
     @property
     def total_slices(self) -> int:
@@ -287,6 +290,7 @@ class Summary:
             ("Buckets", "; ".join(self.buckets) or "none"),
             ("Queues", "; ".join(self.queues) or "none"),
             ("Controllers", "; ".join(self.controllers) or "none"),
+            ("Cost", self.cost.line()),
             ("Trainer", self.trainer or "disabled"),
             ("Resources", f"{self.resources} registered, {self.kubernetes_objects} Kubernetes objects"),
         ]
@@ -299,11 +303,14 @@ def summarize(result: PlanResult) -> Summary:
     chips_by_type: dict[str, int] = {}
     pflops = 0.0
     hbm = 0
-    for g in spec.slices:
+    costs = environment_cost([{"name": g.name, "tpu_type": g.tpu_type, "capacity": g.capacity,
+                               "chips": g.count * g.shape.chips} for g in spec.slices], spec.region)
+    for g, c in zip(spec.slices, costs.groups, strict=True):
         shape = g.shape
         capacity = f"reservation:{g.reservation}" if g.capacity == "reservation" else g.capacity
+        price = "no price" if c.usd_per_hour is None else f"{usd(c.usd_per_hour)} ({c.basis})"
         rows.append(SliceRow(g.name, g.tpu_type, g.topology, shape.machine_type, g.count, shape.hosts,
-                             shape.chips_per_host, shape.chips, capacity))
+                             shape.chips_per_host, shape.chips, capacity, price))
         chips_by_type[g.tpu_type] = chips_by_type.get(g.tpu_type, 0) + g.count * shape.chips
         pflops += g.count * shape.peak_bf16_tflops / 1000
         hbm += g.count * shape.hbm_gib
@@ -344,16 +351,17 @@ def summarize(result: PlanResult) -> Summary:
         env=result.env, project=spec.project, zone=spec.zone, cluster=spec.cluster_name, slices=rows,
         chips_by_type=dict(sorted(chips_by_type.items())), peak_bf16_pflops=round(pflops, 2), hbm_gib=hbm,
         networks=networks, buckets=buckets, queues=queues, controllers=controllers, trainer=trainer,
-        resources=len(result.resources), kubernetes_objects=sum(is_kubernetes_object(r) for r in result.resources))
+        resources=len(result.resources), kubernetes_objects=sum(is_kubernetes_object(r) for r in result.resources),
+        cost=costs)
 
 
 _SLICE_HEADERS = ("group", "tpu", "topology", "machine", "slices", "hosts/slice", "chips/host", "chips/slice",
-                  "chips", "capacity")
+                  "chips", "capacity", "list $/hour")
 
 
 def _slice_cells(row: SliceRow) -> list[str]:
     return [row.group, row.tpu_type, row.topology, row.machine_type, str(row.slices), str(row.hosts_per_slice),
-            str(row.chips_per_host), str(row.chips_per_slice), str(row.chips), row.capacity]
+            str(row.chips_per_host), str(row.chips_per_slice), str(row.chips), row.capacity, row.price]
 
 
 def _outputs_lines(result: PlanResult) -> list[tuple[str, str]]:

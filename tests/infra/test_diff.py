@@ -1,0 +1,116 @@
+"""`plan ENV --diff REF` on a throw-away git repository: what a pull request adds, removes and changes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra import cost
+from infra.cli import main
+from infra.diff import Snapshot, changed_inputs, compare, diff_plan, headline
+from infra.plan import PlanError, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIED = ("Pulumi.yaml", "environments", "infra", "workloads", "trainer")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This project's program and environments, committed once as `base`."""
+    repo = tmp_path_factory.mktemp("repo")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in COPIED:
+        src = ROOT / name
+        (shutil.copytree(src, repo / name, ignore=ignore) if src.is_dir() else shutil.copy(src, repo / name))
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.invalid", "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-q", "-m", "base")
+    _git(repo, "tag", "base")
+    return repo
+
+
+def _edit_staging(repo: Path) -> None:
+    path = repo / "environments" / "Pulumi.staging.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["config"]["gke-tpu-rl:slices"].append(
+        {"name": "v6e-more", "tpuType": "v6e", "topology": "4x4", "count": 2, "capacity": "on-demand"})
+    doc["config"]["gke-tpu-rl:trainer"]["maxRestarts"] = 5
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def test_a_new_slice_group_shows_chips_price_and_every_change(repo: Path) -> None:
+    _edit_staging(repo)
+    try:
+        d = diff_plan(plan("staging", None, repo), "base", repo)
+    finally:
+        _git(repo, "checkout", "-q", "--", ".")
+    assert d.chips_delta == {"v6e": (32, 64)}
+    added = {c.name for c in d.added}
+    assert {"v6e-more-0", "v6e-more-1"} <= added and not d.removed
+    changed = {c.name: c for c in d.changed}
+    jobset = changed["jobset-rl-grpo-stg"]
+    assert jobset.kubernetes and ("spec.failurePolicy.maxRestarts", 3, 5) in jobset.inputs
+    # Kueue's quota follows the chips: 32 -> 64 google.com/tpu.
+    [quota] = [c for c in changed["clusterqueue-tpu-cluster-queue"].inputs if c[0].endswith("nominalQuota")
+               and c[1] == 32]
+    assert quota[2] == 64
+    rate = cost.default_table().rate("v6e", "us-east5", "on-demand")
+    before, after = d.cost_delta()
+    if rate is None:
+        assert any("No price for" in line for line in headline(d))
+    else:
+        assert after.usd_per_hour - before.usd_per_hour == pytest.approx(32 * rate)
+        assert f"+${32 * rate:,.2f}/hour" in headline(d)[1]
+    assert headline(d)[0] == "TPU chips: +32 v6e (32 → 64)."
+
+
+def test_cli_puts_the_delta_first_in_markdown(repo: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    _edit_staging(repo)
+    monkeypatch.chdir(repo)
+    try:
+        assert main(["plan", "staging", "--diff", "base", "--format", "markdown"]) == 0
+    finally:
+        _git(repo, "checkout", "-q", "--", ".")
+    out = capsys.readouterr().out
+    assert out.startswith("### gke-tpu-rl plan diff: `staging` against `base`")
+    assert out.index("+32 v6e") < out.index("### gke-tpu-rl plan: `staging`")
+    assert "| added | `v6e-more-0` |" in out
+
+
+def test_no_change_and_a_new_environment(repo: Path) -> None:
+    d = diff_plan(plan("dev", None, repo), "base", repo)
+    assert d.empty and not d.chips_delta and headline(d)[-1] == "Resources: no change."
+    new_env = repo / "environments" / "Pulumi.qa.yaml"
+    shutil.copy(repo / "environments" / "Pulumi.dev.yaml", new_env)
+    try:
+        d = diff_plan(plan("qa", None, repo), "base", repo)
+    finally:
+        new_env.unlink()
+    assert d.old.missing and d.chips_delta == {"v6e": (0, 4)} and not d.removed and not d.changed
+    assert headline(d)[0].startswith("New environment: no environments/Pulumi.qa.yaml")
+
+
+def test_an_unknown_ref_is_a_clear_error(repo: Path) -> None:
+    with pytest.raises(PlanError, match=r"git rev-parse"):
+        diff_plan(plan("dev", None, repo), "no-such-ref", repo)
+    assert main(["plan", "dev", "--diff", "no-such-ref"]) == 2
+
+
+def test_changed_inputs_are_leaf_paths_and_secrets_stay_masked() -> None:
+    old = {"a": {"b": 1, "c": [{"d": "x"}]}, "s": "[secret]", "gone": True}
+    new = {"a": {"b": 2, "c": [{"d": "y"}, {"d": "z"}]}, "s": "[secret]"}
+    assert changed_inputs(old, new) == [("a.b", 1, 2), ("a.c[0].d", "x", "y"), ("a.c[1].d", None, "z"),
+                                        ("gone", True, None)]
+    # A secret that changed shows as masked on both sides: nothing to diff, nothing leaked.
+    a = Snapshot("us-east5", [], {"u": {"type": "kubernetes:core/v1:Secret", "name": "s", "custom": True,
+                                        "inputs": {"stringData": {"token": "[secret]"}}, "options": {}}})
+    assert compare("dev", "x", a, a).empty
