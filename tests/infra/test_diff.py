@@ -47,11 +47,13 @@ def _edit_staging(repo: Path) -> None:
 
 
 def test_a_new_slice_group_shows_chips_price_and_every_change(repo: Path) -> None:
+    # A pull request's commit adds a slice group; its plan is compared with the base commit's.
     _edit_staging(repo)
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-q", "-am", "add slices")
     try:
         d = diff_plan(plan("staging", None, repo), "base", repo)
     finally:
-        _git(repo, "checkout", "-q", "--", ".")
+        _git(repo, "reset", "-q", "--hard", "base")
     assert d.chips_delta == {"v6e": (32, 64)}
     added = {c.name for c in d.added}
     assert {"v6e-more-0", "v6e-more-1"} <= added and not d.removed
