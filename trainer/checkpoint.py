@@ -82,7 +82,8 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits cleanly.
 
-    A second SIGINT raises KeyboardInterrupt as usual, for an impatient Ctrl-C.
+    Idempotent: a terminal's Ctrl-C reaches every process of the group and the launcher forwards a SIGTERM too, so
+    repeated signals must not interrupt the save or the run summary. SIGKILL is the way to stop at once.
     """
 
     def __init__(self) -> None:
@@ -101,8 +102,6 @@ class StopFlag:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._set and signum == signal.SIGINT:
-            raise KeyboardInterrupt
         self._set = True
 
     def request(self) -> None:

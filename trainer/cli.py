@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                      *(f"--set={o}" for o in args.overrides), "--run-dir", cfg.run_dir]
             return run_local(args.local_processes, args.devices_per_process, child)
 
+        from trainer.checkpoint import StopFlag
         from trainer.distributed import initialize_from_env
         from trainer.train import train
 
@@ -76,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.launch import quiet_native_stdout
 
             quiet_native_stdout()
+        # Installed for the whole run, not just the loop: a signal after the last step still lands here, so the
+        # checkpoint and the run summary are written once and the exit code stays 143.
+        stop = StopFlag().install()
         try:
-            result = train(cfg)
+            result = train(cfg, stop=stop)
         except Exception as err:
             if not is_transient(err):
                 raise

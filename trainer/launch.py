@@ -130,10 +130,13 @@ def run_local(n_processes: int, devices_per_process: int, argv: Sequence[str]) -
                 break
             time.sleep(0.2)
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        # Once stopping, further signals (the rest of a Ctrl-C burst) stay absorbed until this process exits.
+        if not signalled:
+            for s, h in previous.items():
+                signal.signal(s, h)
     for t in threads:
         t.join(timeout=5)
     if rc == 0:
         rc = next((p.returncode for p in procs if p.returncode != 0), 0)
-    return rc
+    # A child killed by signal n reports -n; exit as a shell would (128 + n), never as 256 - n.
+    return 128 - rc if rc < 0 else rc
