@@ -107,6 +107,11 @@ class StopFlag:
     def request(self) -> None:
         self._set = True
 
+    @property
+    def is_set(self) -> bool:
+        """This process was signalled (no collective; `agreed` is the all-process answer)."""
+        return self._set
+
     def agreed(self) -> bool:
         """True on every process once any process was signalled (all must save the same step together)."""
         if jax.process_count() == 1:

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
             quiet_native_stdout()
         # Installed for the whole run, not just the loop: a signal after the last step still lands here, so the
-        # checkpoint and the run summary are written once and the exit code stays 143.
+        # checkpoint and the run summary are written once and the exit code stays 143. Once signalled it stays
+        # installed until the process exits, absorbing the rest of a burst.
         stop = StopFlag().install()
         try:
             result = train(cfg, stop=stop)
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: transient runtime failure, exiting {EXIT_TRANSIENT} to be restarted: {err}",
                   file=sys.stderr)
             return EXIT_TRANSIENT
+        finally:
+            if not stop.is_set:
+                stop.uninstall()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG

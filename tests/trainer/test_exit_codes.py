@@ -33,14 +33,18 @@ def test_transient_runtime_errors_exit_42_and_bugs_raise(
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**tiny_train_dict, "mesh": {"slices": 1, "fsdp": 1, "tensor": 1}}))
 
-    def failing_train(cfg: object) -> None:
+    def failing_train(cfg: object, **kwargs: object) -> None:
         raise jax.errors.JaxRuntimeError(message)
 
     import trainer.train
 
     monkeypatch.setattr(trainer.train, "train", failing_train)
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
     if transient:
         assert cli.main(["--config", str(config)]) == cli.EXIT_TRANSIENT
     else:
         with pytest.raises(jax.errors.JaxRuntimeError):
             cli.main(["--config", str(config)])
+    assert signal.getsignal(signal.SIGTERM) == before  # the stop flag is gone again unless a signal came

@@ -1,5 +1,6 @@
 """Stopping a local run from the terminal: the whole process group gets SIGINT/SIGTERM, possibly several times, and
-the launcher forwards its own SIGTERM. However many arrive and whenever: one checkpoint, exit 143, a whole run folder."""
+the launcher forwards its own SIGTERM. However many arrive, and whenever: one checkpoint, exit 143, a whole
+run folder."""
 
 from __future__ import annotations
 
