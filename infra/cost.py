@@ -114,6 +114,13 @@ def slice_cost(group: str, tpu_type: str, region: str, capacity: str, chips: int
     return SliceGroupCost(group, tpu_type, region, capacity, chips, rates[0], None)
 
 
+def slice_groups(spec: Any) -> list[dict[str, Any]]:
+    """An EnvironmentSpec's slice groups as the plain records pricing and `plan --diff` compare; chips counts every
+    slice of the group. (The diff's runner writes the same record from an older revision's spec.)"""
+    return [{"name": g.name, "tpu_type": g.tpu_type, "topology": g.topology, "capacity": g.capacity,
+             "count": g.count, "chips": g.count * g.shape.chips} for g in spec.slices]
+
+
 def environment_cost(slices: list[dict[str, Any]], region: str, table: PriceTable | None = None) -> EnvironmentCost:
     """slices: [{name, tpu_type, capacity, chips}] with chips = every slice of the group."""
     return EnvironmentCost([slice_cost(s["name"], s["tpu_type"], region, s["capacity"], s["chips"], table)

@@ -16,7 +16,7 @@ from typing import Any
 
 from infra import cost
 from infra.mockrun import PlanResult
-from infra.plan import PlanError, is_kubernetes_object
+from infra.plan import PlanError, is_kubernetes_type
 
 # Runs inside the old revision's tree with its own infra package (self-contained: the old tree may lack any of
 # today's modules). Prints a snapshot as JSON, or {"missing": ...} when the environment did not exist there.
@@ -64,12 +64,9 @@ class Snapshot:
 
 
 def snapshot(result: PlanResult) -> Snapshot:
-    spec = result.spec
-    slices = [{"name": g.name, "tpu_type": g.tpu_type, "topology": g.topology, "capacity": g.capacity,
-               "count": g.count, "chips": g.count * g.shape.chips} for g in spec.slices]
     resources = {r.urn: {"type": r.type, "name": r.name, "custom": r.custom, "inputs": r.inputs,
                          "options": r.options} for r in result.resources}
-    return Snapshot(spec.region, slices, resources)
+    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources)
 
 
 def _git(root: Path, *args: str) -> bytes:
@@ -159,16 +156,9 @@ class PlanDiff:
         return not (self.added or self.removed or self.changed)
 
 
-def _is_k8s(r: dict[str, Any]) -> bool:
-    from infra.mockrun import Resource
-
-    return is_kubernetes_object(Resource(urn="", type=r["type"], name=r["name"], parent=None, custom=r["custom"],
-                                         inputs={}))
-
-
 def compare(env: str, ref: str, old: Snapshot, new: Snapshot) -> PlanDiff:
     def change(urn: str, r: dict[str, Any], inputs: list[tuple[str, Any, Any]] | None = None) -> Change:
-        return Change(urn, r["type"], r["name"], _is_k8s(r), inputs or [])
+        return Change(urn, r["type"], r["name"], is_kubernetes_type(r["type"], r["custom"]), inputs or [])
 
     added = [change(u, new.resources[u]) for u in new.resources if u not in old.resources]
     removed = [change(u, old.resources[u]) for u in old.resources if u not in new.resources]

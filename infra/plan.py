@@ -72,10 +72,13 @@ def plan(env: str, config_file: Path | None = None, root: Path | None = None) ->
 # ---------------------------------------------------------------- Kubernetes objects
 
 
+def is_kubernetes_type(type_: str, custom: bool) -> bool:
+    """A resource of this type becomes one object on the cluster (Helm releases and providers do not)."""
+    return custom and type_.startswith("kubernetes:") and not type_.startswith(NON_OBJECT_PREFIXES)
+
+
 def is_kubernetes_object(resource: Resource) -> bool:
-    """A registered resource that becomes one object on the cluster (Helm releases and providers do not)."""
-    return resource.custom and resource.type.startswith("kubernetes:") and not resource.type.startswith(
-        NON_OBJECT_PREFIXES)
+    return is_kubernetes_type(resource.type, resource.custom)
 
 
 def _type_gvk(type_: str) -> tuple[str, str]:

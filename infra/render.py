@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from infra.cost import EnvironmentCost, environment_cost, usd
+from infra.cost import EnvironmentCost, environment_cost, slice_groups, usd
 from infra.mockrun import SECRET_MASK, PlanResult, Resource
 from infra.plan import is_kubernetes_object
 
@@ -303,8 +303,7 @@ def summarize(result: PlanResult) -> Summary:
     chips_by_type: dict[str, int] = {}
     pflops = 0.0
     hbm = 0
-    costs = environment_cost([{"name": g.name, "tpu_type": g.tpu_type, "capacity": g.capacity,
-                               "chips": g.count * g.shape.chips} for g in spec.slices], spec.region)
+    costs = environment_cost(slice_groups(spec), spec.region)
     for g, c in zip(spec.slices, costs.groups, strict=True):
         shape = g.shape
         capacity = f"reservation:{g.reservation}" if g.capacity == "reservation" else g.capacity

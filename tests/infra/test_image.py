@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from infra.mockrun import SECRET_MASK, PlanResult, run_stack
-from tests.infra.conftest import stack_config
+from tests.infra.conftest import raw_inputs, stack_config
 
 IMAGE = "docker-build:index:Image"
 JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
@@ -35,13 +35,9 @@ def test_stack_builds_and_pushes_the_trainer_image(plans: dict[str, PlanResult])
 
 
 def test_push_authenticates_with_a_short_lived_token() -> None:
-    from infra.mockrun import PlanMocks, RecordingMonitor, _unwrap_secrets
-
-    monitor = RecordingMonitor(PlanMocks())
-    run_stack("staging", stack_config("staging"), monitor=monitor)
-    [image] = [r for r in monitor.registrations if r.type == IMAGE]
+    [image] = raw_inputs("staging", stack_config("staging"), IMAGE)
     # The deployer's own OAuth token (gcp getClientConfig), as Artifact Registry's docs log in: no key file.
-    assert _unwrap_secrets(image.inputs["registries"]) == [
+    assert image["registries"] == [
         {"address": "us-east5-docker.pkg.dev", "username": "oauth2accesstoken", "password": "mock-access-token"}]
 
 

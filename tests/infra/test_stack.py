@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from infra.mockrun import PlanResult, Resource, run_stack
-from tests.infra.conftest import stack_config
+from tests.infra.conftest import raw_inputs, stack_config
 
 POOL = "gcp:container/nodePool:NodePool"
 NETWORK = "gcp:compute/network:Network"
@@ -250,13 +250,9 @@ def test_kueue_maps_the_dranet_device_class_and_keeps_its_default_integrations(p
 
 def _provider_kubeconfig(env: str, overrides: dict[str, Any]) -> dict[str, Any]:
     # The provider's kubeconfig is a secret in the plan; read it from the raw registration instead.
-    from infra.mockrun import PlanMocks, RecordingMonitor, _unwrap_secrets
-
-    monitor = RecordingMonitor(PlanMocks())
     cluster = {**stack_config(env).get("gke-tpu-rl:cluster", {}), **overrides}
-    run_stack(env, {**stack_config(env), "gke-tpu-rl:cluster": cluster}, monitor=monitor)
-    [provider] = [r for r in monitor.registrations if r.type == "pulumi:providers:kubernetes"]
-    return yaml.safe_load(_unwrap_secrets(provider.inputs)["kubeconfig"])
+    [provider] = raw_inputs(env, {**stack_config(env), "gke-tpu-rl:cluster": cluster}, "pulumi:providers:kubernetes")
+    return yaml.safe_load(provider["kubeconfig"])
 
 
 def test_ci_reaches_the_api_server_through_the_dns_endpoint(plans: dict[str, PlanResult]) -> None:
