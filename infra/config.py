@@ -7,31 +7,39 @@ import json
 import re
 from typing import Any, Literal
 
+from pulumi.errors import RunError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from infra import tpu
+from infra import rules, tpu
 
 NAMESPACE = "gke-tpu-rl"
+STACK_NAME = "stack name"  # how errors name the environment, which is not a config key
 # Config keys read outside the typed spec because they hold Pulumi secrets.
 SECRET_KEYS = ("hfToken",)
 # Managed DRANET needs this GKE version or later (Standard clusters).
 DRANET_MIN_GKE = "1.34.1-gke.1829001"
 
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
+# Slice group names: RFC 1035 labels short enough that `<group>-<index>` is a GKE node pool name (40 characters).
+_GROUP_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 _PROJECT = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 _VERSION_PREFIX = re.compile(r"^\d+\.\d+\.?$")
 _GKE_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:-gke\.(\d+))?$")
 
 
-class ConfigError(ValueError):
-    """A stack config problem; the message names the config key, the value and what is allowed."""
+class ConfigError(RunError, ValueError):
+    """A stack config problem; the message names the config key, the value and what is allowed.
+
+    A RunError, so `pulumi up` prints the message alone, not the program's traceback (pulumi-language-python's
+    exec wrapper logs str(e) for RunError and the full stack for anything else)."""
 
 
 class _Model(BaseModel):
     # Pulumi stack config is camelCase; unknown keys are typos, so they are errors.
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    # NaN and infinity are never a valid setting (YAML's .nan/.inf would otherwise pass a range check).
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
+                              allow_inf_nan=False)
 
 
 def gke_version_tuple(version: str) -> tuple[int, int, int, int]:
@@ -49,10 +57,18 @@ def prefix_can_reach(prefix: str, version: str) -> bool:
 
 
 def _cidr(value: str) -> str:
+    if not isinstance(value, str) or "/" not in value:  # a bare address is not a range GCP accepts
+        raise ValueError(f"{value!r} is not a CIDR block like 10.0.0.0/20 (address/prefix length)")
     try:
         return str(ipaddress.ip_network(value, strict=True))
     except ValueError as e:
         raise ValueError(f"{value!r} is not a CIDR block like 10.0.0.0/20 ({e})") from None
+
+
+def _subnet(value: str) -> str:
+    cidr = _cidr(value)
+    rules.subnet_range(ipaddress.ip_network(cidr))
+    return cidr
 
 
 class DranetSpec(_Model):
@@ -65,7 +81,7 @@ class DranetSpec(_Model):
     @field_validator("cidrs")
     @classmethod
     def _check_cidrs(cls, v: list[str] | None) -> list[str] | None:
-        return None if v is None else [_cidr(c) for c in v]
+        return None if v is None else [_subnet(c) for c in v]
 
     def subnet_cidrs(self, count: int) -> list[str]:
         return self.cidrs or [f"10.{200 + i}.0.0/16" for i in range(count)]
@@ -78,15 +94,31 @@ class NetworkSpec(_Model):
     master_cidr: str = "172.16.0.0/28"
     dranet: DranetSpec = DranetSpec()
 
-    @field_validator("node_cidr", "pod_cidr", "service_cidr", "master_cidr")
+    @field_validator("node_cidr", "pod_cidr", "service_cidr")
     @classmethod
     def _cidrs(cls, v: str) -> str:
-        return _cidr(v)
+        return _subnet(v)
+
+    @field_validator("master_cidr")
+    @classmethod
+    def _master(cls, v: str) -> str:
+        cidr = _cidr(v)
+        network = ipaddress.ip_network(cidr)
+        if network.version != 4 or network.prefixlen != rules.CONTROL_PLANE_PREFIX:
+            raise ValueError(f"{cidr} is not a /{rules.CONTROL_PLANE_PREFIX}: a private cluster's control plane "
+                             f"takes an IPv4 /{rules.CONTROL_PLANE_PREFIX}")
+        rules.allowed_in_vpc(network)
+        return cidr
 
 
 class SystemPoolSpec(_Model):
     machine_type: str = "e2-standard-8"
     nodes: int = Field(2, ge=1, le=20)
+
+    @field_validator("machine_type")
+    @classmethod
+    def _machine(cls, v: str) -> str:
+        return rules.gcp_name(v, 63, "machine type")
 
 
 class ClusterSpec(_Model):
@@ -143,9 +175,15 @@ class SliceGroupSpec(_Model):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _DNS_LABEL.match(v):
-            raise ValueError(f"{v!r} must be a lowercase DNS label (a-z, 0-9, '-'), at most 32 characters")
+        if not _GROUP_NAME.match(v):
+            raise ValueError(f"{v!r} must be a lowercase DNS label (a-z, 0-9, '-'), at most 32 characters, so "
+                             "its node pools' names (<name>-<index>) fit GKE's 40")
         return v
+
+    @field_validator("reservation")
+    @classmethod
+    def _reservation_name(cls, v: str | None) -> str | None:
+        return None if v is None else rules.gcp_name(v, 63, "reservation")
 
     @field_validator("tpu_type")
     @classmethod
@@ -181,6 +219,22 @@ class StorageSpec(_Model):
     versioning: bool = True
     soft_delete_days: int = Field(7, ge=0, le=90)
 
+    @field_validator("soft_delete_days")
+    @classmethod
+    def _soft_delete(cls, v: int) -> int:
+        # Cloud Storage soft delete: 0 (off) or a retention of 7 to 90 days (docs: storage/docs/soft-delete).
+        if 0 < v < 7:
+            raise ValueError(f"{v} days: Cloud Storage keeps soft-deleted objects 7 to 90 days, or 0 to turn it off")
+        return v
+
+    @field_validator("location")
+    @classmethod
+    def _location(cls, v: str | None) -> str | None:
+        # A region (us-east5), dual-region (nam4) or multi-region (US): letters, digits and '-'.
+        if v is not None and not re.match(r"^[A-Za-z][-A-Za-z0-9]*[A-Za-z0-9]$", v):
+            raise ValueError(f"{v!r} is not a Cloud Storage location like us-east5, nam4 or US")
+        return v
+
     @model_validator(mode="after")
     def _safe(self) -> StorageSpec:
         if self.protect and self.force_destroy:
@@ -193,6 +247,16 @@ class ControllersSpec(_Model):
     kueue_version: str = "0.19.2"
     namespace: str = "gke-tpu-rl-system"
 
+    @field_validator("jobset_version", "kueue_version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        return rules.semver(v)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        return rules.dns_label(v, what="a Kubernetes namespace name (DNS-1123 label)")
+
 
 class QueuesSpec(_Model):
     namespace: str = "rl"
@@ -201,11 +265,26 @@ class QueuesSpec(_Model):
     priority_classes: dict[str, int] = Field(
         default_factory=lambda: {"low": 100, "default": 500, "high": 1000})
 
-    @field_validator("namespace", "cluster_queue", "local_queue")
+    @field_validator("namespace", "local_queue")
     @classmethod
     def _dns(cls, v: str) -> str:
-        if not _DNS_LABEL.match(v):
-            raise ValueError(f"{v!r} must be a lowercase DNS label")
+        # The local queue's name is also the JobSet's kueue.x-k8s.io/queue-name label value.
+        return rules.dns_label(v)
+
+    @field_validator("cluster_queue")
+    @classmethod
+    def _subdomain(cls, v: str) -> str:
+        return rules.dns_subdomain(v)
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _priorities(cls, v: dict[str, int]) -> dict[str, int]:
+        for name, value in v.items():
+            # A WorkloadPriorityClass name, and the JobSet's kueue.x-k8s.io/priority-class label value.
+            rules.dns_label(name, what="a priority class name (DNS-1123 label)")
+            if not rules.INT32_MIN <= value <= rules.INT32_MAX:
+                raise ValueError(f"{name!r}: {value} is outside Kueue's int32 priority range "
+                                 f"[{rules.INT32_MIN}, {rules.INT32_MAX}]")
         return v
 
 
@@ -225,12 +304,28 @@ class TrainerSpec(_Model):
     termination_grace_seconds: int = Field(600, ge=30, le=3600)
     service_account: str = "trainer"
 
-    @field_validator("name", "service_account")
+    @field_validator("name")
     @classmethod
-    def _dns(cls, v: str) -> str:
-        if not _DNS_LABEL.match(v):
-            raise ValueError(f"{v!r} must be a lowercase DNS label")
+    def _name(cls, v: str) -> str:
+        # The JobSet's name (its pod names are checked against the slice count below).
+        if not rules.DNS1035_LABEL.match(v):
+            raise ValueError(f"{v!r} is not a JobSet name: a-z, 0-9 and '-', starting with a letter")
         return v
+
+    @field_validator("service_account")
+    @classmethod
+    def _service_account(cls, v: str) -> str:
+        return rules.dns_label(v, what="a Kubernetes service account name (DNS-1123 label)")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        return None if v is None else rules.image_reference(v)
+
+    @field_validator("image_tag")
+    @classmethod
+    def _tag(cls, v: str) -> str:
+        return rules.image_tag(v)
 
     @field_validator("config")
     @classmethod
@@ -257,6 +352,20 @@ class EnvironmentSpec(_Model):
     controllers: ControllersSpec = ControllersSpec()
     queues: QueuesSpec = QueuesSpec()
     trainer: TrainerSpec = TrainerSpec()
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: str) -> str:
+        # The stack name goes into GCP and Kubernetes names (cluster rl-<env>, bucket, service account).
+        if not _GROUP_NAME.match(v):
+            raise ValueError(f"{v!r} must be a lowercase DNS label (a-z, 0-9, '-', starting with a letter), at most "
+                             "32 characters: it becomes part of GCP resource names")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return rules.labels(v)
 
     @field_validator("project")
     @classmethod
@@ -293,6 +402,8 @@ class EnvironmentSpec(_Model):
                 f"cluster.versionPrefix: {prefix!r} has no version new enough for managed DRANET "
                 f"(network.dranet.enabled needs {DRANET_MIN_GKE} or later); use '1.34.' or later")
         self._check_dranet()
+        self._check_ranges()
+        self._check_names()
         t = self.trainer
         if t.enabled:
             group = self.trainer_group
@@ -304,7 +415,49 @@ class EnvironmentSpec(_Model):
             if t.priority not in self.queues.priority_classes:
                 raise ValueError(f"trainer.priority: {t.priority!r} is not a priority class; "
                                  f"allowed: {sorted(self.queues.priority_classes)}")
+            # JobSet's webhook: <jobset>-<replicatedJob>-<jobIndex>-<podIndex> plus a 5-character suffix must be a
+            # DNS-1035 label (jobset pkg/webhooks/jobset_webhook.go, placement.GenPodName).
+            from workloads.jobset import REPLICATED_JOB
+
+            pod = f"{t.name}-{REPLICATED_JOB}-{t.slices - 1}-{group.shape.hosts - 1}-abcde"
+            if len(pod) > rules.DNS_LABEL_MAX:
+                raise ValueError(f"trainer.name: {t.name!r} is too long: the JobSet's pod names ({pod}) would "
+                                 f"exceed {rules.DNS_LABEL_MAX} characters; use at most "
+                                 f"{len(t.name) - (len(pod) - rules.DNS_LABEL_MAX)}")
         return self
+
+    def _check_ranges(self) -> None:
+        """No two IP ranges of the environment overlap: GCP refuses overlapping subnet ranges in a VPC, the control
+        plane's range must not overlap them (GKE private clusters), and a DRANET pod routes by destination over
+        both its pod network and the extra VPCs."""
+        net = self.network
+        named = [("network.nodeCidr", net.node_cidr), ("network.podCidr", net.pod_cidr),
+                 ("network.serviceCidr", net.service_cidr), ("network.masterCidr", net.master_cidr)]
+        n = self.dranet_network_count
+        given = net.dranet.cidrs is not None
+        for i, cidr in enumerate(net.dranet.subnet_cidrs(n)):
+            named.append((f"network.dranet.cidrs[{i}]" + ("" if given else " (derived; set network.dranet.cidrs)"),
+                          cidr))
+        clash = rules.overlaps(named)
+        if clash:
+            ka, a, kb, b = clash[0]
+            raise ValueError(f"{ka.split(' ')[0]}: {a} overlaps {NAMESPACE}:{kb} {b}; every range of an "
+                             "environment must be disjoint")
+
+    def _check_names(self) -> None:
+        """Names derived from the stack name, project and groups fit what GCP accepts."""
+        rules.gcp_name(self.cluster_name, rules.GKE_CLUSTER_NAME_MAX, f"{STACK_NAME}: the GKE cluster name")
+        account = f"{self.cluster_name}-nodes"
+        if not rules.SERVICE_ACCOUNT_ID.match(account):
+            raise ValueError(f"{STACK_NAME}: {self.env!r} is too long: the node service account id {account!r} "
+                             "must be 6-30 characters")
+        if not rules.BUCKET_NAME.match(self.bucket_name):
+            raise ValueError(f"project: the checkpoint bucket name {self.bucket_name!r} (<project>-<stack>-"
+                             "checkpoints) is longer than Cloud Storage's 63 characters; use a shorter stack name")
+        for g in self.slices:
+            if g.shape.multi_host and g.shape.generation.uses_workload_policy:
+                rules.gcp_name(f"{self.cluster_name}-{g.name}-placement", 63,
+                               f"slices: group {g.name!r}'s resource policy name")
 
     def _check_dranet(self) -> None:
         d = self.network.dranet
@@ -380,8 +533,8 @@ def _describe(err: dict[str, Any]) -> str:
     key = _format_loc(tuple(err["loc"]))
     msg = err["msg"].removeprefix("Value error, ")
     if not key:  # cross-field checks name their own key at the start of the message
-        return f"{NAMESPACE}:{msg}"
-    where = f"{NAMESPACE}:{key}"
+        return msg if msg.startswith(STACK_NAME) else f"{NAMESPACE}:{msg}"
+    where = STACK_NAME if key == "env" else f"{NAMESPACE}:{key}"
     value = err.get("input")
     if err["type"] == "missing":
         return f"{where}: required but not set"

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from infra.mockrun import PlanResult, Resource, run_stack
+from trainer import yamlfile
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 NON_OBJECT_PREFIXES = ("kubernetes:helm.sh/", "kubernetes:yaml/", "kubernetes:kustomize/")
@@ -48,12 +49,12 @@ def stack_file(env: str, root: Path) -> Path:
 
 def load_stack_config(path: Path) -> dict[str, Any]:
     """The `config:` map of a Pulumi stack config file."""
+    if not path.is_file():
+        raise PlanError(f"cannot read stack config {path}: no such file")
     try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise PlanError(f"cannot read stack config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise PlanError(f"{path} is not valid YAML: {e}") from None
+        doc = yamlfile.load(path)
+    except yamlfile.YamlFileError as e:
+        raise PlanError(f"stack config is not valid YAML: {e}") from None
     if doc is None:
         return {}
     if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):

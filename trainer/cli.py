@@ -50,6 +50,20 @@ def _resolve_run_dir(cfg: TrainConfig, run_dir: str | None) -> TrainConfig:
     return cfg.model_copy(update={"run_dir": raw.replace("{timestamp}", time.strftime("%Y%m%d-%H%M%S"))})
 
 
+def preflight(cfg: TrainConfig) -> TrainConfig:
+    """What can be checked before any device is set up: the Hugging Face checkpoint's config and file headers, the
+    task, rewards and tokenizer. Returns the config with the checkpoint's model attached (for the mesh check)."""
+    from trainer.task_data import load_task_data
+
+    if cfg.init.from_ == "hf":
+        from trainer.config import with_model
+        from trainer.hf import check_hf
+
+        cfg = with_model(cfg, check_hf(cfg.init.path or "", cfg.compute.param_dtype))
+    load_task_data(cfg)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -58,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         if bool(args.local_processes) != bool(args.devices_per_process):
             raise ConfigError("--local-processes and --devices-per-process go together")
         cfg = _resolve_run_dir(load_config(args.config, args.overrides), args.run_dir)
+        checked = preflight(cfg)
         if args.local_processes:
             from trainer.config import resolve_mesh
             from trainer.launch import run_local
 
-            if cfg.model is not None:  # hf init: checked once the checkpoint config is read
-                resolve_mesh(cfg, args.local_processes * args.devices_per_process, exact=True)
+            resolve_mesh(checked, args.local_processes * args.devices_per_process, exact=True)
             child = [*(["--config", args.config] if args.config else []),
                      *(f"--set={o}" for o in args.overrides), "--run-dir", cfg.run_dir]
             return run_local(args.local_processes, args.devices_per_process, child)

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer import yamlfile
+
 
 class ConfigError(ValueError):
     """A user-facing config problem; the CLI prints the message without a traceback (exit 2)."""
@@ -20,7 +22,8 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     # Frozen: sections are hashable, so jitted code can close over them safely.
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    # NaN and infinity are never a valid setting (YAML's .nan/.inf would otherwise pass a range check).
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -42,8 +45,9 @@ class ModelConfig(_Strict):
     n_kv_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     d_ff: int = Field(gt=0)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    # Both must be positive: a negative RoPE base or RMSNorm epsilon gives NaN activations, and training goes on NaN.
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
     qk_norm: bool = False
     tie_embeddings: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -167,8 +171,10 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     weight_decay: float = Field(0.0, ge=0)
-    b1: float = 0.9
-    b2: float = 0.999
+    # Adam's decay rates lie in [0, 1): at 1 the bias correction divides by 1 - b**t = 0 (optax does not check;
+    # torch.optim.Adam refuses betas outside [0, 1) for the same reason).
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.999, ge=0, lt=1)
     clip_norm: float = Field(1.0, gt=0)
 
 
@@ -180,7 +186,7 @@ class CheckpointConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)  # holds a list, so not frozen
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)  # holds a list: not frozen
 
     model: ModelConfig | None = None  # required for random init; read from the checkpoint for hf init
     mesh: MeshConfig = MeshConfig()
@@ -193,8 +199,8 @@ class TrainConfig(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     optim: OptimConfig = OptimConfig()
     steps: int = Field(100, gt=0)
-    seed: int = 0
-    run_dir: str = "runs/default"
+    seed: int = Field(0, ge=-(2**63), lt=2**63)  # jax.random.PRNGKey takes an int64 seed
+    run_dir: str = Field("runs/default", min_length=1)
     checkpoint: CheckpointConfig = CheckpointConfig()
     log_every: int = Field(1, gt=0)
     progress: bool = True  # rich progress bar on process 0 when stdout is a terminal
@@ -287,7 +293,12 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"--set {item!r}: empty key segment")
     # YAML scalar parsing gives ints/floats/bools/null the same way as in the file.
-    return parts, yaml.safe_load(raw) if raw.strip() else ""
+    if not raw.strip():
+        return parts, ""
+    try:
+        return parts, yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {item!r}: the value is not a YAML scalar, list or mapping ({err})") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -332,14 +343,14 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     file = Path(path) if path else default_config_path()
     if path and not file.exists() and file.name == path and default_config_path(path).is_file():
         file = default_config_path(path)
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except OSError as err:
+    if not file.is_file():
         bundled = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
         hint = f" (nor a bundled config: {', '.join(bundled)})" if path and file.name == path else ""
-        raise ConfigError(f"cannot read config {file}: {err.strerror}{hint}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"cannot parse config {file}: {err}") from None
+        raise ConfigError(f"cannot read config {file}: no such file{hint}")
+    try:
+        data = yamlfile.load(file) or {}
+    except yamlfile.YamlFileError as err:
+        raise ConfigError(f"config {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {file}: top level must be a mapping")
     return config_from_dict(apply_overrides(data, list(overrides or [])))

@@ -17,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from trainer.config import ModelConfig
+from trainer.config import ConfigError, ModelConfig
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -48,17 +48,27 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     """All tensors of one .safetensors file as read-only memory-mapped NumPy arrays."""
     path = Path(path)
     with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        except (struct.error, ValueError) as err:
+            raise ValueError(f"{path}: not a safetensors file (unreadable header: {err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (the header is not a JSON object)")
     header.pop("__metadata__", None)
     if not header:
         return {}
+    size = path.stat().st_size - 8 - n
+    if size <= 0:
+        raise ValueError(f"{path}: truncated: the file ends in its header")
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
         if info["dtype"] not in _ST_DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
+        if end > size:
+            raise ValueError(f"{path}: truncated: tensor {name!r} ends at byte {end} of the data, which has {size}")
         out[name] = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
     return out
 
@@ -95,7 +105,10 @@ def read_checkpoint_tensors(path: str | Path) -> dict[str, np.ndarray]:
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{index}: not a safetensors index (no readable weight_map: {err!r})") from None
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
             tensors.update(read_safetensors(root / shard))
@@ -370,16 +383,64 @@ def _ignored(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")  # older Llama checkpoints store the RoPE table
 
 
+def _read_config(root: Path) -> dict[str, Any]:
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no config.json in {root}")
+    try:
+        hf_cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{cfg_file}:{err.lineno}: not valid JSON ({err.msg})") from None
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object")
+    return hf_cfg
+
+
+def check_hf(path: str | Path, param_dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig `import_hf` would return, checked from config.json and the safetensors headers alone (no
+    weight is read): a missing, empty, truncated or mismatched checkpoint fails here, before any device is used.
+
+    Raises ConfigError naming init.path.
+    """
+    root = Path(path)
+    try:
+        hf_cfg = _read_config(root)
+        tensors = read_checkpoint_tensors(root)  # memory-mapped: headers and file sizes only
+        if "model.embed_tokens.weight" not in tensors:
+            raise ValueError(f"{root}: checkpoint has no tensor 'model.embed_tokens.weight'")
+        if param_dtype is None:
+            bf16 = tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16
+            param_dtype = "bfloat16" if bf16 else "float32"
+        cfg = model_config_from_hf(hf_cfg, param_dtype)
+        expected = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
+        expected.update({f"model.layers.{i}.{suffix}": _hf_shape(key, cfg)
+                         for key, suffix in _layer_keys(cfg) for i in range(cfg.n_layers)})
+        if not cfg.tie_embeddings:
+            expected["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+        for name, shape in expected.items():
+            if name not in tensors:
+                raise ValueError(f"{root}: checkpoint has no tensor {name!r}")
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"{root}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies "
+                                 f"{shape}")
+        unexpected = sorted(n for n in set(tensors) - set(expected) - {"lm_head.weight"} if not _ignored(n))
+        if unexpected:
+            raise ValueError(f"{root}: unsupported tensors in checkpoint: {unexpected[:8]}")
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+        msg = f"{root}: missing field {err}" if isinstance(err, KeyError) else str(err)
+        raise ConfigError(f"init.path: {msg}") from None
+    return cfg
+
+
 def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[str, Any], ModelConfig]:
     """Load a local Llama / Mistral / Qwen2 / Qwen3 checkpoint: the trainer's param tree (NumPy) and ModelConfig.
 
     `param_dtype` None keeps bf16 checkpoints in bf16 and loads everything else as float32.
     """
     root = Path(path)
-    cfg_file = root / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"no config.json in {root}")
-    hf_cfg = json.loads(cfg_file.read_text())
+    hf_cfg = _read_config(root)
     tensors = read_checkpoint_tensors(root)
     if param_dtype is None:
         param_dtype = "bfloat16" if tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16 else "float32"

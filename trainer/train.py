@@ -27,6 +27,7 @@ from trainer.metrics import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 from trainer.sampler import Samples
 from trainer.sharding import make_mesh
 from trainer.step import build_programs
+from trainer.task_data import TaskData, load_task_data
 
 
 @dataclass
@@ -36,65 +37,6 @@ class TrainResult:
     stopped_early: bool  # SIGTERM / stop_after: saved and left before cfg.steps
     params: M.Params
     records: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class _Data:
-    """The task, tokenizer and reward fns, and how one step's rows are built and scored."""
-
-    cfg: TrainConfig
-    task: Any
-    tokenizer: Any
-    reward_names: tuple[str, ...]
-
-    def examples(self, step: int, rows: list[int]) -> dict[int, Any]:
-        G = self.cfg.rl.group_size
-        base = step * self.cfg.rl.prompts_per_step
-        return {p: self.task.example(base + p) for p in sorted({r // G for r in rows})}
-
-    def prompt_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        if self.tokenizer.bos_id is not None:
-            ids = [self.tokenizer.bos_id, *ids]
-        return ids[-self.cfg.prompt_len :]  # keep the end: the question's tail and answer cue
-
-    def prompts(self, examples: dict[int, Any], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Left-padded prompt ids and validity mask for `rows`."""
-        P, G = self.cfg.prompt_len, self.cfg.rl.group_size
-        ids_RP = np.full((len(rows), P), self.tokenizer.pad_id, np.int32)
-        valid_RP = np.zeros((len(rows), P), np.int32)
-        for i, r in enumerate(rows):
-            ids = self.prompt_ids(examples[r // G].prompt)
-            ids_RP[i, P - len(ids) :] = ids
-            valid_RP[i, P - len(ids) :] = 1
-        return ids_RP, valid_RP
-
-    def completion_text(self, tokens: np.ndarray, mask: np.ndarray) -> str:
-        ids = [int(t) for t, m in zip(tokens, mask, strict=True) if m and int(t) != self.tokenizer.eos_id]
-        return self.tokenizer.decode(ids)
-
-
-def _load_data(cfg: TrainConfig) -> _Data:
-    from trainer.rewards import get_reward
-    from trainer.tasks import get_task
-    from trainer.tokenizer import load_tokenizer
-
-    task_kwargs = {k: v for k, v in cfg.task.model_dump().items() if k != "name"}
-    try:
-        task = get_task(cfg.task.name, **task_kwargs)
-        names = tuple(cfg.rewards) if cfg.rewards is not None else tuple(task.reward_names)
-        for name in names:
-            get_reward(name)
-        tokenizer = load_tokenizer(cfg.tokenizer)
-    except (KeyError, TypeError, ValueError, FileNotFoundError) as err:
-        msg = err.args[0] if err.args else str(err)
-        raise ConfigError(f"task/rewards/tokenizer: {msg}") from None
-    if tokenizer.vocab_size > cfg.model_cfg.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model_cfg.vocab_size} is smaller than the tokenizer's vocab "
-            f"({tokenizer.vocab_size})"
-        )
-    return _Data(cfg, task, tokenizer, names)
 
 
 def _host_params(hf_params: M.Params, param_sh: Any) -> M.Params:
@@ -131,8 +73,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     """
     hf_params = None
     if cfg.init.from_ == "hf":
-        from trainer.hf import import_hf
+        from trainer.hf import check_hf, import_hf
 
+        check_hf(cfg.init.path or "", cfg.compute.param_dtype)  # a clear error for a missing or damaged checkpoint
         hf_params, hf_model = import_hf(cfg.init.path or "", cfg.compute.param_dtype)
         cfg = with_model(cfg, hf_model)
     try:
@@ -142,7 +85,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             hint = "on CPU, add --local-processes N --devices-per-process M (or set TRAINER_CPU_DEVICES)"
             raise ConfigError(f"{err}; {hint}") from None
         raise
-    data = _load_data(cfg)
+    data = load_task_data(cfg)
     primary = jax.process_index() == 0
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -231,7 +174,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     return TrainResult(run_dir, step, stopped, params, records)
 
 
-def _score(data: _Data, examples: dict[int, Any], samples: Samples, rows: list[int]) -> tuple[np.ndarray, list[str]]:
+def _score(data: TaskData, examples: dict[int, Any], samples: Samples, rows: list[int]) -> tuple[np.ndarray, list[str]]:
     """Decode this process's completions and score them with every reward fn: [len(rows), R]."""
     from trainer.rewards import compute_rewards
 

@@ -95,7 +95,7 @@ def test_unknown_environment_and_unreadable_file_exit_2(tmp_path: Path, capsys: 
     assert "no stack config for environment 'nope'" in err and "dev, prod, staging" in err
     (tmp_path / "broken.yaml").write_text("config: [unclosed\n")
     assert cli.main(["plan", "--config-file", str(tmp_path / "broken.yaml")]) == 2
-    assert "is not valid YAML" in capsys.readouterr().err
+    assert "is not valid YAML: " + str(tmp_path / "broken.yaml") + ":2:" in capsys.readouterr().err
     assert cli.main(["plan", "--config-file", str(tmp_path / "absent.yaml")]) == 2
     assert "cannot read stack config" in capsys.readouterr().err
 

@@ -269,8 +269,11 @@ def test_import_errors(tmp_path: Path) -> None:
     wrong = dict(t, **{"model.norm.weight": np.ones(23, np.float32)})
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(23,\), config implies \(24,\)"):
         import_hf(write_checkpoint(tmp_path / "shape", LLAMA, wrong))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match="nothing is not a directory"):
         import_hf(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        import_hf(tmp_path / "empty")
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

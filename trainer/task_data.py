@@ -1,0 +1,80 @@
+"""A run's task, tokenizer and reward functions, and how each step's prompts are built from them (no JAX here, so
+the CLI checks them before any device is set up)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer.config import ConfigError, TrainConfig
+
+
+@dataclass
+class TaskData:
+    """The task, tokenizer and reward fns, and how one step's rows are built and scored."""
+
+    cfg: TrainConfig
+    task: Any
+    tokenizer: Any
+    reward_names: tuple[str, ...]
+
+    def examples(self, step: int, rows: list[int]) -> dict[int, Any]:
+        G = self.cfg.rl.group_size
+        base = step * self.cfg.rl.prompts_per_step
+        return {p: self.task.example(base + p) for p in sorted({r // G for r in rows})}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        if self.tokenizer.bos_id is not None:
+            ids = [self.tokenizer.bos_id, *ids]
+        return ids[-self.cfg.prompt_len :]  # keep the end: the question's tail and answer cue
+
+    def prompts(self, examples: dict[int, Any], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt ids and validity mask for `rows`."""
+        P, G = self.cfg.prompt_len, self.cfg.rl.group_size
+        ids_RP = np.full((len(rows), P), self.tokenizer.pad_id, np.int32)
+        valid_RP = np.zeros((len(rows), P), np.int32)
+        for i, r in enumerate(rows):
+            ids = self.prompt_ids(examples[r // G].prompt)
+            ids_RP[i, P - len(ids) :] = ids
+            valid_RP[i, P - len(ids) :] = 1
+        return ids_RP, valid_RP
+
+    def completion_text(self, tokens: np.ndarray, mask: np.ndarray) -> str:
+        ids = [int(t) for t, m in zip(tokens, mask, strict=True) if m and int(t) != self.tokenizer.eos_id]
+        return self.tokenizer.decode(ids)
+
+
+def load_task_data(cfg: TrainConfig) -> TaskData:
+    from trainer.rewards import get_reward
+    from trainer.tasks import get_task
+    from trainer.tokenizer import load_tokenizer
+
+    task_kwargs = {k: v for k, v in cfg.task.model_dump().items() if k != "name"}
+
+    def named(key: str, err: Exception) -> ConfigError:
+        msg = err.args[0] if err.args else str(err)
+        return ConfigError(f"{key}: {msg}")
+
+    try:
+        task = get_task(cfg.task.name, **task_kwargs)
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        raise named("task", err) from None
+    names = tuple(cfg.rewards) if cfg.rewards is not None else tuple(task.reward_names)
+    try:
+        for name in names:
+            get_reward(name)
+    except (KeyError, TypeError, ValueError) as err:
+        raise named("rewards", err) from None
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        raise named("tokenizer", err) from None
+    if tokenizer.vocab_size > cfg.model_cfg.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model_cfg.vocab_size} is smaller than the tokenizer's vocab "
+            f"({tokenizer.vocab_size})"
+        )
+    return TaskData(cfg, task, tokenizer, names)
