@@ -3,14 +3,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# checkov (tests/infra/test_checkov.py) pins packaging<24, older than the project's: its own venv, inside ours so
+# `make clean` removes it and .gitignore already covers it.
+CHECKOV_VENV := $(VENV)/checkov
 
 .PHONY: install demo plan train-demo test lint golden bench clean
 
-$(STAMP): pyproject.toml tools/package-lock.json
+$(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	npm --prefix tools ci --no-audit --no-fund --loglevel=error
+	test -x $(CHECKOV_VENV)/bin/python || $(PY) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CHECKOV_VENV)/bin/python -m pip install -q -r tools/checkov-requirements.txt
 	touch $(STAMP)
 
 install: $(STAMP)
