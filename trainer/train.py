@@ -8,6 +8,7 @@ continues exactly. Every process runs this same code on its share of the global 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ import yaml
 
 from trainer import model as M
 from trainer.batch import from_rows, process_rows, read_local_rows, replicate
-from trainer.checkpoint import Checkpointer, Meta, StopFlag, abstract_like
+from trainer.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like
 from trainer.config import ConfigError, TrainConfig, resolve_mesh, with_model
 from trainer.distributed import ENV_CHECKPOINT_DIR
 from trainer.metrics import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics, truncate_metrics
@@ -109,9 +110,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
                         async_save=cfg.checkpoint.async_save)
     start = 0
     key_data = np.asarray(jax.random.key_data(base_key), np.uint32)
-    if ckpt.latest_step() is not None:
-        state_sh = {"params": param_sh, "opt_state": opt_sh}
-        state, meta = ckpt.restore(abstract_like({"params": params, "opt_state": opt_state}, state_sh))
+    state_sh = {"params": param_sh, "opt_state": opt_sh}
+    # Raises NoUsableCheckpoint (a ConfigError) if every step is damaged: never silently start over.
+    try:
+        found = ckpt.resume(abstract_like({"params": params, "opt_state": opt_state}, state_sh))
+    except BaseException:
+        ckpt.close()
+        raise
+    if found is not None:
+        state, meta, set_aside = found
+        if primary:
+            _report_resume(ckpt.directory, meta.step, set_aside)
         params, opt_state, start = state["params"], state["opt_state"], meta.step
         key_data = np.asarray(meta.rng, np.uint32)
         if meta.data_position != start * cfg.rl.prompts_per_step:
@@ -172,6 +181,16 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     if primary:
         _finish(run_dir, stopped, step, preview)
     return TrainResult(run_dir, step, stopped, params, records)
+
+
+def _report_resume(directory: Path, step: int, set_aside: list[SetAside]) -> None:
+    for d in set_aside:
+        where = (f"moved to {d.path}" if d.path is not None
+                 else f"could not be moved aside ({d.move_error or 'rename failed'}); it stays in place")
+        print(f"warning: checkpoint step {d.step} in {directory} is damaged ({d.reason}); {where}", file=sys.stderr)
+    steps = ", ".join(str(d.step) for d in set_aside)
+    skipped = f" (damaged step{'s' if len(set_aside) > 1 else ''} {steps} skipped)" if set_aside else ""
+    print(f"resuming from checkpoint step {step}{skipped}", file=sys.stderr, flush=True)
 
 
 def _score(data: TaskData, examples: dict[int, Any], samples: Samples, rows: list[int]) -> tuple[np.ndarray, list[str]]:
