@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # `make clean` removes it and .gitignore already covers it.
 CHECKOV_VENV := $(VENV)/checkov
 
-.PHONY: install demo plan train-demo test lint golden bench clean
+.PHONY: install demo plan train-demo test lint golden bench bench-ray clean
 
 $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,14 @@ golden: install
 bench: install
 	$(PY) -m bench.train_step
 	$(PY) -m bench.sampler
+
+# Ray Train's elastic prototype (bench/ray_proto/README.md): a local Ray cluster loses a "slice" node mid-run and gets it
+# back. Ray is 1.3 GB with its dependencies, so it gets a venv of its own, not the test install.
+RAY_VENV := $(VENV)/ray
+bench-ray: install
+	test -x $(RAY_VENV)/bin/python || $(PY) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install -q -e '.[trainer]' -r tools/ray-requirements.txt
+	RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=25 $(RAY_VENV)/bin/python bench/ray_proto/proto.py --scenario node --steps 60
 
 clean:
 	rm -rf $(VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules
