@@ -15,6 +15,8 @@ from infra import rules, tpu
 
 NAMESPACE = "gke-tpu-rl"
 STACK_NAME = "stack name"  # how errors name the environment, which is not a config key
+# The trainer JobSet's one replicated job (workloads/jobset.py); here because the JobSet name's length depends on it.
+REPLICATED_JOB = "slice"
 # Config keys read outside the typed spec because they hold Pulumi secrets.
 SECRET_KEYS = ("hfToken",)
 # Managed DRANET needs this GKE version or later (Standard clusters).
@@ -417,8 +419,6 @@ class EnvironmentSpec(_Model):
                                  f"allowed: {sorted(self.queues.priority_classes)}")
             # JobSet's webhook: <jobset>-<replicatedJob>-<jobIndex>-<podIndex> plus a 5-character suffix must be a
             # DNS-1035 label (jobset pkg/webhooks/jobset_webhook.go, placement.GenPodName).
-            from workloads.jobset import REPLICATED_JOB
-
             pod = f"{t.name}-{REPLICATED_JOB}-{t.slices - 1}-{group.shape.hosts - 1}-abcde"
             if len(pod) > rules.DNS_LABEL_MAX:
                 raise ValueError(f"trainer.name: {t.name!r} is too long: the JobSet's pod names ({pod}) would "

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infra.config import EnvironmentSpec, SliceGroupSpec
+from infra.config import REPLICATED_JOB, EnvironmentSpec, SliceGroupSpec
 from workloads import labels as L
 
-REPLICATED_JOB = "slice"
 COORDINATOR_PORT = 8476  # jax.distributed coordinator on process 0
 MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
 CHECKPOINT_MOUNT = "/checkpoints"
