@@ -58,6 +58,13 @@ def prefix_can_reach(prefix: str, version: str) -> bool:
     return tuple(parts) >= floor[:len(parts)]
 
 
+def _short_name(value: str, why: str) -> str:
+    if not _GROUP_NAME.match(value):
+        raise ValueError(f"{value!r} must be a lowercase DNS label (a-z, 0-9, '-', starting with a letter), at most "
+                         f"32 characters: {why}")
+    return value
+
+
 def _cidr(value: str) -> str:
     if not isinstance(value, str) or "/" not in value:  # a bare address is not a range GCP accepts
         raise ValueError(f"{value!r} is not a CIDR block like 10.0.0.0/20 (address/prefix length)")
@@ -177,10 +184,7 @@ class SliceGroupSpec(_Model):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _GROUP_NAME.match(v):
-            raise ValueError(f"{v!r} must be a lowercase DNS label (a-z, 0-9, '-'), at most 32 characters, so "
-                             "its node pools' names (<name>-<index>) fit GKE's 40")
-        return v
+        return _short_name(v, "so its node pools' names (<name>-<index>) fit GKE's 40")
 
     @field_validator("reservation")
     @classmethod
@@ -359,10 +363,7 @@ class EnvironmentSpec(_Model):
     @classmethod
     def _env(cls, v: str) -> str:
         # The stack name goes into GCP and Kubernetes names (cluster rl-<env>, bucket, service account).
-        if not _GROUP_NAME.match(v):
-            raise ValueError(f"{v!r} must be a lowercase DNS label (a-z, 0-9, '-', starting with a letter), at most "
-                             "32 characters: it becomes part of GCP resource names")
-        return v
+        return _short_name(v, "it becomes part of GCP resource names")
 
     @field_validator("labels")
     @classmethod

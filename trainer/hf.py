@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -398,40 +399,53 @@ def _read_config(root: Path) -> dict[str, Any]:
     return hf_cfg
 
 
-def check_hf(path: str | Path, param_dtype: str | None = None) -> ModelConfig:
-    """The ModelConfig `import_hf` would return, checked from config.json and the safetensors headers alone (no
-    weight is read): a missing, empty, truncated or mismatched checkpoint fails here, before any device is used.
+def _validated(root: Path, param_dtype: str | None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The checkpoint's ModelConfig and its (memory-mapped) tensors, checked from config.json and the safetensors
+    headers alone: every tensor the config implies is there with its shape, and nothing else is."""
+    hf_cfg = _read_config(root)
+    tensors = read_checkpoint_tensors(root)  # memory-mapped: headers and file sizes only
+    if "model.embed_tokens.weight" not in tensors:
+        raise ValueError(f"{root}: checkpoint has no tensor 'model.embed_tokens.weight'")
+    if param_dtype is None:
+        param_dtype = "bfloat16" if tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16 else "float32"
+    cfg = model_config_from_hf(hf_cfg, param_dtype)
+    expected = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
+    expected.update({f"model.layers.{i}.{suffix}": _hf_shape(key, cfg)
+                     for key, suffix in _layer_keys(cfg) for i in range(cfg.n_layers)})
+    if not cfg.tie_embeddings:
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{root}: checkpoint has no tensor {name!r}")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{root}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies {shape}")
+    # Some tied checkpoints still store lm_head.weight; the embedding wins.
+    unexpected = sorted(n for n in set(tensors) - set(expected) - {"lm_head.weight"} if not _ignored(n))
+    if unexpected:
+        raise ValueError(
+            f"{root}: unsupported tensors in checkpoint (biases the {cfg.family} layout lacks? another "
+            f"architecture?): {unexpected[:8]}"
+        )
+    return cfg, tensors
 
-    Raises ConfigError naming init.path.
-    """
-    root = Path(path)
+
+@contextmanager
+def init_path_errors(path: str | Path) -> Iterator[None]:
+    """A missing, empty, truncated or mismatched checkpoint as a ConfigError naming init.path (no traceback)."""
     try:
-        hf_cfg = _read_config(root)
-        tensors = read_checkpoint_tensors(root)  # memory-mapped: headers and file sizes only
-        if "model.embed_tokens.weight" not in tensors:
-            raise ValueError(f"{root}: checkpoint has no tensor 'model.embed_tokens.weight'")
-        if param_dtype is None:
-            bf16 = tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16
-            param_dtype = "bfloat16" if bf16 else "float32"
-        cfg = model_config_from_hf(hf_cfg, param_dtype)
-        expected = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
-        expected.update({f"model.layers.{i}.{suffix}": _hf_shape(key, cfg)
-                         for key, suffix in _layer_keys(cfg) for i in range(cfg.n_layers)})
-        if not cfg.tie_embeddings:
-            expected["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
-        for name, shape in expected.items():
-            if name not in tensors:
-                raise ValueError(f"{root}: checkpoint has no tensor {name!r}")
-            if tuple(tensors[name].shape) != shape:
-                raise ValueError(f"{root}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies "
-                                 f"{shape}")
-        unexpected = sorted(n for n in set(tensors) - set(expected) - {"lm_head.weight"} if not _ignored(n))
-        if unexpected:
-            raise ValueError(f"{root}: unsupported tensors in checkpoint: {unexpected[:8]}")
+        yield
     except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
-        msg = f"{root}: missing field {err}" if isinstance(err, KeyError) else str(err)
+        if isinstance(err, ConfigError):
+            raise
+        msg = f"{path}: missing field {err}" if isinstance(err, KeyError) else str(err)
         raise ConfigError(f"init.path: {msg}") from None
-    return cfg
+
+
+def check_hf(path: str | Path, param_dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig `import_hf` would return, checked without reading a weight, so a bad checkpoint fails before
+    any device is used. Raises ConfigError naming init.path."""
+    with init_path_errors(path):
+        return _validated(Path(path), param_dtype)[0]
 
 
 def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[str, Any], ModelConfig]:
@@ -439,45 +453,17 @@ def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[st
 
     `param_dtype` None keeps bf16 checkpoints in bf16 and loads everything else as float32.
     """
-    root = Path(path)
-    hf_cfg = _read_config(root)
-    tensors = read_checkpoint_tensors(root)
-    if param_dtype is None:
-        param_dtype = "bfloat16" if tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16 else "float32"
-    cfg = model_config_from_hf(hf_cfg, param_dtype)
-    dtype = np.dtype(ml_dtypes.bfloat16) if param_dtype == "bfloat16" else np.dtype(np.float32)
-    used: set[str] = set()
-
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"{root}: checkpoint has no tensor {name!r}")
-        w = tensors[name]
-        if tuple(w.shape) != shape:
-            raise ValueError(f"{root}: tensor {name!r} has shape {tuple(w.shape)}, config implies {shape}")
-        used.add(name)
-        return w
-
-    params: dict[str, Any] = {
-        "embed": np.array(take("model.embed_tokens.weight", (cfg.vocab_size, cfg.d_model)), dtype)
+    cfg, tensors = _validated(Path(path), param_dtype)
+    dtype = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.dtype(np.float32)
+    params: dict[str, Any] = {"embed": np.array(tensors["model.embed_tokens.weight"], dtype)}
+    params["layers"] = {
+        key: np.stack([_from_hf(key, tensors[f"model.layers.{i}.{suffix}"], cfg)
+                       for i in range(cfg.n_layers)]).astype(dtype)
+        for key, suffix in _layer_keys(cfg)
     }
-    layers: dict[str, np.ndarray] = {}
-    for key, suffix in _layer_keys(cfg):
-        per_layer = [
-            _from_hf(key, take(f"model.layers.{i}.{suffix}", _hf_shape(key, cfg)), cfg) for i in range(cfg.n_layers)
-        ]
-        layers[key] = np.stack(per_layer).astype(dtype)
-    params["layers"] = layers
-    params["final_norm"] = np.array(take("model.norm.weight", (cfg.d_model,)), dtype)
+    params["final_norm"] = np.array(tensors["model.norm.weight"], dtype)
     if not cfg.tie_embeddings:
-        params["lm_head"] = np.array(take("lm_head.weight", (cfg.vocab_size, cfg.d_model)).T, dtype)
-    elif "lm_head.weight" in tensors:
-        used.add("lm_head.weight")  # some tied checkpoints still store a copy; the embedding wins
-    unexpected = sorted(n for n in set(tensors) - used if not _ignored(n))
-    if unexpected:
-        raise ValueError(
-            f"{root}: unsupported tensors in checkpoint (biases the {cfg.family} layout lacks? another "
-            f"architecture?): {unexpected[:8]}"
-        )
+        params["lm_head"] = np.array(tensors["lm_head.weight"].T, dtype)
     return params, cfg
 
 

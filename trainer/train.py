@@ -74,10 +74,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     """
     hf_params = None
     if cfg.init.from_ == "hf":
-        from trainer.hf import check_hf, import_hf
+        from trainer.hf import import_hf, init_path_errors
 
-        check_hf(cfg.init.path or "", cfg.compute.param_dtype)  # a clear error for a missing or damaged checkpoint
-        hf_params, hf_model = import_hf(cfg.init.path or "", cfg.compute.param_dtype)
+        with init_path_errors(cfg.init.path or ""):  # a missing or damaged checkpoint is a clear error
+            hf_params, hf_model = import_hf(cfg.init.path or "", cfg.compute.param_dtype)
         cfg = with_model(cfg, hf_model)
     try:
         cfg = resolve_mesh(cfg, jax.device_count(), exact=jax.process_count() > 1)

@@ -28,9 +28,9 @@ TINY_MODEL = {
 }
 
 
-@pytest.fixture
-def tiny_train_dict(tmp_path: object) -> dict:
-    """A small but complete train config (digits task, 2x2x2 mesh, 2 steps) as a plain dict."""
+def tiny_train_config(run_dir: object, **top: object) -> dict:
+    """A small but complete train config (digits task, 2x2x2 mesh, 2 steps) as a plain dict; `top` overrides
+    top-level keys."""
     return {
         "model": dict(TINY_MODEL),
         "mesh": {"slices": 2, "fsdp": 2, "tensor": 2},
@@ -40,7 +40,13 @@ def tiny_train_dict(tmp_path: object) -> dict:
         "optim": {"lr": 3e-3, "warmup_steps": 1},
         "steps": 2,
         "seed": 0,
-        "run_dir": str(tmp_path),
+        "run_dir": str(run_dir),
         "checkpoint": {"every": 0, "keep": 2},
         "progress": False,
+        **top,
     }
+
+
+@pytest.fixture
+def tiny_train_dict(tmp_path: object) -> dict:
+    return tiny_train_config(tmp_path)

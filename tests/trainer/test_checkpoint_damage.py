@@ -27,7 +27,7 @@ from trainer.sharding import make_mesh
 from trainer.step import build_programs
 from trainer.train import train
 
-from .conftest import TINY_MODEL
+from .conftest import tiny_train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -35,20 +35,7 @@ CLOCK = {"step_time_s", "tokens_per_s"}
 
 
 def _cfg_dict(run_dir: Path, **top: object) -> dict:
-    return {
-        "model": dict(TINY_MODEL),
-        "mesh": {"slices": 2, "fsdp": 2, "tensor": 2},
-        "task": {"name": "digits"},
-        "rl": {"group_size": 4, "prompts_per_step": 2, "mu_iterations": 2, "kl_beta": 0.0},
-        "sampling": {"max_new_tokens": 6, "max_prompt_len": 8, "temperature": 1.0},
-        "optim": {"lr": 3e-3, "warmup_steps": 1},
-        "steps": STEPS,
-        "seed": 0,
-        "run_dir": str(run_dir),
-        "checkpoint": {"every": 1, "keep": 3},
-        "progress": False,
-        **top,
-    }
+    return tiny_train_config(run_dir, **{"steps": STEPS, "checkpoint": {"every": 1, "keep": 3}, **top})
 
 
 def _train(run_dir: Path, **kw: object) -> object:
