@@ -9,6 +9,7 @@ import pulumi_gcp as gcp
 
 from infra.config import EnvironmentSpec, gke_version_tuple
 from infra.network import POD_RANGE, SERVICE_RANGE
+from workloads.labels import SYSTEM_POOL
 
 OAUTH_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 
@@ -65,7 +66,7 @@ class Cluster(pulumi.ComponentResource):
         addons = gcp.container.ClusterAddonsConfigArgs(
             gcs_fuse_csi_driver_config=gcp.container.ClusterAddonsConfigGcsFuseCsiDriverConfigArgs(enabled=True),
             ray_operator_configs=[gcp.container.ClusterAddonsConfigRayOperatorConfigArgs(enabled=True)]
-            if c.ray_operator else None,
+            if spec.ray_operator_enabled else None,
         )
         # The DNS-based endpoint lets a hosted CI runner reach the API server with IAM
         # (container.clusters.connect) instead of an IP allow-list; the IP endpoint keeps its authorized networks.
@@ -126,7 +127,7 @@ class Cluster(pulumi.ComponentResource):
                 oauth_scopes=OAUTH_SCOPES,
                 workload_metadata_config=gcp.container.NodePoolNodeConfigWorkloadMetadataConfigArgs(
                     mode="GKE_METADATA"),
-                labels={"gke-tpu-rl/pool": "system"},
+                labels=dict(SYSTEM_POOL),
                 resource_labels=spec.resource_labels(),
             ),
             management=gcp.container.NodePoolManagementArgs(auto_repair=True, auto_upgrade=True),

@@ -136,7 +136,8 @@ class ClusterSpec(_Model):
         None, description="a GKE minor like '1.34.': the cluster starts on the channel's newest version with that "
         "prefix (Cluster Toolkit's version_prefix); the channel's default when unset. Never a pinned patch, which "
         "GKE stops offering; the channel upgrades the cluster from there")
-    ray_operator: bool = False
+    ray_operator: bool | None = Field(
+        None, description="the GKE Ray operator add-on (KubeRay); on by default when trainer.launcher is 'ray'")
     system_pool: SystemPoolSpec = SystemPoolSpec()
     master_authorized_cidrs: list[str] = Field(default_factory=list)
     control_plane_endpoint: Literal["dns", "ip"] = Field(
@@ -309,13 +310,22 @@ class TrainerSpec(_Model):
     priority: str = "default"
     termination_grace_seconds: int = Field(600, ge=30, le=3600)
     service_account: str = "trainer"
+    launcher: Literal["jobset", "ray"] = Field(
+        "jobset", description="'jobset': a JobSet restarts every slice from the last checkpoint on any failure; "
+        "'ray': a Kueue-queued elastic RayJob whose Ray Train JaxTrainer goes on with the slices left when one is "
+        "lost (down to minSlices) and grows back when capacity returns")
+    min_slices: int | None = Field(
+        None, ge=1, description="launcher 'ray' only: the fewest slices training goes on with (1 when unset); "
+        "`slices` is the most")
+    max_failures: int = Field(3, ge=0, le=100, description="launcher 'ray' only: Ray Train's FailureConfig, "
+                              "worker-group restarts before the run fails")
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        # The JobSet's name (its pod names are checked against the slice count below).
+        # The JobSet's or RayJob's name (length checked against the slice count and launcher below).
         if not rules.DNS1035_LABEL.match(v):
-            raise ValueError(f"{v!r} is not a JobSet name: a-z, 0-9 and '-', starting with a letter")
+            raise ValueError(f"{v!r} is not a JobSet or RayJob name: a-z, 0-9 and '-', starting with a letter")
         return v
 
     @field_validator("service_account")
@@ -415,17 +425,42 @@ class EnvironmentSpec(_Model):
             if t.slices > group.count:
                 raise ValueError(f"trainer.slices: {t.slices} is more slices than group {group.name!r} declares "
                                  f"({group.count}); allowed: 1..{group.count}")
+            if t.launcher != "ray" and t.min_slices is not None:
+                raise ValueError("trainer.minSlices: only the 'ray' launcher resizes; a JobSet always runs "
+                                 f"trainer.slices ({t.slices}); remove it or set trainer.launcher: ray")
             if t.priority not in self.queues.priority_classes:
                 raise ValueError(f"trainer.priority: {t.priority!r} is not a priority class; "
                                  f"allowed: {sorted(self.queues.priority_classes)}")
+            if t.launcher == "ray":
+                self._check_ray()
             # JobSet's webhook: <jobset>-<replicatedJob>-<jobIndex>-<podIndex> plus a 5-character suffix must be a
             # DNS-1035 label (jobset pkg/webhooks/jobset_webhook.go, placement.GenPodName).
             pod = f"{t.name}-{REPLICATED_JOB}-{t.slices - 1}-{group.shape.hosts - 1}-abcde"
-            if len(pod) > rules.DNS_LABEL_MAX:
+            if t.launcher == "jobset" and len(pod) > rules.DNS_LABEL_MAX:
                 raise ValueError(f"trainer.name: {t.name!r} is too long: the JobSet's pod names ({pod}) would "
                                  f"exceed {rules.DNS_LABEL_MAX} characters; use at most "
                                  f"{len(t.name) - (len(pod) - rules.DNS_LABEL_MAX)}")
         return self
+
+    def _check_ray(self) -> None:
+        t = self.trainer
+        if self.cluster.ray_operator is False:
+            raise ValueError("cluster.rayOperator: false, but trainer.launcher 'ray' runs on the GKE Ray operator "
+                             "add-on; set it true or leave it unset")
+        if self.ray_min_slices > t.slices:
+            raise ValueError(f"trainer.minSlices: {t.min_slices} is more than trainer.slices ({t.slices}); "
+                             f"allowed: 1..{t.slices}")
+        group = self.trainer_group
+        if group is not None and group.name == "head":
+            raise ValueError("trainer.sliceGroup: 'head' names the Ray worker group, and Kueue reserves it for the "
+                             "head's pod set; rename the slice group")
+        head = self.ray_head_service_account
+        if len(head) > rules.DNS_LABEL_MAX:
+            raise ValueError(f"trainer.serviceAccount: {t.service_account!r} is too long: the Ray head's account "
+                             f"{head!r} must fit {rules.DNS_LABEL_MAX} characters")
+        if len(t.name) > rules.RAYJOB_NAME_MAX:
+            raise ValueError(f"trainer.name: {t.name!r} is longer than KubeRay's {rules.RAYJOB_NAME_MAX} characters "
+                             "for a RayJob")
 
     def _check_ranges(self) -> None:
         """No two IP ranges of the environment overlap: GCP refuses overlapping subnet ranges in a VPC, the control
@@ -491,6 +526,22 @@ class EnvironmentSpec(_Model):
         if self.trainer.slice_group is None:
             return self.slices[0]
         return next((g for g in self.slices if g.name == self.trainer.slice_group), None)
+
+    @property
+    def ray_operator_enabled(self) -> bool:
+        """The Ray operator add-on: as set, else on exactly when the trainer runs on Ray."""
+        if self.cluster.ray_operator is not None:
+            return self.cluster.ray_operator
+        return self.trainer.enabled and self.trainer.launcher == "ray"
+
+    @property
+    def ray_head_service_account(self) -> str:
+        """The Ray head's own account: KubeRay binds its autoscaler's RBAC to it, which the TPU pods never need."""
+        return f"{self.trainer.service_account}-ray-head"
+
+    @property
+    def ray_min_slices(self) -> int:
+        return self.trainer.min_slices or 1
 
     @property
     def gke_version_floor(self) -> str | None:

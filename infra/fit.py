@@ -84,9 +84,15 @@ def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[st
     if unknown:
         raise ConfigError(f"environment {spec.env!r}: trainer.args has arguments the trainer does not take: {unknown}")
     name = config or pod.config
-    cfg = _trainer_config(name, [*pod.overrides, *(overrides or [])])
-    title = f"{spec.env} (trainer {t.name}, config {name or 'demo.yaml'})"
-    return FitJob(title, cfg, target(group.shape, t.slices))
+    slices, resized = t.slices, []
+    if t.launcher == "ray":
+        # Ray keeps the global batch when it loses slices, so the fewest slices it may go on with hold the most per
+        # chip: that is the size that must fit.
+        slices, resized = spec.ray_min_slices, [f"mesh.slices={spec.ray_min_slices}"]
+    cfg = _trainer_config(name, [*pod.overrides, *resized, *(overrides or [])])
+    at = f", at Ray's minimum of {slices} slice{'s' if slices > 1 else ''}" if resized else ""
+    title = f"{spec.env} (trainer {t.name}, config {name or 'demo.yaml'}{at})"
+    return FitJob(title, cfg, target(group.shape, slices))
 
 
 def file_job(config: str, tpu_value: str, slices: int, overrides: list[str] | None = None) -> FitJob:

@@ -87,6 +87,8 @@ def _secret_keys(inputs: dict[str, Any]) -> list[str]:
 
 _JOB = "spec.replicatedJobs[*]"
 _POD = "spec.replicatedJobs[*].template.spec.template.spec"
+_RAY = "spec.rayClusterSpec"
+_WORKER = "spec.rayClusterSpec.workerGroupSpecs[*].template.spec"
 
 FIELDS: dict[str, list[Field]] = {
     "gcp:compute/network:Network": [("mtu", "mtu"), ("routing", "routingMode")],
@@ -155,6 +157,16 @@ FIELDS: dict[str, list[Field]] = {
         ("tpuPerPod", f"{_POD}.containers[0].resources.limits.google\\.com/tpu"),
         ("nodeSelector", f"{_POD}.nodeSelector"), ("maxRestarts", "spec.failurePolicy.maxRestarts"),
         ("image", f"{_POD}.containers[0].image")],
+    "kubernetes:ray.io/v1:RayJob": [
+        ("queue", "metadata.labels.kueue\\.x-k8s\\.io/queue-name"),
+        ("priority", "metadata.labels.kueue\\.x-k8s\\.io/priority-class"),
+        ("elastic", "metadata.annotations.kueue\\.x-k8s\\.io/elastic-job"),
+        ("slices", lambda i: [f"{g.get('groupName')}={g.get('minReplicas')}..{g.get('maxReplicas')}"
+                              for g in path_get(i, f"{_RAY}.workerGroupSpecs") or []] or None),
+        ("hostsPerSlice", f"{_RAY}.workerGroupSpecs[*].numOfHosts"),
+        ("tpuPerPod", f"{_WORKER}.containers[0].resources.limits.google\\.com/tpu"),
+        ("nodeSelector", f"{_WORKER}.nodeSelector"), ("backoffLimit", "spec.backoffLimit"),
+        ("image", f"{_WORKER}.containers[0].image")],
 }
 
 
@@ -342,10 +354,17 @@ def summarize(result: PlanResult) -> Summary:
     trainer = None
     group = spec.trainer_group
     if spec.trainer.enabled and group is not None:
-        trainer = (f"JobSet {spec.queues.namespace}/{spec.trainer.name}: {spec.trainer.slices} x {group.name} "
-                   f"({group.topology}) = {_n(spec.trainer.slices * group.shape.hosts, 'pod')} x "
-                   f"{group.shape.chips_per_host} chips, priority {spec.trainer.priority}, "
-                   f"max {spec.trainer.max_restarts} restarts, config {spec.trainer.config or 'demo.yaml'}")
+        t = spec.trainer
+        pods = f"{_n(t.slices * group.shape.hosts, 'pod')} x {group.shape.chips_per_host} chips"
+        if t.launcher == "ray":
+            trainer = (f"RayJob {spec.queues.namespace}/{t.name} (elastic): {spec.ray_min_slices}..{t.slices} x "
+                       f"{group.name} ({group.topology}), at most {pods}, priority {t.priority}, up to "
+                       f"{t.max_failures} Ray Train restarts then {t.max_restarts} RayJob retries, config "
+                       f"{t.config or 'demo.yaml'}")
+        else:
+            trainer = (f"JobSet {spec.queues.namespace}/{t.name}: {t.slices} x {group.name} ({group.topology}) = "
+                       f"{pods}, priority {t.priority}, max {t.max_restarts} restarts, config "
+                       f"{t.config or 'demo.yaml'}")
     return Summary(
         env=result.env, project=spec.project, zone=spec.zone, cluster=spec.cluster_name, slices=rows,
         chips_by_type=dict(sorted(chips_by_type.items())), peak_bf16_pflops=round(pflops, 2), hbm_gib=hbm,

@@ -14,6 +14,8 @@ DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 DNS_LABEL_MAX = 63
+# KubeRay: a RayJob's RayCluster is the job name plus a 6-character suffix and may have 53 (MaxRayJobNameLength).
+RAYJOB_NAME_MAX = 47
 DNS_SUBDOMAIN_MAX = 253
 
 # GCP names that are RFC 1035 labels (Compute Engine resource names, GKE clusters and node pools, resource

@@ -12,6 +12,8 @@ from infra.iam import workload_principal
 
 # Read, write and delete objects; no bucket administration.
 CHECKPOINT_ROLE = "roles/storage.objectUser"
+# The Ray head only reads (the driver checks the Hugging Face checkpoint before it starts training).
+READER_ROLE = "roles/storage.objectViewer"
 
 
 @dataclass(frozen=True)
@@ -48,5 +50,10 @@ class Storage(pulumi.ComponentResource):
         self.iam = gcp.storage.BucketIAMMember(
             f"{name}-trainer-object-user", bucket=self.bucket.name, role=CHECKPOINT_ROLE, member=member,
             opts=pulumi.ResourceOptions(parent=self))
+        if spec.trainer.enabled and spec.trainer.launcher == "ray":
+            head = workload_principal(args.project_number, spec.project, spec.queues.namespace,
+                                      spec.ray_head_service_account)
+            gcp.storage.BucketIAMMember(f"{name}-ray-head-object-viewer", bucket=self.bucket.name, role=READER_ROLE,
+                                        member=head, opts=pulumi.ResourceOptions(parent=self))
         self.url = pulumi.Output.concat("gs://", self.bucket.name)
         self.register_outputs({"url": self.url})

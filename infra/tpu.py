@@ -17,6 +17,7 @@ class TpuGeneration:
     peak_bf16_tflops_per_chip: float
     hbm_gib_per_chip: int
     hbm_gbps_per_chip: float  # HBM bandwidth, GB/s (Cloud TPU docs' per-chip figure)
+    ray_accelerator: str  # Ray's accelerator type for ScalingConfig (ray.util.accelerators GOOGLE_TPU_*)
     # Ironwood (tpu7x) places multi-host slices with a workload policy instead of tpu_topology.
     uses_workload_policy: bool = False
     # Physical NICs GKE managed DRANET can hand to pods on a multi-host VM; 0 = not a managed-DRANET machine
@@ -33,6 +34,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
     for g in (
         TpuGeneration(
             name="v4",
+            ray_accelerator="TPU-V4",
             accelerator="tpu-v4-podslice",
             topologies=("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
                         "8x8x12", "8x8x16", "8x16x16", "12x16x16", "16x16x16"),
@@ -45,6 +47,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
         ),
         TpuGeneration(
             name="v5e",
+            ray_accelerator="TPU-V5LITEPOD",
             accelerator="tpu-v5-lite-podslice",
             topologies=_2D,
             multi_host_machine="ct5lp-hightpu-4t",
@@ -56,6 +59,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
         ),
         TpuGeneration(
             name="v5p",
+            ray_accelerator="TPU-V5P",
             accelerator="tpu-v5p-slice",
             topologies=("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
                         "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
@@ -68,6 +72,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
         ),
         TpuGeneration(
             name="v6e",
+            ray_accelerator="TPU-V6E",
             accelerator="tpu-v6e-slice",
             topologies=_2D,
             multi_host_machine="ct6e-standard-4t",
@@ -80,6 +85,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
         ),
         TpuGeneration(
             name="tpu7x",
+            ray_accelerator="TPU-V7X",
             accelerator="tpu7x",
             topologies=("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
                         "8x8x16", "8x16x16"),

@@ -1,4 +1,5 @@
-"""TrainerJob: the trainer's service account, its Hugging Face token secret, DRANET claim and the JobSet."""
+"""TrainerJob: the trainer's service account, its Hugging Face token secret, DRANET claim, and the JobSet or (launcher:
+ray) the RayJob with its head's own service account."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pulumi
 
 from infra.config import EnvironmentSpec
 from infra.k8s import apply
-from workloads import core, dra, jobset
+from workloads import core, dra, jobset, rayjob, trainer_pod
 from workloads.labels import MANAGED_BY
 
 
@@ -32,14 +33,22 @@ class TrainerJob(pulumi.ComponentResource):
             deps.append(apply({
                 "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                 "metadata": {"name": hf_secret, "namespace": ns, "labels": dict(MANAGED_BY)},
-                "stringData": {jobset.HF_TOKEN_KEY: pulumi.Output.secret(args.hf_token)},
+                "stringData": {trainer_pod.HF_TOKEN_KEY: pulumi.Output.secret(args.hf_token)},
             }, child))
         claim = None
         nics = spec.dranet_networks_for(spec.trainer_group) if spec.trainer_group else 0
         if nics:
             claim = f"{t.name}-netdev"
             deps.append(apply(dra.netdev_claim_template(claim, ns, nics), child))
-        refs = jobset.TrainerRefs(image=args.image, bucket=spec.bucket_name, service_account=t.service_account,
-                                  hf_secret=hf_secret, claim_template=claim)
-        self.jobset = apply(jobset.trainer_jobset(spec, refs), pulumi.ResourceOptions(parent=self, depends_on=deps))
-        self.register_outputs({"jobset": t.name})
+        refs = trainer_pod.TrainerRefs(image=args.image, bucket=spec.bucket_name,
+                                       service_account=t.service_account, hf_secret=hf_secret, claim_template=claim)
+        if t.launcher == "ray":
+            head = spec.ray_head_service_account
+            deps.append(apply(core.service_account(head, ns), child))
+            deps.append(apply(rayjob.network_policy(spec), child))
+            self.workload = apply(rayjob.trainer_rayjob(spec, refs, head),
+                                  pulumi.ResourceOptions(parent=self, depends_on=deps))
+        else:
+            self.workload = apply(jobset.trainer_jobset(spec, refs),
+                                  pulumi.ResourceOptions(parent=self, depends_on=deps))
+        self.register_outputs({t.launcher: t.name})

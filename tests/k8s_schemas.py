@@ -198,17 +198,48 @@ def validate(obj: dict[str, Any], kv: str = KUBERNETES_VERSION) -> list[str]:
     try:
         validator = _validator(group, version, kind, kv)
     except KeyError:
+        if group in BUNDLED_GROUPS:
+            return _validate_bundled(obj, kv)
         return [f".: no schema for {api_version} {kind} under {schemas_dir()}"]
     errors = [_format(e) for e in validator.iter_errors(obj)]
     if (group, version, kind) in _crds() and isinstance(obj.get("metadata"), dict):
         errors += [_format(e, ("metadata",)) for e in _core_validator(OBJECT_META, kv).iter_errors(obj["metadata"])]
-    if kind == "JobSet":
-        for i, rj in enumerate((obj.get("spec") or {}).get("replicatedJobs") or []):
-            template = ((rj.get("template") or {}).get("spec") or {}).get("template")
-            if isinstance(template, dict):
-                prefix = ("spec", "replicatedJobs", i, "template", "spec", "template")
-                errors += [_format(e, prefix) for e in _core_validator(POD_TEMPLATE, kv).iter_errors(template)]
+    for prefix, template in embedded_pod_templates(obj):
+        errors += [_format(e, prefix) for e in _core_validator(POD_TEMPLATE, kv).iter_errors(template)]
     return sorted(set(errors))
+
+
+def embedded_pod_templates(obj: dict[str, Any]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """(path, PodTemplateSpec) of every pod template a JobSet, RayJob or RayCluster embeds: their CRDs carry the pod
+    schema of the release they were built against, so each is also checked against each release's own."""
+    spec = obj.get("spec") or {}
+    found: list[tuple[tuple[Any, ...], Any]] = []
+    if obj.get("kind") == "JobSet":
+        for i, rj in enumerate(spec.get("replicatedJobs") or []):
+            found.append((("spec", "replicatedJobs", i, "template", "spec", "template"),
+                          ((rj.get("template") or {}).get("spec") or {}).get("template")))
+    cluster, at = (spec.get("rayClusterSpec"), ("spec", "rayClusterSpec")) if obj.get("kind") == "RayJob" else (
+        spec, ("spec",)) if obj.get("kind") == "RayCluster" else (None, ())
+    if isinstance(cluster, dict):
+        found.append(((*at, "headGroupSpec", "template"), (cluster.get("headGroupSpec") or {}).get("template")))
+        for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
+            found.append(((*at, "workerGroupSpecs", i, "template"), group.get("template")))
+    return [(path, t) for path, t in found if isinstance(t, dict)]
+
+
+# Built-in API groups ../shared/schemas does not carry: their strict schemas come from the kubernetes-validate
+# package (PyPI; Kubernetes' own OpenAPI converted per release, unknown fields refused in its -strict set).
+BUNDLED_GROUPS = ("networking.k8s.io",)
+
+
+def _validate_bundled(obj: dict[str, Any], kv: str) -> list[str]:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(obj, kv.removeprefix("v") + ".0", strict=True)
+    except kubernetes_validate.ValidationError as err:
+        return [f"{'.'.join(str(p) for p in err.path) or '.'}: {err.message}"]
+    return []
 
 
 def assert_valid(obj: dict[str, Any], versions: tuple[str, ...] = KUBERNETES_VERSIONS) -> None:

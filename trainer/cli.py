@@ -7,6 +7,8 @@ import sys
 import time
 
 from trainer.config import ConfigError, TrainConfig, load_config
+from trainer.ray_train import add_arguments as add_ray_arguments  # imports Ray only once --ray is used
+from trainer.ray_train import options_from_args as ray_options
 
 EXIT_CONFIG = 2
 EXIT_STOPPED = 143  # 128 + SIGTERM: a preempted pod "fails" so the JobSet restarts it and the run resumes
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run as N local processes joined by jax.distributed (CPU)")
     p.add_argument("--devices-per-process", type=int, default=0, metavar="M",
                    help="CPU devices per local process (with --local-processes)")
+    add_ray_arguments(p)
     return p
 
 
@@ -67,12 +70,17 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        ray_opts = ray_options(args)  # None without --ray
         if args.local_processes < 0 or args.devices_per_process < 0:
             raise ConfigError("--local-processes and --devices-per-process must be >= 0")
         if bool(args.local_processes) != bool(args.devices_per_process):
             raise ConfigError("--local-processes and --devices-per-process go together")
         cfg = _resolve_run_dir(load_config(args.config, args.overrides), args.run_dir)
         checked = preflight(cfg)
+        if ray_opts is not None:
+            from trainer.ray_train import run
+
+            return run(cfg, checked, ray_opts)
         if args.local_processes:
             from trainer.config import resolve_mesh
             from trainer.launch import run_local

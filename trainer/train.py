@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,12 @@ def _summary(records: list[dict[str, Any]]) -> tuple[float, float, int] | None:
     return first, last, k
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | None = None) -> TrainResult:
+def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | None = None,
+          on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
     """Run (or resume) training until cfg.steps, a stop signal, or `stop_after` completed steps.
 
-    JAX must already be initialised for this process (see distributed.initialize_from_env).
+    JAX must already be initialised for this process (see distributed.initialize_from_env). `on_step` is called on
+    every process after each step (and its checkpoint save, if due) with that step's record.
     """
     hf_params = None
     if cfg.init.from_ == "hf":
@@ -170,6 +173,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             leaving = stop.agreed() or (stop_after is not None and step >= stop_after)
             if leaving or step == cfg.steps or ckpt.due(step):
                 ckpt.save({"params": params, "opt_state": opt_state}, meta)
+            if on_step is not None:
+                on_step(record)
             if leaving and step < cfg.steps:
                 stopped = True
                 break

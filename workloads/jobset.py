@@ -2,54 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from infra.config import REPLICATED_JOB, EnvironmentSpec, SliceGroupSpec
+from infra.config import REPLICATED_JOB, EnvironmentSpec
 from workloads import labels as L
+from workloads.trainer_pod import (
+    CONTAINER_SECURITY,
+    HF_TOKEN_KEY,
+    TRAINER_UID,
+    TrainerRefs,
+    checkpoint_dir,
+    dranet_nics,
+    hf_token_env,
+    megascale_interfaces,
+    pod_annotations,
+    tpu_pod,
+    tpu_resources,
+    trainer_group,
+    volume_mounts,
+)
+
+__all__ = ["HF_TOKEN_KEY", "TRAINER_UID", "TrainerRefs", "trainer_jobset", "pod_env", "trainer_args"]
 
 COORDINATOR_PORT = 8476  # jax.distributed coordinator on process 0
 MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
-CHECKPOINT_MOUNT = "/checkpoints"
 # Exit codes the JobSet restarts on: the trainer's transient-failure code, and death by a signal (128 + n: SIGTERM
 # on preemption is the trainer's own 143, SIGKILL 137, a libtpu abort 134). Pods lost with their node fail without
 # an exit code, so they count against backoffLimit 0 and restart the JobSet too. trainer/cli.py owns the codes.
 RESTART_EXIT_CODES = (42, *range(128, 256))
-# The `trainer` user of trainer/Dockerfile; above 10000, so it is no account of the host's (checkov CKV_K8S_40).
-TRAINER_UID = 10001
-# gcsfuse mounts a bucket for root unless told otherwise: the non-root trainer needs uid/gid to write checkpoints
-# (gcs-fuse-csi-driver docs/troubleshooting.md). No file cache, so no file-cache:* options: gcsfuse refuses
-# file-cache:enable-parallel-downloads without one (gcsfuse cfg/validate.go).
-CHECKPOINT_MOUNT_OPTIONS = f"implicit-dirs,uid={TRAINER_UID},gid={TRAINER_UID},file-mode=664,dir-mode=775"
-# The sidecar's defaults (256 MiB of memory) are too small to stream multi-GB checkpoints: "0" lifts a limit
-# (gcs-fuse-csi-driver pkg/webhook annotations; Google's TPU and GPU samples do the same), the requests reserve
-# enough for it to be scheduled beside the trainer.
-GCSFUSE_SIDECAR = {
-    "gke-gcsfuse/cpu-limit": "0",
-    "gke-gcsfuse/memory-limit": "0",
-    "gke-gcsfuse/ephemeral-storage-limit": "0",
-    "gke-gcsfuse/cpu-request": "500m",
-    "gke-gcsfuse/memory-request": "1Gi",
-    "gke-gcsfuse/ephemeral-storage-request": "5Gi",
-}
-HF_TOKEN_KEY = "token"
-
-
-@dataclass(frozen=True)
-class TrainerRefs:
-    """Names of objects the JobSet points at, created elsewhere in the stack."""
-
-    image: Any  # a name, or under Pulumi the Output[str] of the stack's image build (resolved before it is sent)
-    bucket: str
-    service_account: str
-    hf_secret: str | None = None
-    claim_template: str | None = None
-
-
-def _group(spec: EnvironmentSpec) -> SliceGroupSpec:
-    group = spec.trainer_group
-    assert group is not None  # spec validation rejects a trainer without a slice group
-    return group
 
 
 def _field(path: str) -> dict[str, Any]:
@@ -63,7 +43,7 @@ def coordinator_host(jobset: str) -> str:
 
 def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
     """The env contract the trainer reads (trainer/distributed.py) plus libtpu's multislice variables."""
-    t, group = spec.trainer, _group(spec)
+    t, group = spec.trainer, trainer_group(spec)
     host = coordinator_host(t.name)
     slice_index = _field(f"metadata.annotations['{L.JOBSET_JOB_INDEX}']")
     env: list[dict[str, Any]] = [
@@ -72,7 +52,7 @@ def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
         {"name": "SLICE_INDEX", **slice_index},
         {"name": "HOSTS_PER_SLICE", "value": str(group.shape.hosts)},
         {"name": "HOST_INDEX", **_field(f"metadata.annotations['{L.JOB_COMPLETION_INDEX}']")},
-        {"name": "CHECKPOINT_DIR", "value": f"{CHECKPOINT_MOUNT}/{t.name}"},
+        {"name": "CHECKPOINT_DIR", "value": checkpoint_dir(spec)},
         {"name": "JOBSET_NAME", **_field(f"metadata.labels['{L.JOBSET_NAME}']")},
     ]
     if t.slices > 1:
@@ -82,16 +62,9 @@ def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
             {"name": "MEGASCALE_SLICE_ID", **slice_index},
             {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_PORT)},
         ]
-        nics = spec.dranet_networks_for(group) if refs.claim_template else 0
-        if nics:
-            # libtpu sends DCN (megascale gRPC) traffic over the interfaces whose names match these prefixes; the
-            # claimed DRANET NICs appear in the pod as eth1..ethN beside the pod network's eth0 (GKE's DRANET doc;
-            # kubernetes-engine-samples ai-ml/gke-ray/raytrain/maxtext/ray-cluster.tpu-multi-slice.yaml sets this).
-            env.append({"name": "LIBTPU_INIT_ARGS", "value": "--megascale_grpc_interface_prefixes="
-                        + ",".join([*(f"eth{i}" for i in range(1, nics + 1)), "lo"])})
-    if refs.hf_secret:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": refs.hf_secret, "key": HF_TOKEN_KEY}}})
-    return env
+        if nics := dranet_nics(spec, refs):
+            env.append(megascale_interfaces(nics))
+    return env + hf_token_env(refs)
 
 
 def trainer_args(spec: EnvironmentSpec) -> list[str]:
@@ -99,16 +72,11 @@ def trainer_args(spec: EnvironmentSpec) -> list[str]:
     spans every slice; the config's args come last so they can override any of it."""
     t = spec.trainer
     config = ["--config", t.config] if t.config else []
-    return [*config, "--run-dir", f"{CHECKPOINT_MOUNT}/{t.name}/run", "--set", f"mesh.slices={t.slices}",
+    return [*config, "--run-dir", f"{checkpoint_dir(spec)}/run", "--set", f"mesh.slices={t.slices}",
             "--set", "mesh.fsdp=-1", *t.args]
 
 
 def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    group = _group(spec)
-    chips = group.shape.chips_per_host
-    resources: dict[str, Any] = {"requests": {L.TPU_RESOURCE: chips}, "limits": {L.TPU_RESOURCE: chips}}
-    if refs.claim_template:
-        resources["claims"] = [{"name": "netdev"}]
     return {
         "name": "trainer",
         "image": refs.image,
@@ -118,56 +86,16 @@ def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
             {"name": "coordinator", "containerPort": COORDINATOR_PORT},
             {"name": "megascale", "containerPort": MEGASCALE_PORT},
         ],
-        "resources": resources,
-        # No capabilities: the non-root trainer needs none (ports above 1024, TPU chips come from the device plugin).
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [
-            {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-        ],
+        "resources": tpu_resources(spec, refs),
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": volume_mounts(),
     }
 
 
 def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    group = _group(spec)
-    pod: dict[str, Any] = {
-        "serviceAccountName": refs.service_account,
-        # The trainer never calls the Kubernetes API and its account holds no RBAC: Workload Identity tokens come from
-        # the node's GKE metadata server and the gcsfuse CSI driver gets its own through the kubelet (tokenRequests).
-        "automountServiceAccountToken": False,
-        "restartPolicy": "Never",
-        # Leaves time for the SIGTERM checkpoint to finish before the kubelet kills the pod.
-        "terminationGracePeriodSeconds": spec.trainer.termination_grace_seconds,
-        # The image's user (trainer/Dockerfile); fsGroup makes the checkpoint mount group-writable for it.
-        # RuntimeDefault: the container runtime's default syscall filter, as GKE Autopilot applies to TPU pods too.
-        "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID, "runAsGroup": TRAINER_UID,
-                            "fsGroup": TRAINER_UID, "seccompProfile": {"type": "RuntimeDefault"}},
-        "nodeSelector": {L.TPU_ACCELERATOR: group.shape.accelerator, L.TPU_TOPOLOGY: group.shape.topology},
-        "tolerations": [{"key": L.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
-        "containers": [_container(spec, refs)],
-        "volumes": [
-            {
-                "name": "checkpoints",
-                "csi": {
-                    "driver": L.GCSFUSE_DRIVER,
-                    "volumeAttributes": {
-                        "bucketName": refs.bucket,
-                        "mountOptions": CHECKPOINT_MOUNT_OPTIONS,
-                    },
-                },
-            },
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        ],
-    }
-    if group.capacity == "spot":
-        pod["tolerations"].append({"key": L.SPOT, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
-    if group.capacity == "flex-start":
-        # Without the toleration the pods never land on the nodes queued provisioning creates for them.
-        pod["nodeSelector"][L.QUEUED] = "true"
-        pod["tolerations"].append({"key": L.QUEUED, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
-    if refs.claim_template:
-        pod["resourceClaims"] = [{"name": "netdev", "resourceClaimTemplateName": refs.claim_template}]
-    elif group.shape.multi_host or spec.trainer.slices > 1:
+    group = trainer_group(spec)
+    pod = tpu_pod(spec, refs, _container(spec, refs))
+    if not refs.claim_template and (group.shape.multi_host or spec.trainer.slices > 1):
         # Without DRANET, TPU hosts reach each other (ICI setup, DCN between slices) over the node's own NICs, as
         # xpk's workloads and GKE's multislice JobSet walkthrough run them; ClusterFirstWithHostNet keeps the
         # JobSet's pod DNS names resolvable from the host network.
@@ -177,7 +105,7 @@ def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
 
 
 def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    t, group = spec.trainer, _group(spec)
+    t, group = spec.trainer, trainer_group(spec)
     hosts = group.shape.hosts
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
@@ -210,7 +138,7 @@ def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
                             "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
                                 "containerName": "trainer", "operator": "NotIn", "values": list(RESTART_EXIT_CODES)}}]},
                             "template": {
-                                "metadata": {"annotations": {L.GCSFUSE_INJECT: "true", **GCSFUSE_SIDECAR}},
+                                "metadata": {"annotations": pod_annotations()},
                                 "spec": _pod_spec(spec, refs),
                             },
                         }

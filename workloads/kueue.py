@@ -9,7 +9,8 @@ from typing import Any
 from infra.config import EnvironmentSpec, SliceGroupSpec
 from infra.tpu import SliceShape
 from workloads.dra import DRANET_DEVICE_CLASS
-from workloads.labels import MANAGED_BY, TPU_ACCELERATOR, TPU_RESOURCE, TPU_TOPOLOGY
+from workloads.labels import MANAGED_BY, SYSTEM_POOL, TPU_ACCELERATOR, TPU_RESOURCE, TPU_TOPOLOGY
+from workloads.rayjob import head_quota
 
 API = "kueue.x-k8s.io/v1beta2"
 PROVISIONING_CHECK = "flex-start"
@@ -86,9 +87,21 @@ def manager_config(spec: EnvironmentSpec) -> dict[str, Any]:
     return config
 
 
+# The CPU system pool's flavor: a Ray head's CPU and memory are admitted from it (launcher: ray).
+SYSTEM_FLAVOR = "system"
+
+
+def uses_system_flavor(spec: EnvironmentSpec) -> bool:
+    return spec.trainer.enabled and spec.trainer.launcher == "ray"
+
+
 def resource_flavors(spec: EnvironmentSpec) -> list[dict[str, Any]]:
     shapes = {flavor_name(g.shape): g.shape for g in spec.slices}
-    return [resource_flavor(s) for s in shapes.values()]
+    flavors = [resource_flavor(s) for s in shapes.values()]
+    if uses_system_flavor(spec):
+        flavors.append({"apiVersion": API, "kind": "ResourceFlavor", "metadata": _meta(SYSTEM_FLAVOR),
+                        "spec": {"nodeLabels": dict(SYSTEM_POOL)}})
+    return flavors
 
 
 def _flex_flavors(spec: EnvironmentSpec) -> list[str]:
@@ -119,6 +132,13 @@ def cluster_queue(spec: EnvironmentSpec) -> dict[str, Any]:
         group["coveredResources"].append(DRANET_RESOURCE)
         for flavor in group["flavors"]:
             flavor["resources"].append({"name": DRANET_RESOURCE, "nominalQuota": dranet.get(flavor["name"], 0)})
+    if uses_system_flavor(spec):
+        # Kueue admits a workload only when every resource its pods request is covered: the Ray head's pod set
+        # asks for CPU and memory (its own, the autoscaler's and the submitter's). Quota for exactly one head; the
+        # TPU pods request no CPU or memory, so they never take this flavor (and its node selector).
+        quota = head_quota()
+        body["resourceGroups"].append({"coveredResources": ["cpu", "memory"], "flavors": [
+            {"name": SYSTEM_FLAVOR, "resources": [{"name": r, "nominalQuota": quota[r]} for r in ("cpu", "memory")]}]})
     if flex := _flex_flavors(spec):
         body["admissionChecksStrategy"] = {
             "admissionChecks": [{"name": PROVISIONING_CHECK, "onFlavors": flex}]

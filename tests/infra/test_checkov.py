@@ -9,6 +9,8 @@ and a dead proxy catches any request that would still try to leave.
 checkov scans the pod templates of the kinds it knows (Pod, Job, Deployment, ...) but not a JobSet's, nested under
 spec.replicatedJobs[].template: each replicated job is also written as the batch/v1 Job the JobSet controller stamps
 out from it (same Job spec, named JOBSET-REPLICATEDJOB), so every pod and container check applies to the trainer.
+A RayJob's pod templates (its RayCluster's head and worker groups) are written likewise as the Pods KubeRay makes
+from them, named RAYJOB-head and RAYJOB-GROUP.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Report:
     failed: list[Finding]
     passed: list[Finding]
     documents: int
-    pod_templates: list[str]  # ENV/Job.NAMESPACE.NAME of each JobSet replicated job written as a Job
+    pod_templates: list[str]  # ENV/KIND.NAMESPACE.NAME of each stand-in Job (JobSet) or Pod (RayJob)
 
 
 def checkov_binary() -> Path:
@@ -91,6 +93,21 @@ def replicated_jobs(jobset: dict[str, Any]) -> Iterator[dict[str, Any]]:
         }
 
 
+def ray_pods(rayjob: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The head and each worker group of a RayJob's RayCluster as a v1 Pod, so checkov's pod checks reach them."""
+    meta, cluster = rayjob["metadata"], rayjob["spec"]["rayClusterSpec"]
+    groups = [("head", cluster["headGroupSpec"]["template"])]
+    groups += [(g["groupName"], g["template"]) for g in cluster["workerGroupSpecs"]]
+    for name, template in groups:
+        yield {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{meta['name']}-{name}", "namespace": meta.get("namespace", "default"),
+                         **{k: v for k, v in template.get("metadata", {}).items() if k in ("labels", "annotations")}},
+            "spec": template["spec"],
+        }
+
+
 def write_manifests(plans: dict[str, PlanResult], root: Path) -> tuple[int, list[str]]:
     """ROOT/ENV/kind-name.yaml per object, plus job-JOBSET-RJ.yaml per replicated job; returns the document count
     and the resources the Jobs become."""
@@ -98,13 +115,14 @@ def write_manifests(plans: dict[str, PlanResult], root: Path) -> tuple[int, list
     for env in ENVIRONMENTS:
         objects = kubernetes_objects(plans[env])
         jobs = [job for o in objects if o["kind"] == "JobSet" for job in replicated_jobs(o)]
-        assert not any(o["kind"] == "Job" for o in objects), "a real Job would collide with the JobSets' stand-ins"
+        jobs += [pod for o in objects if o["kind"] == "RayJob" for pod in ray_pods(o)]
+        assert not any(o["kind"] in ("Job", "Pod") for o in objects), "a real Job or Pod would collide with stand-ins"
         out = root / env
         out.mkdir(parents=True)
         for name, obj in zip(manifest_filenames(objects + jobs), objects + jobs, strict=True):
             (out / name).write_text(yaml.safe_dump(obj, sort_keys=False))
         documents += len(objects) + len(jobs)
-        pod_templates += [f"{env}/Job.{j['metadata']['namespace']}.{j['metadata']['name']}" for j in jobs]
+        pod_templates += [f"{env}/{j['kind']}.{j['metadata']['namespace']}.{j['metadata']['name']}" for j in jobs]
     return documents, pod_templates
 
 
@@ -173,8 +191,8 @@ def test_checkov_ran_over_every_object_of_every_environment(report: Report) -> N
     # Every document written was parsed as a resource: none was skipped as not Kubernetes.
     assert s["resource_count"] == report.documents > 0
     assert s["passed"] == len(report.passed) > 0 and s["failed"] == len(report.failed)
-    # The trainer's pods were really checked: each environment's JobSet pod template, as its Job, took the pod and
-    # container checks.
+    # The trainer's pods were really checked: each environment's JobSet or RayJob pod templates, as their Jobs or
+    # Pods, took the pod and container checks.
     assert {r.split("/")[0] for r in report.pod_templates} == set(ENVIRONMENTS)
     for resource in report.pod_templates:
         checked = [f for f in report.passed + report.failed if f.resource == resource]
@@ -189,7 +207,7 @@ def test_every_finding_is_fixed_or_baselined(report: Report) -> None:
         + "\n".join(f"  {f.check} ({f.title}) on {f.resource} [{f.file}]" for f in new)
         + f"\nFix the object (workloads/, infra/render.py), or, where the check does not fit, add the check and "
         f"resource to {BASELINE.relative_to(ROOT)} with the reason. (JobSet pod templates are scanned as "
-        "Job.NAMESPACE.JOBSET-REPLICATEDJOB.)")
+        "Job.NAMESPACE.JOBSET-REPLICATEDJOB, RayJob ones as Pod.NAMESPACE.RAYJOB-GROUP.)")
 
 
 def test_baseline_holds_only_current_findings(report: Report) -> None:
@@ -207,3 +225,12 @@ def test_stand_in_jobs_carry_the_jobset_pod_template(plans: dict[str, PlanResult
             jobs = list(replicated_jobs(jobset))
             assert [j["spec"] for j in jobs] == [rj["template"]["spec"] for rj in jobset["spec"]["replicatedJobs"]]
             assert all(j["spec"]["template"]["spec"]["containers"] for j in jobs)
+
+
+def test_stand_in_pods_carry_the_rayjob_pod_templates(plans: dict[str, PlanResult]) -> None:
+    rayjobs = [o for env in ENVIRONMENTS for o in kubernetes_objects(plans[env]) if o["kind"] == "RayJob"]
+    assert rayjobs, "no environment runs the trainer on Ray: the Ray path's pods would go unscanned"
+    for rayjob in rayjobs:
+        cluster = rayjob["spec"]["rayClusterSpec"]
+        templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+        assert [p["spec"] for p in ray_pods(rayjob)] == [t["spec"] for t in templates]

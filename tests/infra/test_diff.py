@@ -97,7 +97,7 @@ def test_no_change_and_a_new_environment(repo: Path) -> None:
         d = diff_plan(plan("qa", None, repo), "base", repo)
     finally:
         new_env.unlink()
-    assert d.old.missing and d.chips_delta == {"v6e": (0, 4)} and not d.removed and not d.changed
+    assert d.old.missing and d.chips_delta == {"v6e": (0, 8)} and not d.removed and not d.changed
     assert headline(d)[0].startswith("New environment: no environments/Pulumi.qa.yaml")
 
 

@@ -50,7 +50,8 @@ def test_fit_dev_compiles_the_environments_trainer(tiny_checkpoint: Path, capsys
     args = ["fit", "dev", "--set", f"init.path={tiny_checkpoint}", *SMALL_STEP]
     assert cli.main(args) == 0
     out, err = capsys.readouterr()
-    assert "fit: dev (trainer grpo-dev, config qwen3-0.6b-grpo-v6e-2x2.yaml)" in out
+    # dev runs on Ray down to 1 slice with the global batch kept: the fit is checked at that smallest size.
+    assert "fit: dev (trainer grpo-dev, config qwen3-0.6b-grpo-v6e-2x2.yaml, at Ray's minimum of 1 slice)" in out
     assert "1 x v6e 2x2: 4 chips, 32.00 GiB HBM" in out and "mesh slices=1 x fsdp=4 x tensor=1" in out
     assert "skipped: rl.kl_beta = 0" in out and "MFU" in out
     assert "compiling sample for 1 x v6e 2x2 (1/3)" in err and "Traceback" not in err
@@ -153,7 +154,8 @@ def test_plan_fit_adds_the_summary_to_text_and_markdown(small_report, monkeypatc
     out = capsys.readouterr().out
     assert out.index("plan: dev") < out.index("fit: dev (stand-in)") and "MFU" in out
     job = seen[0]  # what `fit dev` would compile: the environment's trainer, as its JobSet runs it
-    assert job.title == "dev (trainer grpo-dev, config qwen3-0.6b-grpo-v6e-2x2.yaml)"
+    assert job.title == "dev (trainer grpo-dev, config qwen3-0.6b-grpo-v6e-2x2.yaml, at Ray's minimum of 1 slice)"
+    assert (job.target.slices, job.cfg.mesh.slices) == (1, 1)
     assert (job.target.label, job.cfg.mesh.slices, job.cfg.mesh.fsdp, job.cfg.steps) == ("1 x v6e 2x2", 1, -1, 200)
     assert cli.main(["plan", "dev", "--fit", "--format", "markdown"]) == 0
     md = capsys.readouterr().out

@@ -9,12 +9,17 @@ from tests.infra.conftest import raw_inputs, stack_config
 
 IMAGE = "docker-build:index:Image"
 JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+RAYJOB = "kubernetes:ray.io/v1:RayJob"
 
 
 def _jobset_image(plan: PlanResult) -> str:
-    [jobset] = plan.of_type(JOBSET)
-    [container] = jobset.inputs["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
-    return container["image"]
+    """The one image every trainer pod runs: the JobSet's, or the RayJob's head and TPU workers."""
+    from tests.k8s_schemas import embedded_pod_templates
+
+    images = {c["image"] for r in plan.of_type(JOBSET) + plan.of_type(RAYJOB)
+              for _, t in embedded_pod_templates(r.inputs) for c in t["spec"]["containers"]}
+    [image] = images
+    return image
 
 
 def test_stack_builds_and_pushes_the_trainer_image(plans: dict[str, PlanResult]) -> None:

@@ -130,3 +130,15 @@ def test_missing_schemas_fail_with_a_clear_message(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(k8s_schemas.ALLOW_MISSING_ENV, "1")
     with pytest.raises(pytest.skip.Exception):
         k8s_schemas.need_schemas()
+
+
+def test_network_policy_validates_strictly_from_the_bundled_schemas() -> None:
+    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+              "metadata": {"name": "p", "namespace": "n"},
+              "spec": {"podSelector": {"matchLabels": {"a": "b"}}, "policyTypes": ["Ingress"],
+                       "ingress": [{"from": [{"podSelector": {"matchLabels": {"a": "b"}}}]}]}}
+    k8s_schemas.assert_valid(policy)
+    typo = {**policy, "spec": {**policy["spec"], "ingres": []}}
+    assert any("ingres" in e for e in k8s_schemas.validate(typo))
+    wrong = {**policy, "spec": {**policy["spec"], "policyTypes": "Ingress"}}
+    assert k8s_schemas.validate(wrong)

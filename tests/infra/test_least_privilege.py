@@ -22,6 +22,10 @@ def _pod_specs(plan: PlanResult) -> list[dict[str, Any]]:
     for obj in kubernetes_objects(plan):
         if obj["kind"] == "JobSet":
             pods += [rj["template"]["spec"]["template"]["spec"] for rj in obj["spec"]["replicatedJobs"]]
+        elif obj["kind"] == "RayJob":
+            cluster = obj["spec"]["rayClusterSpec"]
+            pods += [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"]
+                                                                     for g in cluster["workerGroupSpecs"])]
         elif obj["kind"] == "Pod":
             pods.append(obj["spec"])
     return pods
@@ -37,10 +41,18 @@ def test_identities_hold_only_what_they_need(plans: dict[str, PlanResult], env: 
     assert not any(WORKLOAD_PRINCIPAL.match(r.inputs["member"]) for r in project_grants)
     assert not plan.of_type("gcp:projects/iAMBinding:IAMBinding") and not plan.of_type(
         "gcp:projects/iAMPolicy:IAMPolicy")  # nothing that rewrites project policy wholesale
-    # The workload's only grant is on the bucket it writes, as a per-object user.
+    # The workload's only grants are on the bucket it writes: the trainer as a per-object user, a Ray head (which
+    # only reads the checkpoint's headers) as a viewer.
     [bucket] = plan.of_type("gcp:storage/bucket:Bucket")
+    roles = {}
     for grant in plan.of_type("gcp:storage/bucketIAMMember:BucketIAMMember"):
-        assert grant.inputs["bucket"] == bucket.inputs["name"] and grant.inputs["role"] == "roles/storage.objectUser"
+        assert grant.inputs["bucket"] == bucket.inputs["name"]
+        roles[grant.inputs["member"].rsplit("/sa/", 1)[1]] = grant.inputs["role"]
+    t = plan.spec.trainer
+    expected = {t.service_account: "roles/storage.objectUser"}
+    if t.launcher == "ray":
+        expected[plan.spec.ray_head_service_account] = "roles/storage.objectViewer"
+    assert roles == expected
     # Registry: the nodes read; nobody else is granted anything there.
     for grant in plan.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember"):
         assert grant.inputs["role"] == "roles/artifactregistry.reader"
@@ -78,10 +90,11 @@ def test_pods_are_unprivileged_and_read_secrets_from_secrets(plans: dict[str, Pl
             for e in c.get("env", []):
                 if SECRETISH.search(e["name"]):
                     assert "value" not in e and "secretKeyRef" in e.get("valueFrom", {}), e["name"]
-        # The host network only where TPU hosts must reach each other without DRANET (workloads/jobset.py says why).
+        # The host network only where a JobSet's TPU hosts must reach each other without DRANET (workloads/jobset.py
+        # says why); Ray pods stay on the pod network.
         group = spec.trainer_group
         needs_host = bool(group) and (group.shape.multi_host or spec.trainer.slices > 1) and not (
-            spec.dranet_networks_for(group))
+            spec.dranet_networks_for(group)) and spec.trainer.launcher == "jobset"
         assert pod.get("hostNetwork", False) is needs_host
         assert not pod.get("hostPID") and not pod.get("hostIPC")
     for obj in kubernetes_objects(plan):

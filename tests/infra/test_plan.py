@@ -112,10 +112,11 @@ def test_prod_and_dev_summaries(plans: dict[str, PlanResult]) -> None:
     assert [r.capacity for r in prod.slices] == ["reservation:rl-v5p-prod", "flex-start"]
     assert len([n for n in prod.networks if "mtu 8896" in n]) == 2  # the v6e group's 2 NICs; v5p gets none
     dev = render.summarize(plans["dev"])
-    assert (dev.total_slices, dev.total_hosts, dev.chips_by_type) == (1, 1, {"v6e": 4})
+    assert (dev.total_slices, dev.total_hosts, dev.chips_by_type) == (2, 2, {"v6e": 8})
     assert dev.slices[0].capacity == "spot"
     assert dev.buckets[0].endswith("force-destroy)")
-    assert dev.trainer is not None and "1 pod x 4 chips" in dev.trainer
+    assert dev.trainer is not None
+    assert "RayJob rl/grpo-dev (elastic): 1..2 x v6e-dev (2x2), at most 2 pods x 4 chips" in dev.trainer
 
 
 def test_tree_lists_every_resource_with_the_settings_that_matter(plans: dict[str, PlanResult]) -> None:

@@ -14,6 +14,7 @@ from tests.infra.conftest import raw_inputs, stack_config
 POOL = "gcp:container/nodePool:NodePool"
 NETWORK = "gcp:compute/network:Network"
 JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+RAYJOB = "kubernetes:ray.io/v1:RayJob"
 CLUSTER_QUEUE = "kubernetes:kueue.x-k8s.io/v1beta2:ClusterQueue"
 
 
@@ -46,20 +47,29 @@ def test_components_own_their_resources(plans: dict[str, PlanResult]) -> None:
     assert _parent_type(plan, _only(plan, JOBSET)) == "gke-tpu-rl:infra:TrainerJob"
 
 
-def test_dev_single_host_spot_slice(plans: dict[str, PlanResult]) -> None:
+def test_dev_single_host_spot_slices_on_ray(plans: dict[str, PlanResult]) -> None:
     plan = plans["dev"]
     pools = _tpu_pools(plan)
-    assert list(pools) == ["v6e-dev-0"]
-    pool = pools["v6e-dev-0"].inputs
-    assert pool["nodeCount"] == 1
-    assert pool["nodeConfig"]["machineType"] == "ct6e-standard-4t"
-    assert pool["nodeConfig"]["spot"] is True
-    assert "placementPolicy" not in pool  # single host: nothing to place
-    assert "networkConfig" not in pool
+    assert list(pools) == ["v6e-dev-0", "v6e-dev-1"]
+    for pool in pools.values():
+        p = pool.inputs
+        assert p["nodeCount"] == 1
+        assert p["nodeConfig"]["machineType"] == "ct6e-standard-4t"
+        assert p["nodeConfig"]["spot"] is True
+        assert "placementPolicy" not in p  # single host: nothing to place
+        assert "networkConfig" not in p
     assert len(plan.of_type(NETWORK)) == 1  # no DRANET networks
     bucket = _only(plan, "gcp:storage/bucket:Bucket").inputs
     assert bucket["forceDestroy"] is True
-    assert _only(plan, JOBSET).inputs["spec"]["replicatedJobs"][0]["replicas"] == 1
+    # The trainer is an elastic RayJob over both slices (down to one) on the Ray operator add-on, not a JobSet.
+    assert not plan.of_type(JOBSET)
+    [workers] = _only(plan, RAYJOB).inputs["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert (workers["minReplicas"], workers["replicas"], workers["maxReplicas"], workers["numOfHosts"]) == (
+        1, 2, 2, 1)
+    cluster = _only(plan, "gcp:container/cluster:Cluster").inputs
+    assert cluster["addonsConfig"]["rayOperatorConfigs"] == [{"enabled": True}]
+    staging = _only(plans["staging"], "gcp:container/cluster:Cluster").inputs
+    assert not staging["addonsConfig"].get("rayOperatorConfigs")  # JobSet only: no operator it does not use
 
 
 def test_staging_multihost_slices_with_dranet(plans: dict[str, PlanResult]) -> None:
@@ -141,10 +151,10 @@ def test_prod_reservation_and_flex_start(plans: dict[str, PlanResult]) -> None:
 
 def test_queues_match_declared_slices(plans: dict[str, PlanResult]) -> None:
     # staging's 8 hosts each claim 2 DRANET devices: Kueue needs quota for them or never admits the JobSet.
-    for env, resources in {"dev": [("google.com/tpu", 4)],
+    for env, resources in {"dev": [("google.com/tpu", 8)],
                            "staging": [("google.com/tpu", 32), ("gke-tpu-rl/netdev", 16)]}.items():
         cq = _only(plans[env], CLUSTER_QUEUE).inputs["spec"]
-        [flavor] = cq["resourceGroups"][0]["flavors"]
+        [flavor] = cq["resourceGroups"][0]["flavors"]  # dev's second group is the Ray head's CPU (test_rayjob)
         assert flavor["resources"] == [{"name": n, "nominalQuota": q} for n, q in resources]
         assert cq["resourceGroups"][0]["coveredResources"] == [n for n, _ in resources]
         assert "admissionChecksStrategy" not in cq

@@ -17,7 +17,12 @@ from workloads import jobset
 
 
 def _spec(env: str):  # noqa: ANN202
-    return parse_spec(_raw(env), env)
+    """The environment's spec, its trainer on a JobSet; dev (on Ray as shipped) as the one single-host slice it
+    was before, the JobSet path's single-slice case."""
+    raw = copy.deepcopy(_raw(env))
+    if env == "dev":
+        raw["trainer"] = {k: v for k, v in raw["trainer"].items() if k not in ("launcher", "minSlices", "slices")}
+    return parse_spec(raw, env)
 
 
 def _resolve(env_list: list[dict[str, Any]], annotations: dict[str, str], labels: dict[str, str]) -> dict[str, str]:
