@@ -44,13 +44,11 @@ bench: install
 	$(PY) -m bench.train_step
 	$(PY) -m bench.sampler
 
-# Ray Train's elastic prototype (bench/ray_proto/README.md): a local Ray cluster loses a "slice" node mid-run and gets it
-# back. Ray is 1.3 GB with its dependencies, so it gets a venv of its own, not the test install.
-RAY_VENV := $(VENV)/ray
+# The Ray path's elastic run on a local CPU Ray cluster (bench/README.md): SIGKILL one worker (same-size restart,
+# bitwise), then lose a "slice" node mid-run and get it back. Ray is in the dev install (pyproject's `ray` extra).
 bench-ray: install
-	test -x $(RAY_VENV)/bin/python || $(PY) -m venv $(RAY_VENV)
-	$(RAY_VENV)/bin/python -m pip install -q -e '.[trainer]' -r tools/ray-requirements.txt
-	RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=25 $(RAY_VENV)/bin/python bench/ray_proto/proto.py --scenario node --steps 60
+	$(PY) bench/ray_elastic.py --steps 20 --kill-step 6 --work runs/bench-ray-kill --out runs/bench-ray-kill.json
+	$(PY) bench/ray_elastic.py --steps 90 --loss-step 8 --readd --work runs/bench-ray-node --out runs/bench-ray-node.json
 
 clean:
 	rm -rf $(VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules

@@ -1,4 +1,5 @@
-"""`gke-tpu-rl train` / `python -m trainer`: parse flags, then train in-process or spawn local processes."""
+"""`gke-tpu-rl train` / `python -m trainer`: parse flags, then train in-process, spawn local processes, or run
+under Ray Train (`--ray`, trainer/ray_train.py)."""
 
 from __future__ import annotations
 

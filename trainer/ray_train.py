@@ -7,10 +7,13 @@ mesh on the slices it got (mesh.slices = world // H, mesh.fsdp = -1) and calls t
 newest intact checkpoint. The global batch is the same for every slice count; each step reads the same examples
 with the same per-row random streams, so after a resize only the placement and the order of sums change.
 
-Files in the run folder (Ray path only): `ray_steps.jsonl`, one line per step written by rank 0 and never
-truncated (metrics.jsonl is cut back to the resumed step; this keeps redone steps, the world size and rank 0's pid,
-one per attempt);
-`ray_worker_<rank>.json`, rewritten by each worker at each start (pid, node) for finding a worker to debug.
+Any worker's death, and a scale-up when capacity returns, restarts the whole group: the steps since the last
+checkpoint are redone, so checkpoint.every bounds the work a resize costs.
+
+Files in the run folder (Ray path only):
+- `ray_steps.jsonl`: one line per step from rank 0 (step, world size, rank 0's pid, time, loss), never truncated:
+  metrics.jsonl is cut back to the resumed step, this keeps every attempt and the steps it redid;
+- `ray_worker_<rank>.json`: rewritten by each worker at each start (pid, node id), to find a worker.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from trainer.config import ConfigError, TrainConfig, config_from_dict, resolve_m
 EXIT_RAY_FAILED = 1  # Ray Train gave up (more worker-group failures than --ray-max-failures)
 DEFAULT_MAX_FAILURES = 3
 DEFAULT_RESIZE_INTERVAL_S = 60.0  # Ray's own default for ScalingConfig(elastic_resize_monitor_interval_s)
+# ray.train.report() waits until the controller took the previous report, and the controller polls the workers only
+# every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default 2 s): reporting every step would cap steps shorter than that
+# at one per poll (measured on CPU: 1.96 s per step at 2 s, 0.77 s at 0.5 s). Used unless the variable is set.
+HEALTH_CHECK_ENV, HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 STEPS_FILE = "ray_steps.jsonl"
 TOPOLOGY_RE = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
 # The flags that mean something only with --ray (dest names), for the "needs --ray" check.
@@ -211,6 +218,7 @@ def run(cfg: TrainConfig, checked: TrainConfig, opts: RayOptions) -> int:
                                 resources_per_worker={"CPU": 1.0, **opts.worker_resources},
                                 elastic_resize_monitor_interval_s=opts.resize_interval_s)
     loop_config = {"cfg": cfg.model_dump(by_alias=True), "workers_per_slice": h, "cpu_devices": opts.cpu_devices}
+    os.environ.setdefault(HEALTH_CHECK_ENV, HEALTH_CHECK_S)  # Ray Train passes it on to its controller
     try:
         ray.init(address=opts.address)
         trainer = JaxTrainer(

@@ -3,8 +3,8 @@
 Run with the scratch venv (NOT the repo venv):
 
     # lose a "slice" node, go on with 1 worker, scale back up when it returns:
-    .venv/ray/bin/python bench/ray_proto/proto.py --scenario node
-    .venv/ray/bin/python bench/ray_proto/proto.py --scenario kill   # SIGKILL one worker process (resources stay)
+    .venv/bin/python bench/ray_proto/proto.py --scenario node
+    .venv/bin/python bench/ray_proto/proto.py --scenario kill   # SIGKILL one worker process (resources stay)
 
 Each Ray Train worker is one JAX process with --devices virtual CPU devices. The loop sets up
 jax.distributed itself (Ray's JaxBackend does nothing when use_tpu=use_gpu=False), trains a tiny

@@ -4,6 +4,7 @@ ones become the JaxTrainer's scaling; the driver's exit codes; the worker's env 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,8 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> type[_FakeTrainer]:
     monkeypatch.setattr(ray, "init", lambda address=None: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray.train.v2.jax, "JaxTrainer", _FakeTrainer)
+    monkeypatch.setenv(R.HEALTH_CHECK_ENV, "unset at teardown")  # run() sets it; monkeypatch undoes both
+    monkeypatch.delenv(R.HEALTH_CHECK_ENV)
     _FakeTrainer.raised = None
     return _FakeTrainer
 
@@ -165,6 +168,9 @@ def test_driver_scaling_and_exit_codes(tiny_train_dict: dict, fake_ray: type[_Fa
     loop = fake_ray.seen["train_loop_config"]
     assert loop["workers_per_slice"] == 1 and loop["cpu_devices"] == 4
     assert config_from_dict(loop["cfg"]) == cfg  # the whole config reaches the workers
+    assert os.environ[R.HEALTH_CHECK_ENV] == "0.5"  # reporting every step must not wait for Ray's 2 s polls
+    os.environ[R.HEALTH_CHECK_ENV] = "3"
+    assert R.run(cfg, cfg, cpu) == 0 and os.environ[R.HEALTH_CHECK_ENV] == "3"  # the user's value stays
 
     tpu = R.RayOptions(min_slices=1, max_slices=2, accelerator="TPU-V6E", topology="4x4")
     assert R.run(cfg, cfg, tpu) == 0
