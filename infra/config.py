@@ -528,11 +528,16 @@ class EnvironmentSpec(_Model):
         return next((g for g in self.slices if g.name == self.trainer.slice_group), None)
 
     @property
+    def runs_on_ray(self) -> bool:
+        """The stack deploys the trainer as a RayJob (its head account, bucket grant and Kueue CPU flavor)."""
+        return self.trainer.enabled and self.trainer.launcher == "ray"
+
+    @property
     def ray_operator_enabled(self) -> bool:
         """The Ray operator add-on: as set, else on exactly when the trainer runs on Ray."""
         if self.cluster.ray_operator is not None:
             return self.cluster.ray_operator
-        return self.trainer.enabled and self.trainer.launcher == "ray"
+        return self.runs_on_ray
 
     @property
     def ray_head_service_account(self) -> str:

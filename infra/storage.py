@@ -50,7 +50,7 @@ class Storage(pulumi.ComponentResource):
         self.iam = gcp.storage.BucketIAMMember(
             f"{name}-trainer-object-user", bucket=self.bucket.name, role=CHECKPOINT_ROLE, member=member,
             opts=pulumi.ResourceOptions(parent=self))
-        if spec.trainer.enabled and spec.trainer.launcher == "ray":
+        if spec.runs_on_ray:
             head = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                       spec.ray_head_service_account)
             gcp.storage.BucketIAMMember(f"{name}-ray-head-object-viewer", bucket=self.bucket.name, role=READER_ROLE,

@@ -59,6 +59,13 @@ class ProcessInfo:
         return self.coordinator is not None
 
 
+def cpu_slice_env(coordinator: str, num_slices: int, slice_index: int, cpu_devices: int) -> dict[str, str]:
+    """The contract for one process that is a whole one-host slice with `cpu_devices` CPU devices: the local
+    launcher's children and the Ray path's CPU workers."""
+    return {ENV_COORDINATOR: coordinator, ENV_NUM_SLICES: str(num_slices), ENV_SLICE_INDEX: str(slice_index),
+            ENV_HOSTS_PER_SLICE: "1", ENV_HOST_INDEX: "0", ENV_CPU_DEVICES: str(cpu_devices)}
+
+
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":

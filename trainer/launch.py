@@ -23,9 +23,10 @@ from trainer import distributed as D
 GRACE_S = 15.0  # after a failure/signal: time to save and exit before SIGKILL
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on `host` ("" = every interface, for peers on other machines)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -34,15 +35,7 @@ def child_env(
 ) -> dict[str, str]:
     """One slice per process, like a multislice JobSet with one host per slice."""
     env = dict(base)
-    env.update({
-        D.ENV_COORDINATOR: f"127.0.0.1:{port}",
-        D.ENV_NUM_SLICES: str(n_processes),
-        D.ENV_SLICE_INDEX: str(index),
-        D.ENV_HOSTS_PER_SLICE: "1",
-        D.ENV_HOST_INDEX: "0",
-        D.ENV_CPU_DEVICES: str(devices_per_process),
-        "JAX_PLATFORMS": "cpu",
-    })
+    env.update(D.cpu_slice_env(f"127.0.0.1:{port}", n_processes, index, devices_per_process), JAX_PLATFORMS="cpu")
     # The children must import this same trainer package even when it is not installed.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH", "")) if p)

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -209,14 +208,11 @@ def run(cfg: TrainConfig, checked: TrainConfig, opts: RayOptions) -> int:
 
     h = workers_per_slice(opts.accelerator, opts.topology)
     lo, hi = opts.min_slices * h, opts.max_slices * h
-    if opts.tpu:
-        scaling = ScalingConfig(num_workers=(lo, hi) if lo < hi else hi, use_tpu=True,
-                                accelerator_type=opts.accelerator, topology=opts.topology,
-                                elastic_resize_monitor_interval_s=opts.resize_interval_s)
-    else:
-        scaling = ScalingConfig(num_workers=(lo, hi) if lo < hi else hi,
-                                resources_per_worker={"CPU": 1.0, **opts.worker_resources},
-                                elastic_resize_monitor_interval_s=opts.resize_interval_s)
+    hardware: dict[str, Any] = (
+        {"use_tpu": True, "accelerator_type": opts.accelerator, "topology": opts.topology} if opts.tpu
+        else {"resources_per_worker": {"CPU": 1.0, **opts.worker_resources}})
+    scaling = ScalingConfig(num_workers=(lo, hi) if lo < hi else hi,
+                            elastic_resize_monitor_interval_s=opts.resize_interval_s, **hardware)
     loop_config = {"cfg": cfg.model_dump(by_alias=True), "workers_per_slice": h, "cpu_devices": opts.cpu_devices}
     os.environ.setdefault(HEALTH_CHECK_ENV, HEALTH_CHECK_S)  # Ray Train passes it on to its controller
     try:
@@ -276,20 +272,6 @@ def describe_failure(err: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- workers
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))  # every interface: the other workers connect over the node's address
-        return int(s.getsockname()[1])
-
-
-def cpu_process_env(coordinator: str, world: int, rank: int, devices: int) -> dict[str, str]:
-    """distributed.py's env contract for one CPU worker: one slice of one host per worker."""
-    from trainer import distributed as D
-
-    return {D.ENV_COORDINATOR: coordinator, D.ENV_NUM_SLICES: str(world), D.ENV_SLICE_INDEX: str(rank),
-            D.ENV_HOSTS_PER_SLICE: "1", D.ENV_HOST_INDEX: "0", D.ENV_CPU_DEVICES: str(devices)}
-
-
 def _append_line(path: Path, record: dict[str, Any]) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
@@ -317,7 +299,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, int]:
     import ray.train
 
     from trainer.checkpoint import StopFlag
-    from trainer.distributed import initialize_from_env
+    from trainer.distributed import cpu_slice_env, initialize_from_env
+    from trainer.launch import free_port
     from trainer.train import train
 
     logging.getLogger("absl").setLevel(logging.WARNING)  # Ray workers log at INFO: orbax would log every save
@@ -329,9 +312,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, int]:
         # On CPU JaxTrainer's backend leaves JAX alone: rank 0 picks the coordinator, the env contract does the rest.
         from ray.train.collective import broadcast_from_rank_zero
 
-        coordinator = f"{ray.util.get_node_ip_address()}:{_free_port()}" if rank == 0 else None
+        # Every interface: the other workers connect over the node's address.
+        coordinator = f"{ray.util.get_node_ip_address()}:{free_port('')}" if rank == 0 else None
         coordinator = broadcast_from_rank_zero(coordinator)
-        initialize_from_env(cpu_process_env(coordinator, world, rank, int(devices)))
+        initialize_from_env(cpu_slice_env(coordinator, world, rank, int(devices)))
     # On TPU the backend already ran jax.distributed.initialize and set the MEGASCALE_* variables.
 
     cfg = slice_config(config_from_dict(loop_config["cfg"]), slices)

@@ -91,14 +91,10 @@ def manager_config(spec: EnvironmentSpec) -> dict[str, Any]:
 SYSTEM_FLAVOR = "system"
 
 
-def uses_system_flavor(spec: EnvironmentSpec) -> bool:
-    return spec.trainer.enabled and spec.trainer.launcher == "ray"
-
-
 def resource_flavors(spec: EnvironmentSpec) -> list[dict[str, Any]]:
     shapes = {flavor_name(g.shape): g.shape for g in spec.slices}
     flavors = [resource_flavor(s) for s in shapes.values()]
-    if uses_system_flavor(spec):
+    if spec.runs_on_ray:
         flavors.append({"apiVersion": API, "kind": "ResourceFlavor", "metadata": _meta(SYSTEM_FLAVOR),
                         "spec": {"nodeLabels": dict(SYSTEM_POOL)}})
     return flavors
@@ -132,7 +128,7 @@ def cluster_queue(spec: EnvironmentSpec) -> dict[str, Any]:
         group["coveredResources"].append(DRANET_RESOURCE)
         for flavor in group["flavors"]:
             flavor["resources"].append({"name": DRANET_RESOURCE, "nominalQuota": dranet.get(flavor["name"], 0)})
-    if uses_system_flavor(spec):
+    if spec.runs_on_ray:
         # Kueue admits a workload only when every resource its pods request is covered: the Ray head's pod set
         # asks for CPU and memory (its own, the autoscaler's and the submitter's). Quota for exactly one head; the
         # TPU pods request no CPU or memory, so they never take this flavor (and its node selector).

@@ -14,7 +14,7 @@ import yaml
 from trainer import cli
 from trainer import ray_train as R
 from trainer.config import ConfigError, config_from_dict
-from trainer.distributed import process_info_from_env
+from trainer.distributed import cpu_slice_env, process_info_from_env
 
 pytest.importorskip("ray.train", reason="the Ray path needs ray[train]")
 
@@ -193,7 +193,7 @@ def test_driver_scaling_and_exit_codes(tiny_train_dict: dict, fake_ray: type[_Fa
 
 
 def test_worker_env_contract_and_step_log(tmp_path: Path) -> None:
-    info = process_info_from_env(R.cpu_process_env("10.0.0.1:1234", 3, 2, 4))
+    info = process_info_from_env(cpu_slice_env("10.0.0.1:1234", 3, 2, 4))
     assert (info.num_processes, info.process_id, info.cpu_devices, info.coordinator) == (3, 2, 4, "10.0.0.1:1234")
 
     reports: list[dict[str, Any]] = []
