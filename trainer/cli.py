@@ -30,6 +30,13 @@ def is_transient(err: BaseException) -> bool:
     return str(err).lstrip().startswith(TRANSIENT_STATUS)
 
 
+def _restart_me(err: BaseException) -> int:
+    # One line: the JobSet's pod status and `kubectl logs` show it whole; a runtime error's text is multi-line.
+    print(f"error: transient runtime failure, exiting {EXIT_TRANSIENT} to be restarted: {' '.join(str(err).split())}",
+          file=sys.stderr)
+    return EXIT_TRANSIENT
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gke-tpu-rl train",
@@ -95,7 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.distributed import initialize_from_env
         from trainer.train import train
 
-        info = initialize_from_env()
+        # A process group that has not formed by the start-up timeout (a peer's node still being repaired) exits
+        # EXIT_TRANSIENT from a watchdog: jax itself would abort from native code, which Python cannot catch.
+        try:
+            info = initialize_from_env(exit_on_timeout=EXIT_TRANSIENT)
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            return _restart_me(err)
         if info.multi_process and info.cpu_devices:
             from trainer.launch import quiet_native_stdout
 
@@ -109,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:
             if not is_transient(err):
                 raise
-            print(f"error: transient runtime failure, exiting {EXIT_TRANSIENT} to be restarted: {err}",
-                  file=sys.stderr)
-            return EXIT_TRANSIENT
+            return _restart_me(err)
         finally:
             if not stop.is_set:
                 stop.uninstall()

@@ -6,6 +6,8 @@ With none of the variables set the trainer runs as a single process and never ca
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,6 +21,15 @@ ENV_HOST_INDEX = "HOST_INDEX"
 ENV_CHECKPOINT_DIR = "CHECKPOINT_DIR"
 ENV_HF_TOKEN = "HF_TOKEN"
 ENV_CPU_DEVICES = "TRAINER_CPU_DEVICES"  # set by the local launcher only
+# Seconds every process waits for the whole process group to join at start-up (optional on the pods).
+ENV_INIT_TIMEOUT = "TRAINER_INIT_TIMEOUT_SECONDS"
+# jax's default is 300 s. After a preemption the lost host's pod waits for its node: GKE auto-repairs a node only
+# after ~10 min NotReady, then re-creates it, and the pod still pulls its image. A wait that runs out costs one JobSet
+# restart of maxRestarts, so err long: maxRestarts x 15 min of patience before the run fails.
+DEFAULT_INIT_TIMEOUT_S = 900
+# jax's own start-up deadline ends the process with a native abort (LOG(FATAL), SIGABRT) that Python cannot catch,
+# so the watchdog in initialize_from_env fires first and jax's deadline stays only as a backstop this much later.
+_JAX_BACKSTOP_S = 60
 
 # Required on every pod; an infra test checks the JobSet sets exactly these.
 POD_ENV_VARS: tuple[str, ...] = (
@@ -45,6 +56,7 @@ class ProcessInfo:
     hosts_per_slice: int
     host_index: int
     cpu_devices: int | None
+    init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
 
     @property
     def num_processes(self) -> int:
@@ -83,8 +95,12 @@ def process_info_from_env(env: Mapping[str, str] | None = None) -> ProcessInfo:
         missing = [n for n in POD_ENV_VARS if n not in present]
         raise ConfigError(f"partial distributed environment: {present} set but {missing} missing")
     cpu = _int(env, ENV_CPU_DEVICES, 0) or None
+    timeout = _int(env, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
+    if timeout <= 0:
+        raise ConfigError(f"environment variable {ENV_INIT_TIMEOUT}={env[ENV_INIT_TIMEOUT]!r} must be a positive "
+                          "number of seconds")
     if not present:
-        return ProcessInfo(None, 1, 0, 1, 0, cpu)
+        return ProcessInfo(None, 1, 0, 1, 0, cpu, timeout)
     info = ProcessInfo(
         coordinator=env[ENV_COORDINATOR],
         num_slices=_int(env, ENV_NUM_SLICES, 1),
@@ -92,6 +108,7 @@ def process_info_from_env(env: Mapping[str, str] | None = None) -> ProcessInfo:
         hosts_per_slice=_int(env, ENV_HOSTS_PER_SLICE, 1),
         host_index=_int(env, ENV_HOST_INDEX, 0),
         cpu_devices=cpu,
+        init_timeout_s=timeout,
     )
     if not (0 <= info.slice_index < info.num_slices and 0 <= info.host_index < info.hosts_per_slice):
         raise ConfigError(
@@ -101,8 +118,26 @@ def process_info_from_env(env: Mapping[str, str] | None = None) -> ProcessInfo:
     return info
 
 
-def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessInfo:
-    """Configure JAX for this process; must run before anything touches a JAX backend."""
+def _exit_unless_cancelled(info: ProcessInfo, code: int) -> threading.Timer:
+    def fire() -> None:
+        print(f"error: the process group did not form within {info.init_timeout_s} s ({ENV_INIT_TIMEOUT}): "
+              f"coordinator {info.coordinator} unreachable or a peer never joined (this is process "
+              f"{info.process_id} of {info.num_processes}); exiting {code} to be restarted",
+              file=sys.stderr, flush=True)
+        os._exit(code)  # the main thread is blocked in native code: nothing else can end the wait
+
+    timer = threading.Timer(info.init_timeout_s, fire)
+    timer.name, timer.daemon = "jax-init-watchdog", True
+    timer.start()
+    return timer
+
+
+def initialize_from_env(env: Mapping[str, str] | None = None, *, exit_on_timeout: int | None = None) -> ProcessInfo:
+    """Configure JAX for this process; must run before anything touches a JAX backend.
+
+    With `exit_on_timeout`, a process group that has not formed within the start-up timeout ends the process with
+    that exit code and one line on stderr (the trainer's CLI: restart me); without it, jax's own deadline aborts it.
+    """
     import jax
 
     info = process_info_from_env(env)
@@ -113,9 +148,15 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessInfo:
         if info.multi_process:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if info.multi_process:
-        jax.distributed.initialize(
-            coordinator_address=info.coordinator,
-            num_processes=info.num_processes,
-            process_id=info.process_id,
-        )
+        watchdog = None if exit_on_timeout is None else _exit_unless_cancelled(info, exit_on_timeout)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=info.coordinator,
+                num_processes=info.num_processes,
+                process_id=info.process_id,
+                initialization_timeout=info.init_timeout_s + (0 if watchdog is None else _JAX_BACKSTOP_S),
+            )
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
     return info
