@@ -3,10 +3,15 @@
 Restores take a target tree of `jax.ShapeDtypeStruct(..., sharding=...)`, so a run saved on one mesh resumes
 on another. Saves are async: the step loop continues while the previous save is written.
 
+A save renames no directory: orbax writes `<step>` in place and publishes it by writing its commit marker last
+(CommitFileTemporaryPath, orbax's own mode for gs:// paths). The checkpoint folder may be a Cloud Storage FUSE
+mount of a flat bucket, where gcsfuse renames a directory only below `rename-dir-limit`, and never atomically.
+
 A step is used only if it is intact: orbax finished it (its commit marker is there), its meta is well formed and
 names that step, every array reads back, and the arrays' checksums (saved in the meta) match; without the
 checksums a flipped bit in an array file reads back silently. `resume` takes the newest intact step and moves
-damaged newer ones aside as `<step>.damaged` (never deletes them); all processes take the same decision.
+damaged newer ones aside as `<step>.damaged` (never deletes them), an interrupted save (no marker) included; all
+processes take the same decision.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import re
 import signal
 import sys
 import threading
@@ -33,8 +39,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.config import ConfigError
 
-# orbax (0.12) writes this into a step directory last, just before the rename that publishes the step.
+# orbax (0.12) writes this into a step directory last: it publishes the step (CommitFileTemporaryPath.finalize).
 COMMIT_MARKER = "commit_success.txt"
+_UNFINISHED = f"no {COMMIT_MARKER}: the save did not finish"
+_STEP_NAME = re.compile(r"0|[1-9]\d*")  # orbax's step folder names (path/step.py, _StandardNameFormat)
 DAMAGED_SUFFIX = ".damaged"
 
 
@@ -81,8 +89,14 @@ class Checkpointer:
             save_interval_steps=1,  # the step loop decides when to save
             enable_async_checkpointing=async_save,
             create=True,
+            # Written in place, marker last: no directory rename (the default, AtomicRenameTemporaryPath, renames
+            # `<step>.orbax-checkpoint-tmp` and each item folder). orbax then lists only steps with the marker
+            # (path/step.py, is_path_finalized). cleanup_tmp_directories stays off: in this mode it would delete
+            # every folder without a marker (temporary_paths.cleanup_temporary_paths), set-aside steps included.
+            temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._in_place: set[int] = set()  # damaged steps that could not be moved aside
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -91,7 +105,9 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def save(self, state: Any, meta: Meta) -> bool:
-        if meta.step in self._mngr.all_steps():
+        # A damaged step left in place is no orbax step: orbax would delete it to save there (force=True in
+        # CheckpointManager.save, AsyncCheckpointer._prepare_destination_async).
+        if meta.step in self._mngr.all_steps() or meta.step in self._in_place:
             return False
         record = {"step": meta.step, "data_position": meta.data_position, "rng": meta.rng,
                   "checksums": checksums(state)}  # before save returns: the next step donates these buffers
@@ -111,14 +127,23 @@ class Checkpointer:
     def resume(self, target: Any) -> tuple[Any, Meta, list[SetAside]] | None:
         """The newest intact step (None if there is no step at all), and the damaged newer ones, now moved aside.
 
-        Raises NoUsableCheckpoint, and moves nothing, when every step is damaged.
+        Raises NoUsableCheckpoint, and moves nothing, when every step is damaged, unless the only step is an
+        unfinished save: then the run's first save was cut off, and it starts from scratch.
         """
         damaged: list[tuple[int, str]] = []
-        for step in sorted(self._mngr.all_steps(), reverse=True):
+        for step in sorted(_step_folders(self.directory), reverse=True):  # not all_steps(): it skips unfinished saves
             state, meta, reason = self._attempt(target, step)
             if reason is None:
                 return state, meta, self._set_aside(damaged)  # type: ignore[return-value]
             damaged.append((step, reason))
+        if len(damaged) == 1 and damaged[0][1] == _UNFINISHED:
+            # One save runs at a time and each resume moves an unfinished one aside: no save ever finished here.
+            for d in self._set_aside(damaged):
+                if jax.process_index() == 0:
+                    where = f"moved to {d.path}" if d.path else f"could not be moved aside ({d.move_error})"
+                    print(f"warning: checkpoint step {d.step} in {self.directory} is damaged ({d.reason}); {where}; "
+                          "no save finished before it: starting from scratch", file=sys.stderr)
+            return None
         if damaged:
             _AbandonedReads.settle()  # the run ends here: let the failed reads finish while they are still quiet
             listing = "; ".join(f"step {s}: {r}" for s, r in damaged)
@@ -133,7 +158,7 @@ class Checkpointer:
         state, meta, sums, reason = None, None, None, None
         try:
             if not (path / COMMIT_MARKER).is_file():
-                raise _Damage(f"no {COMMIT_MARKER}: the save did not finish")
+                raise _Damage(_UNFINISHED)
             meta, sums = _parse_meta(ocp.JsonCheckpointHandler().restore(path / "meta"), step)
             state = _read_state(path / "state", target)
         except (jax.errors.JaxRuntimeError, MemoryError):
@@ -165,13 +190,19 @@ class Checkpointer:
         errors: dict[int, str] = {}
         if jax.process_index() == 0:
             for s, _ in damaged:
+                # gcsfuse (flat bucket) moves the objects one by one: cut off midway, part stays under `<step>`. That
+                # part is still damaged (the marker or files are missing), so the next resume moves it to a free name.
                 try:
                     (self.directory / str(s)).rename(names[s])
                 except OSError as err:  # e.g. gcsfuse refuses directory renames without rename-dir-limit
                     errors[s] = str(err)
-        _barrier("checkpoint-set-aside-done")
+        # Process 0's outcome, so every process skips the same saves (and waits here until its renames are done).
+        moved = multihost_utils.broadcast_one_to_all(np.asarray([s not in errors for s, _ in damaged], np.int32))
+        aside = [SetAside(s, r, names[s] if ok else None, errors.get(s))
+                 for (s, r), ok in zip(damaged, moved.tolist(), strict=True)]
+        self._in_place.update(a.step for a in aside if a.path is None)
         self._mngr.reload()  # forget the moved steps, so a new save of that step is not skipped as existing
-        return [SetAside(s, r, names[s] if names[s].exists() else None, errors.get(s)) for s, r in damaged]
+        return aside
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
@@ -283,6 +314,13 @@ def _compare_checksums(state: Any, sums: list[int]) -> str | None:
     got = checksums(state)
     bad = [jax.tree_util.keystr(p) for (p, _), a, b in zip(named, got, sums, strict=True) if a != b]
     return f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}" if bad else None
+
+
+def _step_folders(directory: Path) -> list[int]:
+    """Every step folder, finished or not (orbax lists only those with a commit marker)."""
+    if not directory.is_dir():
+        return []
+    return [int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir()]
 
 
 def _free_name(directory: Path, step: int) -> Path:

@@ -181,7 +181,8 @@ def test_an_interrupted_saves_temporary_folder_is_not_a_checkpoint(runs: dict,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     run = _copy(runs, "tmp")
     ckpt = run / "checkpoints"
-    # What orbax 0.12 leaves when killed mid-save (`<step>.orbax-checkpoint-tmp`; older versions add a timestamp).
+    # What orbax 0.12 leaves when killed mid-save in its default mode, which the trainer used before saving in place
+    # (`<step>.orbax-checkpoint-tmp`; older versions add a timestamp).
     for name in ("5.orbax-checkpoint-tmp", "6.orbax-checkpoint-tmp-1712345678"):
         shutil.copytree(ckpt / "4", ckpt / name)
         (ckpt / name / COMMIT_MARKER).unlink()
@@ -191,8 +192,8 @@ def test_an_interrupted_saves_temporary_folder_is_not_a_checkpoint(runs: dict,
     assert "resuming from checkpoint step 4\n" in err and "damaged" not in err, err
     assert [r["step"] for r in resumed.records] == [4]
     _same(runs["straight"].params, resumed.params)
-    # Saving step 5 replaced orbax's leftover of step 5; the other leftover stays untouched.
-    assert _steps(ckpt) == ["3", "4", "5", "6.orbax-checkpoint-tmp-1712345678"]
+    # Step 5 is saved in place; the leftovers stay untouched.
+    assert _steps(ckpt) == ["3", "4", "5", "5.orbax-checkpoint-tmp", "6.orbax-checkpoint-tmp-1712345678"]
 
 
 @pytest.mark.slow
