@@ -11,7 +11,7 @@ from pulumi.errors import RunError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from infra import rules, tpu
+from infra import machines, rules, tpu
 
 NAMESPACE = "gke-tpu-rl"
 STACK_NAME = "stack name"  # how errors name the environment, which is not a config key
@@ -21,6 +21,11 @@ REPLICATED_JOB = "slice"
 SECRET_KEYS = ("hfToken",)
 # Managed DRANET needs this GKE version or later (Standard clusters).
 DRANET_MIN_GKE = "1.34.1-gke.1829001"
+# The Kueue chart versions whose default manager Configuration workloads/kueue.py restates (CHART_MANAGER_CONFIGS,
+# one entry per version; a test keeps the two in step and compares each with that chart's values.yaml). The chart
+# takes the config as one YAML string, so the stack's override (the DRANET DeviceClass mapping) replaces the chart's
+# own: under another chart version the restated one would silently stand in for that version's defaults.
+KUEUE_CHART_VERSIONS = ("0.19.2",)
 
 # Slice group names: RFC 1035 labels short enough that `<group>-<index>` is a GKE node pool name (40 characters).
 _GROUP_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
@@ -127,7 +132,9 @@ class SystemPoolSpec(_Model):
     @field_validator("machine_type")
     @classmethod
     def _machine(cls, v: str) -> str:
-        return rules.gcp_name(v, 63, "machine type")
+        # A type whose vCPUs and memory the system-pool check knows (infra/machines.py MACHINE_FAMILIES).
+        machines.machine(rules.gcp_name(v, 63, "machine type"))
+        return v
 
 
 class ClusterSpec(_Model):
@@ -258,6 +265,18 @@ class ControllersSpec(_Model):
     @classmethod
     def _version(cls, v: str) -> str:
         return rules.semver(v)
+
+    @field_validator("kueue_version")
+    @classmethod
+    def _kueue_version(cls, v: str) -> str:
+        if v not in KUEUE_CHART_VERSIONS:
+            raise ValueError(
+                f"{v!r} is not a Kueue chart version whose default manager config the stack restates; allowed: "
+                f"{', '.join(KUEUE_CHART_VERSIONS)}. To deploy it, restate that chart's "
+                f"managerConfig.controllerManagerConfigYaml (charts/kueue/values.yaml at tag v{v}) in "
+                "workloads/kueue.py CHART_MANAGER_CONFIGS, vendor it under tests/fixtures/kueue/, and add the "
+                "version to KUEUE_CHART_VERSIONS in infra/config.py")
+        return v
 
     @field_validator("namespace")
     @classmethod

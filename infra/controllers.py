@@ -39,8 +39,9 @@ class Controllers(pulumi.ComponentResource):
             f"{name}-kueue", name="kueue", chart=KUEUE_CHART, version=c.kueue_version,
             namespace=c.namespace, create_namespace=True, atomic=True,
             values={"controllerManager": {"nodeSelector": SYSTEM_POOL_SELECTOR},
-                    # The chart's config plus the DRANET DeviceClass mapping, without which Kueue never admits a
-                    # JobSet whose pods claim DRANET devices.
+                    # This chart version's own default config (restated per version in workloads/kueue.py; config
+                    # validation refuses a version it lacks) plus the DRANET DeviceClass mapping, without which
+                    # Kueue never admits a JobSet whose pods claim DRANET devices.
                     "managerConfig": {"controllerManagerConfigYaml": yaml.safe_dump(
                         kueue.manager_config(args.spec), sort_keys=False)}},
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.jobset]))

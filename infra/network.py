@@ -11,7 +11,23 @@ from infra.config import EnvironmentSpec
 
 POD_RANGE = "pods"
 SERVICE_RANGE = "services"
-WEBHOOK_PORT = "9443"  # controller-runtime's default webhook port, used by the JobSet and Kueue managers
+# What the GKE control plane must reach on the private nodes beyond the 443 and 10250 GKE's own rule opens (GKE
+# private-cluster docs: "Adding firewall rules for specific use cases"), one constant per port:
+# controller-runtime's default webhook port, where the JobSet and Kueue managers serve their admission webhooks
+# (jobset charts/jobset/templates/controller/deployment.yaml:82 at v0.12.0; kueue charts/kueue/values.yaml:128
+# `webhook.port: 9443` at v0.19.2).
+WEBHOOK_PORT = "9443"
+# Kueue's visibility API server. The chart registers the aggregated APIServices v1beta1 and
+# v1beta2.visibility.kueue.x-k8s.io unconditionally (charts/kueue/templates/visibility/apiservice_v1beta1.yaml and
+# apiservice_v1beta2.yaml: no `if` around them) behind a Service whose targetPort is 8082
+# (templates/visibility/service.yaml:33, the manager's `visibility` containerPort in templates/manager/manager.yaml:73),
+# Kueue's default VisibilityServer.BindPort (apis/config/v1beta2/defaults.go:54), all at v0.19.2. Unreachable, the
+# APIService is Unavailable: discovery of that group fails (kubectl and every client that lists API groups warn or
+# fail) and the namespace controller cannot finish deleting namespaces, which stalls `pulumi destroy`. Turning the
+# API off instead is not clean: disabling the VisibilityOnDemand feature gate stops the server (cmd/kueue/main.go:433)
+# but leaves both APIServices registered and pointing at a port nothing listens on.
+VISIBILITY_PORT = "8082"
+CONTROL_PLANE_PORTS = (WEBHOOK_PORT, VISIBILITY_PORT)
 
 
 @dataclass(frozen=True)
@@ -49,14 +65,16 @@ class Network(pulumi.ComponentResource):
             nat_ip_allocate_option="AUTO_ONLY", source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
             opts=child)
 
-        # GKE's own control-plane rule opens only 443 and 10250 to private nodes; the JobSet and Kueue admission
-        # webhooks listen on 9443, so without this creating the queues and the JobSet fails with "failed calling
-        # webhook" (GKE private-cluster docs: "Adding firewall rules for specific use cases").
+        # GKE's own control-plane rule opens only 443 and 10250 to private nodes. Without 9443 creating the queues
+        # and the JobSet fails with "failed calling webhook"; without 8082 Kueue's visibility APIService stays
+        # Unavailable (see CONTROL_PLANE_PORTS). The resource keeps its first name so that adding a port updates
+        # the rule in place rather than replacing it.
         gcp.compute.Firewall(
             f"{name}-webhooks", project=spec.project, network=self.vpc.id, direction="INGRESS",
             source_ranges=[net.master_cidr],
-            allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=[WEBHOOK_PORT])],
-            description="control plane to admission webhooks (JobSet, Kueue)", opts=child)
+            allows=[gcp.compute.FirewallAllowArgs(protocol="tcp", ports=list(CONTROL_PLANE_PORTS))],
+            description="control plane to admission webhooks (JobSet, Kueue) and Kueue's visibility API",
+            opts=child)
 
         self.dranet_vpcs, self.dranet_subnets = [], []
         if net.dranet.enabled:

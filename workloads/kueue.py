@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -20,23 +21,29 @@ QUEUED_PROVISIONING_CLASS = "queued-provisioning.gke.io"
 # maps to a quota resource (resources.deviceClassMappings; kueue pkg/dra/claims.go, docs tasks/manage/setup_dra.md).
 # This is that resource: one unit per DRANET network device a pod claims.
 DRANET_RESOURCE = "gke-tpu-rl/netdev"
-# The Kueue chart's own manager Configuration (charts/kueue/values.yaml at v0.19.2), restated because the chart takes
-# it as one YAML string: overriding it to add the DRA mapping must keep these, the default integrations above all.
-CHART_MANAGER_CONFIG: dict[str, Any] = {
-    "apiVersion": "config.kueue.x-k8s.io/v1beta2",
-    "kind": "Configuration",
-    "health": {"healthProbeBindAddress": ":8081"},
-    "metrics": {"bindAddress": ":8443"},
-    "webhook": {"port": 9443},
-    "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
-    "controller": {"groupKindConcurrency": {
-        "Job.batch": 5, "Pod": 5, "Workload.kueue.x-k8s.io": 10, "LocalQueue.kueue.x-k8s.io": 5,
-        "ClusterQueue.kueue.x-k8s.io": 5, "ResourceFlavor.kueue.x-k8s.io": 1}},
-    "clientConnection": {"qps": 300, "burst": 500},
-    "integrations": {"frameworks": [
-        "batch/job", "kubeflow.org/mpijob", "ray.io/rayjob", "ray.io/rayservice", "ray.io/raycluster",
-        "jobset.x-k8s.io/jobset", "workload.codeflare.dev/appwrapper", "trainer.kubeflow.org/trainjob", "pod",
-        "deployment", "statefulset", "leaderworkerset.x-k8s.io/leaderworkerset"]},
+# The Kueue chart's own manager Configuration per chart version (charts/kueue/values.yaml,
+# managerConfig.controllerManagerConfigYaml, at tag v<version>), restated because the chart takes it as one YAML
+# string: overriding it to add the DRA mapping must keep these, the default integrations above all. Config
+# validation refuses any controllers.kueueVersion not listed in infra/config.py KUEUE_CHART_VERSIONS, and a test
+# keeps that list equal to these keys and compares each entry with the chart's values.yaml (a vendored copy under
+# tests/fixtures/), so a chart bump cannot silently keep an older chart's config.
+CHART_MANAGER_CONFIGS: dict[str, dict[str, Any]] = {
+    "0.19.2": {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "health": {"healthProbeBindAddress": ":8081"},
+        "metrics": {"bindAddress": ":8443"},
+        "webhook": {"port": 9443},
+        "leaderElection": {"leaderElect": True, "resourceName": "c1f6bfd2.kueue.x-k8s.io"},
+        "controller": {"groupKindConcurrency": {
+            "Job.batch": 5, "Pod": 5, "Workload.kueue.x-k8s.io": 10, "LocalQueue.kueue.x-k8s.io": 5,
+            "ClusterQueue.kueue.x-k8s.io": 5, "ResourceFlavor.kueue.x-k8s.io": 1}},
+        "clientConnection": {"qps": 300, "burst": 500},
+        "integrations": {"frameworks": [
+            "batch/job", "kubeflow.org/mpijob", "ray.io/rayjob", "ray.io/rayservice", "ray.io/raycluster",
+            "jobset.x-k8s.io/jobset", "workload.codeflare.dev/appwrapper", "trainer.kubeflow.org/trainjob", "pod",
+            "deployment", "statefulset", "leaderworkerset.x-k8s.io/leaderworkerset"]},
+    },
 }
 
 
@@ -79,8 +86,13 @@ def dranet_quota_by_flavor(spec: EnvironmentSpec) -> dict[str, int]:
 
 
 def manager_config(spec: EnvironmentSpec) -> dict[str, Any]:
-    """Kueue's manager Configuration: the chart's, plus the DRANET DeviceClass mapping when pods claim devices."""
-    config = {**CHART_MANAGER_CONFIG}
+    """Kueue's manager Configuration: the deployed chart version's, plus the DRANET DeviceClass mapping when pods
+    claim devices."""
+    version = spec.controllers.kueue_version
+    if version not in CHART_MANAGER_CONFIGS:  # config validation refuses it first; this guards a direct caller
+        raise ValueError(f"no restated Kueue manager config for chart {version!r}; "
+                         f"have: {', '.join(CHART_MANAGER_CONFIGS)}")
+    config = copy.deepcopy(CHART_MANAGER_CONFIGS[version])
     if spec.dranet_network_count:
         config["resources"] = {"deviceClassMappings": [
             {"name": DRANET_RESOURCE, "deviceClassNames": [DRANET_DEVICE_CLASS]}]}

@@ -227,7 +227,8 @@ def test_outputs(plans: dict[str, PlanResult]) -> None:
     assert out["kubeconfig"] == "[secret]"
 
 
-def test_control_plane_reaches_the_webhooks_on_private_nodes(plans: dict[str, PlanResult]) -> None:
+def test_control_plane_reaches_the_webhooks_and_the_visibility_api_on_private_nodes(
+        plans: dict[str, PlanResult]) -> None:
     for env, plan in plans.items():
         rules = [r.inputs for r in plan.of_type("gcp:compute/firewall:Firewall") if r.name.endswith("-webhooks")]
         assert len(rules) == 1, env
@@ -235,7 +236,22 @@ def test_control_plane_reaches_the_webhooks_on_private_nodes(plans: dict[str, Pl
         master = stack_config(env).get("gke-tpu-rl:network", {}).get("masterCidr", "172.16.0.0/28")
         assert rule["sourceRanges"] == [master]
         assert rule["direction"] == "INGRESS"
-        assert rule["allows"] == [{"protocol": "tcp", "ports": ["9443"]}]
+        # 9443: the JobSet and Kueue admission webhooks; 8082: the backend of Kueue's aggregated APIServices
+        # v1beta1/v1beta2.visibility.kueue.x-k8s.io (chart v0.19.2 templates/visibility/service.yaml targetPort).
+        assert rule["allows"] == [{"protocol": "tcp", "ports": ["9443", "8082"]}]
+        # Nothing else is opened to the control plane: every other firewall rule is a DRANET network's own.
+        others = [r for r in plan.of_type("gcp:compute/firewall:Firewall") if not r.name.endswith("-webhooks")]
+        assert all("-dranet-" in r.name and r.inputs["sourceRanges"] != [master] for r in others), env
+    # The ports opened are the ones Kueue's manager listens on: its config keeps the webhook on 9443 and leaves the
+    # visibility server at its default bind port, 8082 (apis/config/v1beta2/defaults.go at v0.19.2).
+    for plan in plans.values():
+        [kueue] = [r for r in plan.of_type("kubernetes:helm.sh/v3:Release") if r.inputs["name"] == "kueue"]
+        config = yaml.safe_load(kueue.inputs["values"]["managerConfig"]["controllerManagerConfigYaml"])
+        assert config["webhook"]["port"] == 9443
+        assert "visibilityServer" not in config
+        # Turning the visibility server off would leave the chart's APIServices pointing at nothing.
+        assert not [g for g in kueue.inputs["values"].get("controllerManager", {}).get("featureGates", [])
+                    if g["name"] == "VisibilityOnDemand" and not g["enabled"]]
 
 
 def test_kueue_maps_the_dranet_device_class_and_keeps_its_default_integrations(plans: dict[str, PlanResult]) -> None:

@@ -82,3 +82,24 @@ def test_merge_deploys_in_order_behind_environments_and_destroy_is_manual() -> N
     assert set(destroy["on"]) == {"workflow_dispatch"}
     assert destroy["jobs"]["destroy"]["needs"] == "check"
     assert destroy["jobs"]["destroy"]["with"]["command"] == "destroy"
+
+
+def test_pull_requests_preview_as_the_read_only_identity_and_only_environments_deploy() -> None:
+    # A pull_request workflow runs the pull request's own copy of the workflow: the identity it authenticates as is
+    # the read-only preview account, and the deploy account appears only in the job that runs in a GitHub
+    # environment (whose subject, repo:OWNER/REPO:environment:<env>, is what the deploy account's binding names).
+    preview = _load("preview.yml")
+    job = preview["jobs"]["preview"]
+    assert "environment" not in job
+    [auth] = [s for s in job["steps"] if s.get("uses", "").startswith("google-github-actions/auth")]
+    assert auth["with"]["service_account"] == "${{ vars.GCP_PREVIEW_SERVICE_ACCOUNT }}"
+    users = [p.name for p in WORKFLOWS if "GCP_DEPLOY_SERVICE_ACCOUNT" in p.read_text()]
+    assert users == ["pulumi.yml"]
+    reusable = _load("pulumi.yml")
+    assert set(reusable["on"]) == {"workflow_call"}
+    assert reusable["jobs"]["pulumi"]["environment"] == "${{ inputs.env }}"
+    # The preview's comments say what the identity needs and why it has no write in the cluster.
+    text = (ROOT / ".github" / "workflows" / "preview.yml").read_text()
+    for need in ("roles/storage.objectViewer", "roles/container.viewer", "repo:OWNER/REPO:pull_request",
+                 "apierrors.IsForbidden"):
+        assert need in text, need
