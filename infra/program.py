@@ -59,5 +59,8 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
 
 def main() -> None:
     # Validate everything before the first resource is registered.
+    from infra.system_pool import check as check_system_pool
+
     spec = load_spec()
+    check_system_pool(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
     build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))
