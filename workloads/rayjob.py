@@ -44,12 +44,27 @@ HEAD_RESOURCES = {"cpu": "2", "memory": "8Gi"}
 # defaultSubmitterResources).
 AUTOSCALER_RESOURCES = {"cpu": "500m", "memory": "512Mi"}
 SUBMITTER_REQUESTS = {"cpu": "500m", "memory": "200Mi"}
-# How long a finished job's cluster stays for `kubectl logs` before KubeRay deletes it (Kueue frees the quota when
-# the job finishes, not when the cluster goes).
-TTL_AFTER_FINISHED_S = 600
+# How long a finished job's cluster (its TPU pods) stays before KubeRay deletes it. Kueue frees the quota when the
+# job finishes, not when the pods go, so any wait here delays the next admitted workload on the same nodes. None is
+# needed: the trainer's metrics and summary are in the bucket (--run-dir) and GKE ships every container's output
+# to Cloud Logging, so nothing is read from a finished cluster.
+TTL_AFTER_FINISHED_S = 0
+# The Ray CPUs a TPU worker advertises. Ray's KubeRay autoscaler refuses a group whose CPU count it cannot find
+# (rayStartParams num-cpus, the group's resources or the container's CPU: ray autoscaler/_private/kuberay/
+# autoscaling_config.py _get_num_cpus), and it runs inside the head, so the head never gets Ready without it. Not a
+# container request: Kueue would then need CPU quota on the TPU flavor. Ray Train's TPU workers ask for TPU chips
+# only (ray/train/v2/api/config.py ScalingConfig), so this bounds nothing of the trainer's; it caps Ray's own CPU
+# tasks on the host, which Ray would otherwise size to every core of the TPU VM.
+TPU_WORKER_RAY_CPUS = 8
 # On the head and worker pod templates: what the NetworkPolicy selects by (KubeRay's own pod labels carry the
 # generated RayCluster's name, which is not known in advance).
 JOB_LABEL = "gke-tpu-rl/rayjob"
+# Ray's token authentication (KubeRay 1.7, Ray >= 2.52: ray-operator/controllers/ray/utils/validation.go): KubeRay
+# makes a random token Secret per cluster, hands it to every Ray container, the autoscaler and the submitter as
+# RAY_AUTH_TOKEN (common/pod.go SetContainerTokenAuthEnvVars), and its own dashboard client sends it
+# (utils/dashboardclient/dashboard_httpclient.go, `x-ray-authorization: Bearer`). Ray then refuses job submissions
+# without it, while the health endpoints the probes call stay open (tests/workloads/test_ray_head_live.py).
+AUTH_OPTIONS = {"mode": "token"}
 
 
 def _millicores(q: str) -> int:
@@ -134,7 +149,7 @@ def _worker_group(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
         "minReplicas": spec.ray_min_slices,
         "maxReplicas": t.slices,
         "numOfHosts": group.shape.hosts,
-        "rayStartParams": {},
+        "rayStartParams": {"num-cpus": str(TPU_WORKER_RAY_CPUS)},
         "template": _template(spec, pod),
     }
 
@@ -162,6 +177,7 @@ def trainer_rayjob(spec: EnvironmentSpec, refs: TrainerRefs, head_account: str) 
             "backoffLimit": t.max_restarts,
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
+                "authOptions": dict(AUTH_OPTIONS),
                 # Ray Train's elastic range asks the autoscaler for slices; Kueue allows it only on an elastic job.
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {
@@ -177,14 +193,18 @@ def trainer_rayjob(spec: EnvironmentSpec, refs: TrainerRefs, head_account: str) 
 
 
 def network_policy(spec: EnvironmentSpec) -> dict[str, Any]:
-    """Only the job's own pods reach its Ray pods: the head's dashboard takes job submissions (code to run) without
-    authentication, and Ray's node ports are as open. Egress is left alone (the autoscaler calls the API server,
-    pods pull from the registry and Hugging Face). GKE's Dataplane V2 enforces it; kubelet probes are exempt."""
+    """Ray's node ports (GCS, object and node managers, workers, client) take unauthenticated traffic: only the job's
+    own pods reach them. The dashboard port is open to the cluster: KubeRay's RayJob controller polls the job's
+    status there (rayjob_controller.go, and fails the job after DEFAULT_RAYJOB_STATUS_CHECK_TIMEOUT_SECONDS of
+    errors), and GKE's hosted operator does not call from a pod this policy could name. The dashboard's job API is
+    guarded by Ray's token instead (AUTH_OPTIONS). Egress is left alone (the autoscaler calls the API server, pods
+    pull from the registry and Hugging Face). GKE's Dataplane V2 enforces it; kubelet probes are exempt."""
     name = spec.trainer.name
     own = {"podSelector": {"matchLabels": {JOB_LABEL: name}}}
+    dashboard = {"ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": {"name": f"{name}-ray", "namespace": spec.queues.namespace, "labels": dict(L.MANAGED_BY)},
-        "spec": {**own, "policyTypes": ["Ingress"], "ingress": [{"from": [own]}]},
+        "spec": {**own, "policyTypes": ["Ingress"], "ingress": [{"from": [own]}, dashboard]},
     }

@@ -183,7 +183,7 @@ def test_ray_version_is_the_images() -> None:
     import ray
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ray"]
-    assert extra == [f"ray[train]=={rayjob.RAY_VERSION}"]
+    assert extra == [f"ray[default,train]=={rayjob.RAY_VERSION}"]
     assert ray.__version__ == rayjob.RAY_VERSION
 
 
