@@ -94,14 +94,10 @@ def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
 
 def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
     group = trainer_group(spec)
-    pod = tpu_pod(spec, refs, _container(spec, refs))
-    if not refs.claim_template and (group.shape.multi_host or spec.trainer.slices > 1):
-        # Without DRANET, TPU hosts reach each other (ICI setup, DCN between slices) over the node's own NICs, as
-        # xpk's workloads and GKE's multislice JobSet walkthrough run them; ClusterFirstWithHostNet keeps the
-        # JobSet's pod DNS names resolvable from the host network.
-        pod["hostNetwork"] = True
-        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
-    return pod
+    # Without DRANET, TPU hosts reach each other (ICI setup, DCN between slices) over the node's own NICs, as xpk's
+    # workloads and GKE's multislice JobSet walkthrough run them.
+    host_network = not refs.claim_template and (group.shape.multi_host or spec.trainer.slices > 1)
+    return tpu_pod(spec, refs, _container(spec, refs), host_network=host_network)
 
 
 def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:

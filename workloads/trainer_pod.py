@@ -15,8 +15,13 @@ CHECKPOINT_MOUNT = "/checkpoints"
 TRAINER_UID = 10001
 # gcsfuse mounts a bucket for root unless told otherwise: the non-root trainer needs uid/gid to write checkpoints
 # (gcs-fuse-csi-driver docs/troubleshooting.md). No file cache, so no file-cache:* options: gcsfuse refuses
-# file-cache:enable-parallel-downloads without one (gcsfuse cfg/validate.go).
-CHECKPOINT_MOUNT_OPTIONS = f"implicit-dirs,uid={TRAINER_UID},gid={TRAINER_UID},file-mode=664,dir-mode=775"
+# file-cache:enable-parallel-downloads without one (gcsfuse cfg/validate.go). Saves rename no directory (orbax's
+# commit-file mode, trainer/checkpoint.py); moving a damaged step aside is the one directory rename, which gcsfuse
+# refuses on a flat bucket above rename-dir-limit objects (default 0; raised only for some TPU machine types by
+# recent GKE), so it is set here, the same on every machine type.
+RENAME_DIR_LIMIT = 200000
+CHECKPOINT_MOUNT_OPTIONS = (f"implicit-dirs,uid={TRAINER_UID},gid={TRAINER_UID},file-mode=664,dir-mode=775,"
+                            f"rename-dir-limit={RENAME_DIR_LIMIT}")
 # The sidecar's defaults (256 MiB of memory) are too small to stream multi-GB checkpoints: "0" lifts a limit
 # (gcs-fuse-csi-driver pkg/webhook annotations; Google's TPU and GPU samples do the same), the requests reserve
 # enough for it to be scheduled beside the trainer.
@@ -86,9 +91,15 @@ def volume_mounts() -> list[dict[str, Any]]:
     return [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}]
 
 
-def volumes(refs: TrainerRefs, *, read_only: bool = False) -> list[dict[str, Any]]:
-    csi: dict[str, Any] = {"driver": L.GCSFUSE_DRIVER,
-                           "volumeAttributes": {"bucketName": refs.bucket, "mountOptions": CHECKPOINT_MOUNT_OPTIONS}}
+def volumes(refs: TrainerRefs, *, read_only: bool = False, host_network: bool = False) -> list[dict[str, Any]]:
+    attributes = {"bucketName": refs.bucket, "mountOptions": CHECKPOINT_MOUNT_OPTIONS}
+    if host_network:
+        # On the host network the GKE metadata server cannot tell the pod's identity, so the gcsfuse sidecar gets the
+        # pod's workload-identity token only when the volume opts in (gcs-fuse-csi-driver pkg/csi_driver/node.go
+        # shouldPopulateIdentityProvider, docs/authentication.md); without it, it falls back to the nodes' account,
+        # which holds no bucket role, and the mount and the pod never start.
+        attributes["hostNetworkPodKSA"] = "true"
+    csi: dict[str, Any] = {"driver": L.GCSFUSE_DRIVER, "volumeAttributes": attributes}
     if read_only:
         csi["readOnly"] = True
     return [{"name": "checkpoints", "csi": csi}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
@@ -119,10 +130,15 @@ def base_pod(spec: EnvironmentSpec, service_account: str, containers: list[dict[
     }
 
 
-def tpu_pod(spec: EnvironmentSpec, refs: TrainerRefs, container: dict[str, Any]) -> dict[str, Any]:
+def tpu_pod(spec: EnvironmentSpec, refs: TrainerRefs, container: dict[str, Any], *,
+            host_network: bool = False) -> dict[str, Any]:
     """A pod on one TPU host of the trainer's slice group: node choice, tolerations, capacity and DRANET claim."""
     group = trainer_group(spec)
-    pod = base_pod(spec, refs.service_account, [container], volumes(refs))
+    pod = base_pod(spec, refs.service_account, [container], volumes(refs, host_network=host_network))
+    if host_network:
+        pod["hostNetwork"] = True
+        # Keeps cluster DNS (the JobSet's pod names) resolvable from the host network.
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
     pod["nodeSelector"] = {L.TPU_ACCELERATOR: group.shape.accelerator, L.TPU_TOPOLOGY: group.shape.topology}
     pod["tolerations"] = [{"key": L.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     if group.capacity == "spot":

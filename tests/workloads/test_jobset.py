@@ -154,6 +154,11 @@ def test_multi_host_pods_without_dranet_use_the_host_network(env: str, host_netw
     assert ("dnsPolicy" in pod) is host_network
     if host_network:
         assert pod["dnsPolicy"] == "ClusterFirstWithHostNet" and "resourceClaims" not in pod
+    # On the host network the gcsfuse sidecar gets the pod's own identity only by this opt-in (gcs-fuse-csi-driver
+    # pkg/csi_driver/node.go shouldPopulateIdentityProvider: opted in and pod.Spec.HostNetwork); otherwise it
+    # falls back to the nodes' account, which has no bucket role.
+    [volume] = [v for v in pod["volumes"] if v["name"] == "checkpoints"]
+    assert (volume["csi"]["volumeAttributes"].get("hostNetworkPodKSA") == "true") is host_network
     # With DRANET, libtpu's DCN traffic between slices is pointed at the claimed NICs (eth1.. in the pod).
     env_vars = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     expected = {"staging": "--megascale_grpc_interface_prefixes=eth1,eth2,lo"}.get(env)

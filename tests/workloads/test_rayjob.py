@@ -81,8 +81,12 @@ def test_tpu_pods_match_the_jobsets_except_the_process(env: str) -> None:
     ray_pod = _rayjob(spec)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
     job_pod = jobset.trainer_jobset(spec, refs)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     same = ("serviceAccountName", "automountServiceAccountToken", "securityContext", "nodeSelector", "tolerations",
-            "volumes", "resourceClaims", "restartPolicy", "terminationGracePeriodSeconds")
+            "resourceClaims", "restartPolicy", "terminationGracePeriodSeconds")
     assert {k: ray_pod.get(k) for k in same} == {k: job_pod.get(k) for k in same}
+    # The same bucket mount, but for the host-network opt-in of the gcsfuse identity (JobSet pods on the host network).
+    job_volumes = copy.deepcopy(job_pod["volumes"])
+    job_volumes[0]["csi"]["volumeAttributes"].pop("hostNetworkPodKSA", None)
+    assert ray_pod["volumes"] == job_volumes
     ray_c, job_c = ray_pod["containers"][0], job_pod["containers"][0]
     for key in ("image", "resources", "securityContext", "volumeMounts"):
         assert ray_c[key] == job_c[key]
