@@ -36,7 +36,12 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
     image: pulumi.Input[str] = spec.trainer.image or TrainerImage(
         f"{env}-image", TrainerImageArgs(spec, repository=registry.repository)).ref
 
+    # The cluster's id names the provider's cluster: without it pulumi-kubernetes replaces the provider, and with it
+    # every Helm release, queue and job, whenever the kubeconfig's server changes (IP endpoint to DNS endpoint), and
+    # their re-creates fail with AlreadyExists (provider/pkg/provider/provider.go DiffConfig). A new cluster has a new
+    # id, unknown in preview, which still replaces them, as it must.
     provider = k8s.Provider(f"{env}-gke", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
+                            cluster_identifier=cluster.cluster.id,
                             opts=pulumi.ResourceOptions(depends_on=[cluster.system_pool]))
     on_cluster = pulumi.ResourceOptions(provider=provider)
     controllers = Controllers(f"{env}-controllers", ControllersArgs(spec), on_cluster)

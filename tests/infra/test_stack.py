@@ -274,11 +274,46 @@ def test_kueue_maps_the_dranet_device_class_and_keeps_its_default_integrations(p
     assert request["exactly"]["deviceClassName"] == "netdev.google.com"
 
 
-def _provider_kubeconfig(env: str, overrides: dict[str, Any]) -> dict[str, Any]:
+def _provider_inputs(env: str, overrides: dict[str, Any]) -> dict[str, Any]:
     # The provider's kubeconfig is a secret in the plan; read it from the raw registration instead.
     cluster = {**stack_config(env).get("gke-tpu-rl:cluster", {}), **overrides}
     [provider] = raw_inputs(env, {**stack_config(env), "gke-tpu-rl:cluster": cluster}, "pulumi:providers:kubernetes")
-    return yaml.safe_load(provider["kubeconfig"])
+    return provider
+
+
+def _provider_kubeconfig(env: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(_provider_inputs(env, overrides)["kubeconfig"])
+
+
+def _provider_replaced(olds: dict[str, Any], news: dict[str, Any]) -> bool:
+    """pulumi-kubernetes' DiffConfig (provider/pkg/provider/provider.go, pulumi-kubernetes HEAD 94977969d, lines
+    486-500 and 542-551): a changed clusterIdentifier replaces the provider; an unchanged one that is set replaces
+    nothing; else (no identifier, or one just added) a change of the kubeconfig's active cluster replaces it."""
+    key = "clusterIdentifier"
+    if olds.get(key) is not None and news.get(key) is not None:
+        return olds[key] != news[key]
+    def active(inputs: dict[str, Any]) -> Any:  # noqa: E306
+        config = yaml.safe_load(inputs["kubeconfig"])
+        context = next(c["context"] for c in config["contexts"] if c["name"] == config["current-context"])
+        return next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
+    return active(olds) != active(news)
+
+
+def test_switching_the_api_endpoint_keeps_every_kubernetes_resource() -> None:
+    """The kubeconfig's server changes between the IP and DNS endpoints; the provider's cluster identifier (the
+    cluster's id) does not, so the provider, and with it every Helm release, queue and job, is updated in place."""
+    ip, dns = _provider_inputs("prod", {"controlPlaneEndpoint": "ip"}), _provider_inputs("prod", {})
+    assert yaml.safe_load(ip["kubeconfig"])["clusters"] != yaml.safe_load(dns["kubeconfig"])["clusters"]
+    assert ip["clusterIdentifier"] == dns["clusterIdentifier"] == "rl-prod-id"  # the mocks' id of the cluster
+    assert not _provider_replaced(ip, dns) and not _provider_replaced(dns, ip)
+    # Without the identifier (a stack deployed before it existed) the same switch replaces the provider, and the
+    # provider does not apply the identifier in the update that adds it: hence the README's two-step migration
+    # (first `pulumi up` with the endpoint unchanged, then switch).
+    legacy = {k: v for k, v in ip.items() if k != "clusterIdentifier"}
+    assert _provider_replaced(legacy, dns)
+    assert not _provider_replaced(legacy, _provider_inputs("prod", {"controlPlaneEndpoint": "ip"}))
+    # A different cluster is a different provider.
+    assert _provider_replaced(dns, {**dns, "clusterIdentifier": "rl-other-id"})
 
 
 def test_ci_reaches_the_api_server_through_the_dns_endpoint(plans: dict[str, PlanResult]) -> None:
