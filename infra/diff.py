@@ -3,9 +3,11 @@ were there) against today's: resources and Kubernetes objects added, removed and
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -43,6 +45,10 @@ print(json.dumps({"region": spec.region, "slices": slices, "outputs": result.out
 """
 
 
+IMAGE_TYPE = "docker-build:index:Image"
+IMAGE_OUTPUT = "trainerImage"
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What a diff compares: resources by URN, and the slice groups that decide chips and cost."""
@@ -51,6 +57,7 @@ class Snapshot:
     slices: list[dict[str, Any]]
     resources: dict[str, dict[str, Any]]  # urn -> {type, name, custom, inputs, options}
     missing: str | None = None  # why there is no plan at that revision (the environment did not exist)
+    context: str | None = None  # digest of the image build context the stack builds (None: it builds none)
 
     @property
     def chips_by_type(self) -> dict[str, int]:
@@ -63,10 +70,78 @@ class Snapshot:
         return cost.environment_cost(self.slices, self.region, table)
 
 
-def snapshot(result: PlanResult) -> Snapshot:
+# ---------------------------------------------------------------- the image the stack builds
+
+
+def _pattern(glob: str) -> re.Pattern[str]:
+    # .dockerignore's glob (Go's filepath.Match plus '**'): '*' stays within a folder, '**/' spans any depth.
+    out, i = "", 0
+    while i < len(glob):
+        if glob.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif glob.startswith("**", i):
+            out, i = out + ".*", i + 2
+        else:
+            out, i = out + {"*": "[^/]*", "?": "[^/]"}.get(glob[i], re.escape(glob[i])), i + 1
+    return re.compile(out + r"\Z")
+
+
+def _dockerignore(tree: Path) -> list[tuple[bool, re.Pattern[str]]]:
+    path = tree / ".dockerignore"
+    lines = [line.strip() for line in (path.read_text().splitlines() if path.is_file() else [])]
+    return [(line.startswith("!"), _pattern(line.lstrip("!").strip("/"))) for line in lines
+            if line and not line.startswith("#")]
+
+
+def _ignored(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    # The last pattern that matches the path or a folder above it decides; '!' keeps what it matches.
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    ignored = False
+    for keep, pattern in rules:
+        if any(pattern.match(p) for p in prefixes):
+            ignored = not keep
+    return ignored
+
+
+def context_digest(tree: Path) -> str:
+    """A digest of the files the image build sees (the tree's .dockerignore applied): what decides whether
+    pulumi-docker-build rebuilds, and so whether the training job gets a new image digest."""
+    rules, digest = _dockerignore(tree), hashlib.sha256()
+    keeps = [pattern.pattern for keep, pattern in rules if keep]
+    for folder, dirs, files in os.walk(tree):
+        rel_folder = Path(folder).relative_to(tree).as_posix()
+        rel_folder = "" if rel_folder == "." else rel_folder + "/"
+        # An ignored folder is skipped unless a '!' pattern could keep something inside it (not .venv's 10^5 files).
+        dirs[:] = sorted(d for d in dirs if not _ignored(rel_folder + d, rules)
+                         or any(k.startswith(re.escape(rel_folder + d + "/")) or k.startswith("(?:.*/)?")
+                                for k in keeps))
+        for name in sorted(files):
+            rel = rel_folder + name
+            if not _ignored(rel, rules):
+                digest.update(rel.encode() + b"\0" + (Path(folder) / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _built_image(resources: dict[str, dict[str, Any]], outputs: dict[str, Any], tree: Path
+                 ) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """The plan's mocked image digest (a hash of the build's arguments) stands for the built image; a diff puts the
+    build context's digest in its place, so a change under trainer/ reaches the job's image as it does on `up`."""
+    ref = outputs.get(IMAGE_OUTPUT)
+    if not isinstance(ref, str) or "@sha256:" not in ref or not any(r["type"] == IMAGE_TYPE
+                                                                    for r in resources.values()):
+        return resources, None
+    mocked, real = ref.split("@sha256:", 1)[1], context_digest(tree)
+    return json.loads(json.dumps(resources).replace(mocked, real)), real
+
+
+def snapshot(result: PlanResult, tree: Path | None = None) -> Snapshot:
     resources = {r.urn: {"type": r.type, "name": r.name, "custom": r.custom, "inputs": r.inputs,
                          "options": r.options} for r in result.resources}
-    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources)
+    context = None
+    if tree is not None:
+        resources, context = _built_image(resources, result.outputs, tree)
+    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources, context=context)
 
 
 def _git(root: Path, *args: str) -> bytes:
@@ -91,13 +166,14 @@ def snapshot_at(env: str, ref: str, root: Path) -> Snapshot:
         env_vars = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
         proc = subprocess.run([sys.executable, "-c", _RUNNER, str(tree), env], capture_output=True, text=True,
                               cwd=tree, env=env_vars)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise PlanError(f"the plan of {env!r} at {ref} ({commit[:12]}) failed: {last}")
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "missing" in doc:
-        return Snapshot("", [], {}, missing=doc["missing"])
-    return Snapshot(doc["region"], doc["slices"], {r.pop("urn"): r for r in doc["resources"]})
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise PlanError(f"the plan of {env!r} at {ref} ({commit[:12]}) failed: {last}")
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "missing" in doc:
+            return Snapshot("", [], {}, missing=doc["missing"])
+        resources, context = _built_image({r.pop("urn"): r for r in doc["resources"]}, doc["outputs"], tree)
+    return Snapshot(doc["region"], doc["slices"], resources, context=context)
 
 
 # ---------------------------------------------------------------- comparing
@@ -123,6 +199,11 @@ def changed_inputs(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, 
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+# Kinds whose replacement restarts training (the trainer's JobSet or RayJob, infra/trainer_job.py).
+TRAINING_JOB_TYPES = ("kubernetes:jobset.x-k8s.io/v1alpha2:JobSet", "kubernetes:ray.io/v1:RayJob")
+RESTARTS_TRAINING = "training restarts from its last checkpoint"
+
+
 @dataclass(frozen=True)
 class Change:
     urn: str
@@ -130,6 +211,25 @@ class Change:
     name: str
     kubernetes: bool
     inputs: list[tuple[str, Any, Any]] = field(default_factory=list)
+    replaced: bool = False  # `pulumi up` deletes and re-creates it rather than updating it in place
+
+    @property
+    def consequence(self) -> str | None:
+        if not self.replaced:
+            return None
+        return RESTARTS_TRAINING if self.type in TRAINING_JOB_TYPES else "deleted and created again"
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """A changed input path under a replaceOnChanges property path (Pulumi's rule: the property or anything in it)."""
+    return pattern == "*" or path == pattern or path.startswith((f"{pattern}.", f"{pattern}["))
+
+
+def replaces(options: dict[str, Any], inputs: list[tuple[str, Any, Any]]) -> bool:
+    """Whether the engine replaces a resource whose inputs changed so: any change under one of its replaceOnChanges
+    paths (the new program's options decide, as they do for `pulumi up`)."""
+    patterns = options.get("replaceOnChanges") or []
+    return any(_matches(path, p) for path, _, _ in inputs for p in patterns)
 
 
 @dataclass(frozen=True)
@@ -155,15 +255,25 @@ class PlanDiff:
     def empty(self) -> bool:
         return not (self.added or self.removed or self.changed)
 
+    @property
+    def replaced(self) -> list[Change]:
+        return [c for c in self.changed if c.replaced]
+
 
 def compare(env: str, ref: str, old: Snapshot, new: Snapshot) -> PlanDiff:
-    def change(urn: str, r: dict[str, Any], inputs: list[tuple[str, Any, Any]] | None = None) -> Change:
-        return Change(urn, r["type"], r["name"], is_kubernetes_type(r["type"], r["custom"]), inputs or [])
+    def change(urn: str, r: dict[str, Any], inputs: list[tuple[str, Any, Any]] | None = None,
+               replaced: bool = False) -> Change:
+        return Change(urn, r["type"], r["name"], is_kubernetes_type(r["type"], r["custom"]), inputs or [], replaced)
 
     added = [change(u, new.resources[u]) for u in new.resources if u not in old.resources]
     removed = [change(u, old.resources[u]) for u in old.resources if u not in new.resources]
     changed = []
+    rebuilt = old.context is not None and new.context is not None and old.context != new.context
     for urn in new.resources:
+        if rebuilt and new.resources[urn]["type"] == IMAGE_TYPE and urn in old.resources:
+            # Its arguments are the same; what it builds changed (pyproject.toml, README.md or trainer/).
+            changed.append(change(urn, new.resources[urn], [("build context (digest)", old.context, new.context)]))
+            continue
         if urn in old.resources:
             diff = changed_inputs(old.resources[urn]["inputs"], new.resources[urn]["inputs"])
             opts = changed_inputs({"options": old.resources[urn]["options"]},
@@ -171,13 +281,14 @@ def compare(env: str, ref: str, old: Snapshot, new: Snapshot) -> PlanDiff:
             # dependsOn lists URNs that move with any rename; the inputs and protect flags are what matter.
             opts = [o for o in opts if not o[0].startswith("options.dependsOn")]
             if diff or opts:
-                changed.append(change(urn, new.resources[urn], diff + opts))
+                changed.append(change(urn, new.resources[urn], diff + opts,
+                                      replaces(new.resources[urn]["options"], diff)))
     key = lambda c: (c.kubernetes, c.type, c.name)  # noqa: E731
     return PlanDiff(env, ref, old, new, sorted(added, key=key), sorted(removed, key=key), sorted(changed, key=key))
 
 
 def diff_plan(result: PlanResult, ref: str, root: Path) -> PlanDiff:
-    return compare(result.env, ref, snapshot_at(result.env, ref, root), snapshot(result))
+    return compare(result.env, ref, snapshot_at(result.env, ref, root), snapshot(result, root))
 
 
 # ---------------------------------------------------------------- rendering
@@ -208,8 +319,11 @@ def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
         line += f" No price for {', '.join(sorted(unpriced))}: not counted."
     lines.append(line)
     k8s = [c for c in d.added + d.removed + d.changed if c.kubernetes]
-    lines.append(f"Resources: {len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed "
+    replaced = f", {len(d.replaced)} of the changes replacements" if d.replaced else ""
+    lines.append(f"Resources: {len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed{replaced} "
                  f"({len(k8s)} of them Kubernetes objects)." if not d.empty else "Resources: no change.")
+    for c in d.replaced:
+        lines.append(f"Replaced: {c.name} ({c.type.rsplit(':', 1)[-1]}): {c.consequence}.")
     return lines
 
 
@@ -218,7 +332,7 @@ def _section(title: str, changes: list[Change], with_inputs: bool) -> list[str]:
         return []
     out = [f"{title}:"]
     for c in changes:
-        out.append(f"  {c.name}  {c.type}")
+        out.append(f"  {c.name}  {c.type}" + (f"  REPLACED: {c.consequence}" if c.replaced else ""))
         if with_inputs:
             out += [f"      {path}: {_short(a)} → {_short(b)}" for path, a, b in c.inputs]
     return out
@@ -243,9 +357,11 @@ def markdown(d: PlanDiff, table: cost.PriceTable | None = None) -> str:
     lines += [f"- **{line.split(':', 1)[0]}**:{line.split(':', 1)[1]}" if ":" in line else f"- {line}"
               for line in headline(d, table)]
     rows = [(c, "added", "") for c in d.added] + [(c, "removed", "") for c in d.removed]
-    rows += [(c, "changed", "<br>".join(f"`{_md(p)}`: `{_md(_short(a, 60))}` → `{_md(_short(b, 60))}`"
-                                        for p, a, b in c.inputs[:12])
-              + (f"<br>… {len(c.inputs) - 12} more" if len(c.inputs) > 12 else "")) for c in d.changed]
+    def detail(c: Change) -> str:
+        shown = "<br>".join(f"`{_md(p)}`: `{_md(_short(a, 60))}` → `{_md(_short(b, 60))}`" for p, a, b in c.inputs[:12])
+        return shown + (f"<br>… {len(c.inputs) - 12} more" if len(c.inputs) > 12 else "")
+
+    rows += [(c, f"**replaced** ({c.consequence})" if c.replaced else "changed", detail(c)) for c in d.changed]
     if rows:
         lines += ["", "| | resource | type | what changed |", "|---|---|---|---|"]
         lines += [f"| {what} | `{_md(c.name)}` | `{c.type}` | {detail} |" for c, what, detail in rows]

@@ -220,6 +220,14 @@ def _options(request: Any) -> dict[str, Any]:
         opts["provider"] = request.provider.split("::")[0]  # "<provider urn>::<id>"; the id is fake here
     if request.dependencies:
         opts["dependsOn"] = sorted(set(request.dependencies))
+    # What `pulumi up` does on the next change: replace instead of update, delete first, how long it waits.
+    if request.replaceOnChanges:
+        opts["replaceOnChanges"] = list(request.replaceOnChanges)
+    if request.deleteBeforeReplace:
+        opts["deleteBeforeReplace"] = True
+    timeouts = request.customTimeouts
+    if timeouts and (timeouts.create or timeouts.update or timeouts.delete):
+        opts["customTimeouts"] = {k: v for k in ("create", "update", "delete") if (v := getattr(timeouts, k))}
     return opts
 
 

@@ -6,6 +6,7 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
+from infra import grace, system_pool
 from infra.cluster import Cluster, ClusterArgs
 from infra.config import NAMESPACE, EnvironmentSpec, load_spec
 from infra.controllers import Controllers, ControllersArgs
@@ -64,8 +65,7 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
 
 def main() -> None:
     # Validate everything before the first resource is registered.
-    from infra.system_pool import check as check_system_pool
-
     spec = load_spec()
-    check_system_pool(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
+    system_pool.check(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
+    grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
     build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from infra import grace
 from infra.cost import EnvironmentCost, environment_cost, slice_groups, usd
 from infra.mockrun import SECRET_MASK, PlanResult, Resource
 from infra.plan import is_kubernetes_object
@@ -365,6 +366,13 @@ def summarize(result: PlanResult) -> Summary:
             trainer = (f"JobSet {spec.queues.namespace}/{t.name}: {t.slices} x {group.name} ({group.topology}) = "
                        f"{pods}, priority {t.priority}, max {t.max_restarts} restarts, config "
                        f"{t.config or 'demo.yaml'}")
+        if t.launcher == "ray":
+            trainer += "; any change replaces it, resuming from its last periodic checkpoint"
+        else:
+            found = grace.estimate(spec)
+            need = f", a SIGTERM checkpoint needs about {found.seconds} s" if found else ""
+            trainer += (f"; any change replaces it, resuming from the checkpoint it saves on SIGTERM (grace period "
+                        f"{t.termination_grace_seconds} s{need})")
     return Summary(
         env=result.env, project=spec.project, zone=spec.zone, cluster=spec.cluster_name, slices=rows,
         chips_by_type=dict(sorted(chips_by_type.items())), peak_bf16_pflops=round(pflops, 2), hbm_gib=hbm,

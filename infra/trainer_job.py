@@ -12,6 +12,16 @@ from infra.k8s import apply
 from workloads import core, dra, jobset, rayjob, trainer_pod
 from workloads.labels import MANAGED_BY
 
+# Any change to what the stack renders for the training job replaces it (see TrainerJob).
+REPLACE_ON_CHANGES = ("spec", "metadata")
+# Beyond the pods' grace period: the API server and controllers deleting the Jobs and pods in order.
+DELETE_MARGIN_S = 300
+
+
+def delete_timeout_s(spec: EnvironmentSpec) -> int:
+    """How long `pulumi up` waits for the old job to be gone: its pods' SIGTERM checkpoint, then the margin."""
+    return spec.trainer.termination_grace_seconds + DELETE_MARGIN_S
+
 
 @dataclass(frozen=True)
 class TrainerJobArgs:
@@ -46,9 +56,17 @@ class TrainerJob(pulumi.ComponentResource):
             head = spec.ray_head_service_account
             deps.append(apply(core.service_account(head, ns), child))
             deps.append(apply(rayjob.network_policy(spec), child))
-            self.workload = apply(rayjob.trainer_rayjob(spec, refs, head),
-                                  pulumi.ResourceOptions(parent=self, depends_on=deps))
+            obj = rayjob.trainer_rayjob(spec, refs, head)
         else:
-            self.workload = apply(jobset.trainer_jobset(spec, refs),
-                                  pulumi.ResourceOptions(parent=self, depends_on=deps))
+            obj = jobset.trainer_jobset(spec, refs)
+        # Day two: the JobSet webhook refuses any change to spec.replicatedJobs of an existing JobSet (jobset
+        # pkg/webhooks/jobset_webhook.go ValidateUpdate), and KubeRay never reruns a finished RayJob while Kueue
+        # suspends and re-admits a running one whose pods changed. pulumi-kubernetes would send each change as an
+        # in-place apply PATCH (dry-run in preview), so a changed job is replaced instead: deleted first, so the new
+        # one keeps the name and with it the checkpoint directory it resumes from. The delete is foreground by
+        # default (provider/pkg/await/await.go Deletion), so Pulumi waits for the old pods to take SIGTERM, save and
+        # exit before it creates the new job: the timeout covers their grace period.
+        self.workload = apply(obj, pulumi.ResourceOptions(
+            parent=self, depends_on=deps, replace_on_changes=list(REPLACE_ON_CHANGES), delete_before_replace=True,
+            custom_timeouts=pulumi.CustomTimeouts(delete=f"{delete_timeout_s(spec)}s")))
         self.register_outputs({t.launcher: t.name})

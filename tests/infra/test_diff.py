@@ -11,11 +11,13 @@ import yaml
 
 from infra import cost
 from infra.cli import main
-from infra.diff import Snapshot, changed_inputs, compare, diff_plan, headline
+from infra.diff import RESTARTS_TRAINING, Snapshot, changed_inputs, compare, diff_plan, headline, markdown
 from infra.plan import PlanError, plan
 
 ROOT = Path(__file__).resolve().parents[2]
-COPIED = ("Pulumi.yaml", "environments", "infra", "workloads", "trainer")
+# The program and environments, and the image's build context (.dockerignore decides what of it the build sees).
+COPIED = ("Pulumi.yaml", "environments", "infra", "workloads", "trainer", ".dockerignore", "pyproject.toml",
+          "README.md")
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -60,6 +62,7 @@ def test_a_new_slice_group_shows_chips_price_and_every_change(repo: Path) -> Non
     changed = {c.name: c for c in d.changed}
     jobset = changed["jobset-rl-grpo-stg"]
     assert jobset.kubernetes and ("spec.failurePolicy.maxRestarts", 3, 5) in jobset.inputs
+    assert jobset.replaced and jobset.consequence == RESTARTS_TRAINING  # failurePolicy is immutable (JobSet CEL)
     # Kueue's quota follows the chips: 32 -> 64 google.com/tpu.
     [quota] = [c for c in changed["clusterqueue-tpu-cluster-queue"].inputs if c[0].endswith("nominalQuota")
                and c[1] == 32]
@@ -116,3 +119,37 @@ def test_changed_inputs_are_leaf_paths_and_secrets_stay_masked() -> None:
     a = Snapshot("us-east5", [], {"u": {"type": "kubernetes:core/v1:Secret", "name": "s", "custom": True,
                                         "inputs": {"stringData": {"token": "[secret]"}}, "options": {}}})
     assert compare("dev", "x", a, a).empty
+
+
+def _jobset_update_refused(old: dict, new: dict) -> bool:
+    """JobSet v0.12.0's ValidateUpdate (pkg/webhooks/jobset_webhook.go:312-406): spec.replicatedJobs of an existing
+    JobSet is immutable except, while it is suspended, the pod template's labels, annotations, node selector,
+    tolerations and scheduling gates. A running (unsuspended) trainer JobSet is refused any other change."""
+    return old["spec"]["replicatedJobs"] != new["spec"]["replicatedJobs"]
+
+
+@pytest.mark.parametrize(("env", "kind"), [("staging", "JobSet"), ("dev", "RayJob")])
+def test_a_trainer_change_replaces_the_training_job(repo: Path, env: str, kind: str) -> None:
+    """A change under trainer/ rebuilds the image; its new digest changes the job's spec, which JobSet's webhook
+    refuses to update in place (and KubeRay would not rerun a finished RayJob): the plan shows the job replaced."""
+    source = repo / "trainer" / "losses.py"
+    original = source.read_text()
+    source.write_text(original + "\n# a change a pull request makes\n")
+    try:
+        d = diff_plan(plan(env, None, repo), "base", repo)
+    finally:
+        source.write_text(original)
+    image = [c for c in d.changed if c.type == "docker-build:index:Image"]
+    assert len(image) == 1 and image[0].inputs[0][0] == "build context (digest)"
+    [job] = [c for c in d.changed if c.type.endswith(f":{kind}")]
+    assert job.replaced and job.consequence == RESTARTS_TRAINING
+    assert any(path.endswith(".image") for path, _, _ in job.inputs)
+    assert not [c for c in d.changed if c.replaced and c is not job]  # nothing else is replaced
+    assert f"Replaced: {job.name} ({kind}): {RESTARTS_TRAINING}." in headline(d)
+    assert f"**replaced** ({RESTARTS_TRAINING})" in markdown(d)
+    if kind == "JobSet":
+        old_obj = {"spec": {"replicatedJobs": [{"template": {"image": job.inputs[0][1]}}]}}
+        new_obj = {"spec": {"replicatedJobs": [{"template": {"image": job.inputs[0][2]}}]}}
+        assert _jobset_update_refused(old_obj, new_obj)
+    # The same tree again: nothing rebuilt, nothing replaced.
+    assert diff_plan(plan(env, None, repo), "base", repo).empty

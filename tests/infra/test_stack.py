@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
 import yaml
 
+from infra.config import ConfigError, parse_spec
 from infra.mockrun import PlanResult, Resource, run_stack
-from tests.infra.conftest import raw_inputs, stack_config
+from tests.infra.conftest import ROOT, raw_inputs, stack_config
+from tests.infra.test_config import _raw as _raw_config
 
 POOL = "gcp:container/nodePool:NodePool"
 NETWORK = "gcp:compute/network:Network"
@@ -197,7 +200,7 @@ def test_staging_jobset_shape(plans: dict[str, PlanResult]) -> None:
     assert env["SLICE_INDEX"] == {"fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
     assert env["MEGASCALE_NUM_SLICES"] == "2"
     assert pod["serviceAccountName"] == "trainer"
-    assert pod["terminationGracePeriodSeconds"] == 600
+    assert pod["terminationGracePeriodSeconds"] == 720  # staging sets it from the SIGTERM checkpoint estimate
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["checkpoints"]["csi"]["volumeAttributes"]["bucketName"] == "acme-rl-staging-staging-checkpoints"
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
@@ -394,3 +397,47 @@ def test_ironwood_slices_are_placed_like_cluster_toolkit() -> None:
         assert pool.inputs["nodeConfig"]["machineType"] == "tpu7x-standard-4t"
         assert pool.inputs["nodeConfig"]["diskType"] == "hyperdisk-balanced"
         assert pool.inputs["nodeCount"] == 2
+
+
+@pytest.mark.parametrize(("env", "kind"), [("staging", "JobSet"), ("dev", "RayJob")])
+def test_the_training_job_is_replaced_on_change_and_waited_for(plans: dict[str, PlanResult], env: str,
+                                                               kind: str) -> None:
+    """`pulumi up` replaces the job on any change to what the stack renders (the JobSet webhook refuses spec
+    updates; KubeRay never reruns a finished RayJob), deletes it first so the new one keeps the name and checkpoint
+    directory, and waits for the old pods' SIGTERM checkpoint: pulumi-kubernetes deletes in the foreground and
+    waits (provider/pkg/await/await.go Deletion, 10 minutes unless a custom timeout says otherwise)."""
+    [job] = [r for r in plans[env].resources if r.type.endswith(f":{kind}")]
+    spec = plans[env].spec
+    assert job.options["replaceOnChanges"] == ["spec", "metadata"]
+    assert job.options["deleteBeforeReplace"] is True
+    assert job.options["customTimeouts"] == {"delete": f"{spec.trainer.termination_grace_seconds + 300}s"}
+    assert job.inputs["metadata"]["name"] == spec.trainer.name  # the same name, so the same checkpoint folder
+    # Nothing else is replaced on change: the queues, flavors and Helm releases update in place.
+    assert [r.name for r in plans[env].resources if r.options.get("replaceOnChanges")] == [job.name]
+
+
+def test_the_grace_period_covers_a_sigterm_checkpoint() -> None:
+    """infra/grace.py: parameters and Adam's two moments, per writing host, at the assumed write rate, twice, plus
+    the step in flight; a shorter trainer.terminationGraceSeconds is refused with the figures before anything runs."""
+    from infra import grace
+
+    spec = parse_spec(_raw_config("prod"), "prod")
+    found = grace.estimate(spec)
+    assert found is not None and found.model == "Llama-3.1-70B"
+    # Llama-3.1-70B in float32 (prod's config): 3 copies x 4 bytes; replicas per slice, so one slice's 16 hosts write.
+    assert found.state_bytes == 3 * 4 * 70_553_706_496 and found.writers == 16
+    per_host_s = found.state_bytes / 16 / (grace.WRITE_MIB_S_PER_HOST * 2**20)
+    assert found.seconds == math.ceil(2 * per_host_s + grace.STEP_ALLOWANCE_S) == 625
+    # staging shards the bf16 state across both slices: every one of the 8 hosts writes its own eighth.
+    staging = grace.estimate(parse_spec(_raw_config("staging"), "staging"))
+    assert staging is not None and staging.writers == 8 and staging.state_bytes == 3 * 2 * 70_553_706_496
+    short = _raw_config("prod")
+    short["trainer"] = {**short["trainer"], "terminationGraceSeconds": 600}
+    with pytest.raises(ConfigError, match=r"trainer\.terminationGraceSeconds: 600 s is too short .* about 625 s"):
+        grace.check(parse_spec(short, "prod"))
+    # The Ray path has no SIGTERM checkpoint (Ray kills its workers): nothing to size.
+    assert grace.estimate(parse_spec(_raw_config("dev"), "dev")) is None
+    # Every environment in environments/ passes (users add their own).
+    for path in sorted((ROOT / "environments").glob("Pulumi.*.yaml")):
+        env = path.name.split(".")[1]
+        grace.check(parse_spec(_raw_config(env), env))
