@@ -119,6 +119,8 @@ def test_elastic_kueue_rayjob() -> None:
     assert meta["labels"]["kueue.x-k8s.io/priority-class"] == spec.trainer.priority
     assert meta["annotations"] == {"kueue.x-k8s.io/elastic-job": "true"}
     assert body["shutdownAfterJobFinishes"] is True and "clusterSelector" not in body
+    # Kueue frees the quota when the job finishes; lingering TPU pods would only hold up the next workload.
+    assert body["ttlSecondsAfterFinished"] == 0
     assert body["rayClusterSpec"]["enableInTreeAutoscaling"] is True
     assert len(body["rayClusterSpec"]["workerGroupSpecs"]) + 1 <= 18  # Kueue's PodSet limit
     assert all(g["groupName"] != "head" for g in body["rayClusterSpec"]["workerGroupSpecs"])
@@ -234,3 +236,17 @@ def test_ray_needs_its_operator_and_only_ray_resizes() -> None:
         parse_spec(raw, "dev")
     assert parse_spec(_raw("dev"), "dev").ray_operator_enabled
     assert not parse_spec(_raw("staging"), "staging").ray_operator_enabled
+
+
+def test_network_policy_lets_the_operator_reach_only_the_token_guarded_dashboard() -> None:
+    """GKE's hosted KubeRay operator polls the job's status on the dashboard (rayjob_controller.go; it fails the
+    RayJob after DEFAULT_RAYJOB_STATUS_CHECK_TIMEOUT_SECONDS of errors) from no pod a policy can select: the dashboard
+    port is open to the cluster and guarded by Ray's token; every other Ray port admits only the job's own pods."""
+    spec = CASES["dev"]()
+    policy = rayjob.network_policy(spec)["spec"]
+    own = {"podSelector": {"matchLabels": {rayjob.JOB_LABEL: spec.trainer.name}}}
+    assert policy["podSelector"] == own["podSelector"] and policy["policyTypes"] == ["Ingress"]
+    open_rules = [r for r in policy["ingress"] if "from" not in r]
+    assert open_rules == [{"ports": [{"protocol": "TCP", "port": rayjob.DASHBOARD_PORT}]}]
+    assert [r for r in policy["ingress"] if "from" in r] == [{"from": [own]}]
+    assert _rayjob(spec)["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
