@@ -95,7 +95,7 @@ def _require_ray() -> None:
     try:
         import ray.train  # noqa: F401
     except ImportError:
-        raise ConfigError("--ray needs Ray Train installed: pip install 'ray[train]==2.60.0'") from None
+        raise ConfigError("--ray needs Ray Train installed: pip install 'ray[default,train]==2.60.0'") from None
 
 
 def _parse_slices(raw: str | None) -> tuple[int, int]:
