@@ -39,10 +39,18 @@ def _checkpoints(run: Path) -> list[int]:
         if ckpt.is_dir() else []
 
 
+def _saves_started(run: Path, since: float) -> list[int]:
+    """Steps whose save began at or after `since` (the folder appears when it begins; a leftover unfinished one from
+    an earlier cycle is older, and moved aside by the resume)."""
+    ckpt = run / "checkpoints"
+    return sorted(int(p.name) for p in ckpt.iterdir()
+                  if p.name.isdigit() and p.stat().st_mtime >= since) if ckpt.is_dir() else []
+
+
 def _kill_after(proc: subprocess.Popen[bytes], run: Path, step: int, delay: float, log: Path) -> None:
-    """SIGKILL the launcher and its processes `delay` s after checkpoint `step` (or a later one) appears."""
-    deadline = time.monotonic() + 240
-    while not any(s >= step for s in _checkpoints(run)):
+    """SIGKILL the launcher and its processes `delay` s after the save of step `step` (or a later one) begins."""
+    deadline, since = time.monotonic() + 240, time.time()
+    while not any(s >= step for s in _saves_started(run, since)):
         assert proc.poll() is None, f"run ended with {proc.returncode} before step {step}: {log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "no checkpoint within the timeout"
         time.sleep(0.05)
