@@ -3,6 +3,7 @@ were there) against today's: resources and Kubernetes objects added, removed and
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import io
 import json
@@ -193,10 +194,34 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
+def _list_changes(path: str, old: list[Any], new: list[Any]) -> list[tuple[str, Any, Any]]:
+    """The elements of a list of scalars (container args, CIDR lists) that changed, by index, rather than the whole
+    list: shown whole, both sides are cut at the same length and a change far inside one looks like none."""
+    out: list[tuple[str, Any, Any]] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        for k in range(max(i2 - i1, j2 - j1)):
+            a = old[i1 + k] if i1 + k < i2 else None
+            b = new[j1 + k] if j1 + k < j2 else None
+            out.append((f"{path}[{(j1 + k) if b is not None else (i1 + k)}]", a, b))
+    return out
+
+
 def changed_inputs(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(path, old, new) for every leaf that differs; a missing side is None."""
+    """(path, old, new) for every leaf that differs; a missing side is None. A list of scalars that changed is
+    shown by element (`args[7]: mesh.slices=1 → mesh.slices=2`)."""
     a, b = _flatten(old), _flatten(new)
-    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    out: list[tuple[str, Any, Any]] = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if x == y:
+            continue
+        if isinstance(x, list) and isinstance(y, list):
+            out += _list_changes(k, x, y)
+        else:
+            out.append((k, x, y))
+    return out
 
 
 # Kinds whose replacement restarts training (the trainer's JobSet or RayJob, infra/trainer_job.py).
