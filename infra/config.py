@@ -435,6 +435,7 @@ class EnvironmentSpec(_Model):
                 f"(network.dranet.enabled needs {DRANET_MIN_GKE} or later); use '1.34.' or later")
         self._check_dranet()
         self._check_ranges()
+        self._check_range_sizes()
         self._check_names()
         t = self.trainer
         if t.enabled:
@@ -498,6 +499,31 @@ class EnvironmentSpec(_Model):
             ka, a, kb, b = clash[0]
             raise ValueError(f"{ka.split(' ')[0]}: {a} overlaps {NAMESPACE}:{kb} {b}; every range of an "
                              "environment must be disjoint")
+
+    def _check_range_sizes(self) -> None:
+        """The node subnet, the pod range and each DRANET subnet hold every node the environment can have (GCP and
+        GKE refuse to add nodes past that, which `pulumi up` would find out only half-way through)."""
+        net = self.network
+        system = self.cluster.system_pool.nodes
+        tpu_hosts = sum(g.count * g.shape.hosts for g in self.slices)
+        nodes = system + 1 + tpu_hosts  # the system pool's surge node during upgrades (TPU pools surge 0)
+        what = f"{system} system node(s) plus 1 surge node and {tpu_hosts} TPU host(s)"
+        node_net, pod_net = ipaddress.ip_network(net.node_cidr), ipaddress.ip_network(net.pod_cidr)
+        if rules.nodes_in_subnet(node_net) < nodes:
+            raise ValueError(f"network.nodeCidr: {node_net} holds {rules.nodes_in_subnet(node_net)} nodes "
+                             f"({node_net.num_addresses} addresses less GCP's {rules.SUBNET_RESERVED_ADDRESSES} "
+                             f"reserved), but the environment has {nodes}: {what}; use a larger range")
+        if rules.nodes_in_pod_range(pod_net) < nodes:
+            raise ValueError(f"network.podCidr: {pod_net} holds the pod ranges of "
+                             f"{rules.nodes_in_pod_range(pod_net)} nodes (a /{rules.POD_RANGE_PER_NODE_PREFIX} each "
+                             f"for GKE's default of 110 pods per node), but the environment has {nodes}: {what}; use "
+                             "a larger range")
+        dranet_hosts = sum(g.count * g.shape.hosts for g in self.slices if self.dranet_networks_for(g))
+        for i, cidr in enumerate(net.dranet.subnet_cidrs(self.dranet_network_count)):
+            subnet = ipaddress.ip_network(cidr)
+            if rules.nodes_in_subnet(subnet) < dranet_hosts:
+                raise ValueError(f"network.dranet.cidrs[{i}]: {subnet} holds {rules.nodes_in_subnet(subnet)} nodes, "
+                                 f"but {dranet_hosts} DRANET host(s) attach to it; use a larger range")
 
     def _check_names(self) -> None:
         """Names derived from the stack name, project and groups fit what GCP accepts."""

@@ -142,3 +142,21 @@ def overlaps(ranges: Iterable[tuple[str, str]]) -> list[tuple[str, str, str, str
     """(key a, cidr a, key b, cidr b) for each pair of named ranges that overlap."""
     items = [(k, ipaddress.ip_network(c)) for k, c in ranges]
     return [(ka, str(a), kb, str(b)) for i, (ka, a) in enumerate(items) for kb, b in items[i + 1:] if a.overlaps(b)]
+
+
+# Compute Engine keeps four addresses of every subnet's primary range (network, gateway, second-to-last, broadcast:
+# cloud.google.com/vpc/docs/subnets, "Reserved IP addresses in IPv4 subnets").
+SUBNET_RESERVED_ADDRESSES = 4
+# GKE gives every node a pod range of twice its maximum pods, rounded up to a power of two: a /24 for the default of
+# 110 pods per node, which the stack keeps (cloud.google.com/kubernetes-engine/docs/how-to/flexible-pod-cidr).
+POD_RANGE_PER_NODE_PREFIX = 24
+
+
+def nodes_in_subnet(network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> int:
+    """How many nodes (one primary address each) a subnet's primary range holds."""
+    return network.num_addresses - SUBNET_RESERVED_ADDRESSES
+
+
+def nodes_in_pod_range(network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> int:
+    """How many nodes' pod ranges a cluster's pod range holds."""
+    return 2 ** max(0, POD_RANGE_PER_NODE_PREFIX - network.prefixlen)
