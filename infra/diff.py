@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from infra import cost
-from infra.mockrun import PlanResult
+from infra.mockrun import IMAGE_TYPE, PlanResult
 from infra.plan import PlanError, is_kubernetes_type
 
 # Runs inside the old revision's tree with its own infra package (self-contained: the old tree may lack any of
@@ -46,7 +46,6 @@ print(json.dumps({"region": spec.region, "slices": slices, "outputs": result.out
 """
 
 
-IMAGE_TYPE = "docker-build:index:Image"
 IMAGE_OUTPUT = "trainerImage"
 
 

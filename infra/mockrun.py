@@ -35,6 +35,8 @@ SECURE_PLACEHOLDER = "<secure value: not decrypted offline>"
 STACK_TYPE = "pulumi:pulumi:Stack"
 # Fake endpoint from TEST-NET-3 (RFC 5737): never a real address.
 MOCK_ENDPOINT = "203.0.113.10"
+IMAGE_TYPE = "docker-build:index:Image"  # the trainer image the stack builds (infra/image.py)
+MOCK_VERSION_SUFFIX = "-gke.99999"  # the GKE versions the mocked lookup offers: plausible, visibly not a release
 # The DNS endpoint's shape (gke-<uid>.<region>.gke.goog) under the reserved .invalid TLD (RFC 2606).
 MOCK_DNS_SUFFIX = "mock.gke.goog.invalid"
 MOCK_CA = base64.b64encode(b"mock-cluster-ca").decode()
@@ -159,7 +161,7 @@ def _fake_state(type_: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]
                          member=f"serviceAccount:{inputs.get('accountId', name)}@{project}.iam.gserviceaccount.com")
         elif type_ == "gcp:artifactregistry/repository:Repository":
             state.setdefault("repositoryId", name)
-    elif type_ == "docker-build:index:Image":
+    elif type_ == IMAGE_TYPE:
         # A stable fake digest of what the build was asked for; a real build's digest is its content's.
         digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
         state.update(digest=f"sha256:{digest}", ref=f"{(inputs.get('tags') or [name])[0]}@sha256:{digest}")
@@ -188,8 +190,9 @@ class PlanMocks(pmocks.Mocks):
         elif args.token == "gcp:container/getEngineVersions:getEngineVersions":
             # Channel versions with patch 99: plausible for the checks, and visibly not a real GKE release.
             prefix = args.args.get("versionPrefix") or ""
-            defaults = {"RAPID": "1.35.99-gke.99999", "REGULAR": "1.34.99-gke.99999", "STABLE": "1.33.99-gke.99999"}
-            latest = {ch: f"{prefix}99-gke.99999" if prefix else v for ch, v in defaults.items()}
+            defaults = {"RAPID": f"1.35.99{MOCK_VERSION_SUFFIX}", "REGULAR": f"1.34.99{MOCK_VERSION_SUFFIX}",
+                        "STABLE": f"1.33.99{MOCK_VERSION_SUFFIX}"}
+            latest = {ch: f"{prefix}99{MOCK_VERSION_SUFFIX}" if prefix else v for ch, v in defaults.items()}
             out.update(releaseChannelDefaultVersion=defaults, releaseChannelLatestVersion=latest,
                        defaultClusterVersion=defaults["REGULAR"], latestMasterVersion=defaults["RAPID"])
         elif args.token == "gcp:organizations/getClientConfig:getClientConfig":

@@ -14,7 +14,15 @@ from rich.tree import Tree
 
 from infra import grace
 from infra.cost import EnvironmentCost, environment_cost, slice_groups, usd
-from infra.mockrun import SECRET_MASK, PlanResult, Resource
+from infra.mockrun import (
+    IMAGE_TYPE,
+    MOCK_DNS_SUFFIX,
+    MOCK_ENDPOINT,
+    MOCK_VERSION_SUFFIX,
+    SECRET_MASK,
+    PlanResult,
+    Resource,
+)
 from infra.plan import is_kubernetes_object
 
 if TYPE_CHECKING:
@@ -135,7 +143,7 @@ FIELDS: dict[str, list[Field]] = {
                                                    ("format", "format")],
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": [
         ("repository", "repository"), ("role", "role"), ("member", "member")],
-    "docker-build:index:Image": [("dockerfile", "dockerfile.location"), ("context", "context.location"),
+    IMAGE_TYPE: [("dockerfile", "dockerfile.location"), ("context", "context.location"),
                                  ("platforms", "platforms"), ("tags", "tags"), ("push", "push"),
                                  ("buildOnPreview", "buildOnPreview")],
     "kubernetes:helm.sh/v3:Release": [("chart", "chart"), ("version", "version"), ("namespace", "namespace")],
@@ -186,7 +194,23 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def settings_of(resource: Resource) -> list[tuple[str, str]]:
+# What the offline plan makes up where only GCP can answer (infra/mockrun.py): GKE versions, the API endpoints and
+# the built image's digest. Marked, so a reviewer does not take them for what `pulumi up` will get.
+MOCK_MARK = " (mock)"
+_MOCK_MARKERS = (MOCK_ENDPOINT, MOCK_DNS_SUFFIX, MOCK_VERSION_SUFFIX)
+
+
+def _mark_mock(value: str, built_image: bool) -> str:
+    mocked = any(m in value for m in _MOCK_MARKERS) or (built_image and "@sha256:" in value)
+    return value + MOCK_MARK if mocked else value
+
+
+def builds_image(result: PlanResult) -> bool:
+    """The stack builds the trainer image, so its digest in the plan is a stand-in."""
+    return not result.spec.trainer.image and bool(result.of_type(IMAGE_TYPE))
+
+
+def settings_of(resource: Resource, built_image: bool = False) -> list[tuple[str, str]]:
     """The (label, value) pairs the tree shows for a resource: its type's table, plus protection flags."""
     out: list[tuple[str, str]] = []
     fields = FIELDS.get(resource.type, [])
@@ -196,7 +220,7 @@ def settings_of(resource: Resource) -> list[tuple[str, str]]:
         value = getter(resource.inputs) if callable(getter) else path_get(resource.inputs, getter)
         value = _one(value)
         if value is not None and value != [] and value != {}:
-            out.append((label, fmt(value)))
+            out.append((label, _mark_mock(fmt(value), built_image)))
     for flag in ("protect", "retainOnDelete"):
         if resource.options.get(flag):
             out.append((flag, "true"))
@@ -206,11 +230,11 @@ def settings_of(resource: Resource) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------- tree
 
 
-def _label(resource: Resource) -> Text:
+def _label(resource: Resource, built_image: bool) -> Text:
     text = Text()
     text.append(resource.name, style="bold")
     text.append(f"  {resource.type}", style="cyan" if resource.custom else "magenta")
-    for key, value in settings_of(resource):
+    for key, value in settings_of(resource, built_image):
         text.append(f"  {key}=", style="dim")
         text.append(value, style="red" if value == SECRET_MASK else "")
     return text
@@ -218,9 +242,9 @@ def _label(resource: Resource) -> Text:
 
 def resource_tree(result: PlanResult) -> Tree:
     tree = Tree(Text(f"{result.stack_urn.rsplit('::', 1)[-1]}  pulumi:pulumi:Stack", style="bold"))
-    nodes = {result.stack_urn: tree}
+    nodes, built = {result.stack_urn: tree}, builds_image(result)
     for r in result.resources:  # parents come before children (depth-first order)
-        nodes[r.urn] = nodes.get(r.parent or result.stack_urn, tree).add(_label(r))
+        nodes[r.urn] = nodes.get(r.parent or result.stack_urn, tree).add(_label(r, built))
     return tree
 
 
@@ -391,7 +415,12 @@ def _slice_cells(row: SliceRow) -> list[str]:
 
 
 def _outputs_lines(result: PlanResult) -> list[tuple[str, str]]:
-    return [(k, fmt(v)) for k, v in result.outputs.items()]
+    built = builds_image(result)
+    return [(k, _mark_mock(fmt(v), built)) for k, v in result.outputs.items()]
+
+
+MOCK_LEGEND = ("Values marked (mock) are the offline plan's stand-ins for what only GCP knows (GKE versions, API "
+               "endpoints, the built image's digest); `pulumi up` gets the real ones.")
 
 
 # ---------------------------------------------------------------- whole plans
@@ -432,6 +461,7 @@ def print_text(result: PlanResult, console: Console, fit: FitReport | None = Non
     console.print(Text("Stack outputs", style="bold"))
     for key, value in _outputs_lines(result):
         console.print(Text.assemble(f"  {key}: ", (value, "red" if value == SECRET_MASK else "")))
+    console.print(Text(MOCK_LEGEND, style="dim"))
     if fit is not None:
         console.print()
         print_fit(fit, console)
@@ -463,6 +493,7 @@ def markdown(result: PlanResult, fit: FitReport | None = None) -> str:
     lines += ["", f"<details><summary>Resource tree ({s.resources} resources)</summary>", "", "```text",
               plain(resource_tree(result)).rstrip("\n"), "```", "", "</details>", "",
               "<details><summary>Stack outputs</summary>", ""]
-    lines += [f"- `{k}`: `{v}`" for k, v in _outputs_lines(result)]
-    lines += ["", "</details>", ""]
+    lines += [f"- `{k}`: `{v.removesuffix(MOCK_MARK)}`" + (" (mock)" if v.endswith(MOCK_MARK) else "")
+              for k, v in _outputs_lines(result)]
+    lines += ["", MOCK_LEGEND, "", "</details>", ""]
     return "\n".join(lines)
