@@ -25,8 +25,9 @@ WRITE_MIB_S_PER_HOST = 200
 # The step in flight when SIGTERM lands finishes before the save starts (an RL step of a 70B model is tens of
 # seconds to minutes: `gke-tpu-rl fit` prints the estimate for the environment's slice).
 STEP_ALLOWANCE_S = 120
-# Adam(W) keeps two moments per parameter, in the parameters' dtype (trainer/optim.py: optax.adamw).
-STATE_COPIES = 3
+# Parameter-sized copies in a checkpoint, per optimizer (trainer/optim.py): the parameters, plus AdamW's two moments
+# in their dtype; Adafactor keeps no first moment and factored second moments (rows + columns: not counted).
+STATE_COPIES = {"adamw": 3, "adafactor": 1}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -62,7 +63,7 @@ def estimate(spec: EnvironmentSpec) -> GraceEstimate | None:
     except TrainerConfigError:
         return None
     model = cfg.model_cfg
-    state = STATE_COPIES * param_count(model) * DTYPE_BYTES[model.param_dtype]
+    state = STATE_COPIES[cfg.optim.name] * param_count(model) * DTYPE_BYTES[model.param_dtype]
     hosts = spec.trainer_group.shape.hosts
     # Slices holding replicas of the state write one copy (orbax writes each shard once); sharded across slices,
     # every host of every slice writes its own.
