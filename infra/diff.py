@@ -144,18 +144,24 @@ def snapshot(result: PlanResult, tree: Path | None = None) -> Snapshot:
     return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources, context=context)
 
 
-def _git(root: Path, *args: str) -> bytes:
+def _git(root: Path, *args: str, silent_failure: str | None = None) -> bytes:
+    """git's stdout; a failure raises PlanError with git's message, or `silent_failure` when git printed none."""
     try:
         return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True).stdout
     except FileNotFoundError:
         raise PlanError("--diff needs git on PATH") from None
     except subprocess.CalledProcessError as e:
-        raise PlanError(f"git {' '.join(args)}: {e.stderr.decode(errors='replace').strip()}") from None
+        detail = e.stderr.decode(errors="replace").strip()
+        if not detail and silent_failure is not None:
+            raise PlanError(silent_failure) from None
+        raise PlanError(f"git {' '.join(args)}: {detail or f'exit status {e.returncode}'}") from None
 
 
 def snapshot_at(env: str, ref: str, root: Path) -> Snapshot:
     """Runs the program of revision `ref` on its own stack file for `env`, in a separate Python process."""
-    commit = _git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}").decode().strip()
+    # --quiet: an unknown ref exits 1 with nothing on stderr (outside a repository git still says so itself).
+    commit = _git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}",
+                  silent_failure=f"--diff {ref}: not a commit, branch or tag in this repository").decode().strip()
     prefix = _git(root, "rev-parse", "--show-prefix").decode().strip()  # Pulumi.yaml may sit below the git root
     with tempfile.TemporaryDirectory(prefix="gke-tpu-rl-diff-") as tmp:
         with tarfile.open(fileobj=io.BytesIO(_git(root, "archive", "--format=tar", commit))) as tar:

@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from infra.cli import build_parser
@@ -75,6 +76,69 @@ def test_every_command_parses(doc: Path) -> None:
 def test_every_config_key_exists(doc: Path) -> None:
     missing = [k for k in _keys(doc) if not key_exists(k)]
     assert missing == [], f"{doc.name} names config keys the spec does not have: {missing}"
+
+
+def _pulumi_value(text: str) -> object:
+    # `pulumi config set --path`: "true" and "false" are booleans, integers numbers, anything else a string (a JSON
+    # list too: `config set` has no --json). https://www.pulumi.com/docs/iac/cli/commands/pulumi_config_set/
+    return {"true": True, "false": False}.get(text, int(text) if re.fullmatch(r"-?[0-9]+", text) else text)
+
+
+def _pulumi_config_set(config: dict[str, object], argv: list[str]) -> None:
+    """Applies one `pulumi config set [--path] [--secret] KEY [--] VALUE` to a stack file's `config:` map."""
+    path = "--path" in argv
+    flags_end = argv.index("--") if "--" in argv else len(argv)
+    positional = [a for a in argv[:flags_end] if not a.startswith("--")] + argv[flags_end + 1:]
+    assert len(positional) == 2, f"pulumi config set {shlex.join(argv)}: expected KEY VALUE"
+    key, value = positional
+    if "--secret" in argv:
+        config[key] = {"secure": "v1:encrypted"}
+        return
+    if not path:
+        config[key] = value  # a top-level value is always a string
+        return
+    namespace, _, rest = key.partition(":")
+    parts: list[str | int] = [int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", rest)]
+    node: object = config
+    keys: list[str | int] = [f"{namespace}:{parts[0]}", *parts[1:]]
+    for here, below in zip(keys, [*keys[1:], None], strict=True):
+        if below is None:
+            if isinstance(node, list) and here == len(node):
+                node.append(_pulumi_value(value))
+            else:
+                node[here] = _pulumi_value(value)  # type: ignore[index]
+        else:
+            empty: object = [] if isinstance(below, int) else {}
+            if isinstance(node, list):
+                if here == len(node):
+                    node.append(empty)
+                node = node[here]  # type: ignore[index]
+            else:
+                node = node.setdefault(here, empty)  # type: ignore[union-attr]
+
+
+def test_the_walkthroughs_pulumi_config_set_commands_make_a_valid_environment(tmp_path: Path) -> None:
+    """Section 3's `pulumi config set` lines, stored as Pulumi stores them, make a stack file that `plan` (the program
+    under mocks) and `fit` (the stack file read directly) accept; so do section 7's on top of them."""
+    from infra.fit import env_spec
+    from infra.mockrun import run_stack
+
+    text = (ROOT / "docs" / "walkthrough.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)
+    config: dict[str, object] = {}
+    for number in ("3.", "7."):
+        [section] = [s for s in sections if s.startswith(number)]
+        commands = [shlex.split(line, comments=True)[3:] for line in section.splitlines()
+                    if line.startswith("pulumi config set ")]
+        assert commands, f"section {number} sets no config"
+        for argv in commands:
+            _pulumi_config_set(config, argv)
+        result = run_stack("qa", config, secret_keys=["hfToken"])
+        path = tmp_path / "Pulumi.qa.yaml"
+        path.write_text(yaml.safe_dump({"config": config}))
+        assert env_spec("qa", path) == result.spec
+    assert result.spec.trainer.args == ["--set", "steps=200"]
+    assert (result.spec.slices[0].count, result.spec.trainer.slices) == (2, 2)
 
 
 def test_the_walkthrough_covers_the_whole_path() -> None:

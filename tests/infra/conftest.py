@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,25 @@ import yaml
 from infra.mockrun import PlanMocks, PlanResult, RecordingMonitor, _unwrap_secrets, run_stack
 
 ROOT = Path(__file__).resolve().parents[2]
+# The kit's own example environments, whose properties the tests check. environments/ may hold more (a user copies
+# Pulumi.dev.yaml to Pulumi.qa.yaml): no test may assume these are all of them.
 ENVIRONMENTS = ("dev", "staging", "prod")
+
+
+def new_env_name() -> str:
+    """A stack name no environments/ holds, for a test of an environment that is new (a user's own may be `qa`)."""
+    return f"newenv-{secrets.token_hex(3)}"
+
+
+def scratch_root(path: Path, extra: dict[str, str] | None = None) -> Path:
+    """A project root at `path` holding Pulumi.yaml and the shipped environments only, plus `extra` (a new stack name
+    -> the shipped environment its file is copied from): what a command that reads every environment sees."""
+    (path / "environments").mkdir(parents=True)
+    (path / "Pulumi.yaml").write_text((ROOT / "Pulumi.yaml").read_text())
+    for env, source in {**{e: e for e in ENVIRONMENTS}, **(extra or {})}.items():
+        (path / "environments" / f"Pulumi.{env}.yaml").write_text(
+            (ROOT / "environments" / f"Pulumi.{source}.yaml").read_text())
+    return path
 
 
 def stack_config(env: str) -> dict[str, Any]:

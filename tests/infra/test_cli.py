@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from infra import cli
-from tests.infra.conftest import ENVIRONMENTS, ROOT, stack_config
+from infra.plan import available_envs
+from tests.infra.conftest import ENVIRONMENTS, ROOT, new_env_name, scratch_root, stack_config
 
 GOLDEN = ROOT / "tests" / "golden"
 
@@ -52,15 +53,24 @@ def test_plan_out_writes_objects_and_resources(tmp_path: Path, capsys: pytest.Ca
     assert "wrote" in capsys.readouterr().err
 
 
-def test_plan_all_plans_every_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "--all", "--out", str(tmp_path)]) == 0
+def test_plan_all_plans_every_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # A project whose environments/ holds the shipped environments and one a user added: --all plans every file there.
+    # (The cwd stays this checkout: the image's build context is a path relative to it.)
+    new = new_env_name()
+    project = scratch_root(tmp_path / "project", {new: "dev"})
+    monkeypatch.setattr("infra.plan.repo_root", lambda start=None: project)
+    envs = sorted([*ENVIRONMENTS, new])
+    out_dir = tmp_path / "out"
+    assert cli.main(["plan", "--all", "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
-    for env in ENVIRONMENTS:
+    for env in envs:
         assert f"plan: {env}" in out
-        assert (tmp_path / env / "resources.json").is_file()
-    assert cli.main(["plan", "--format", "markdown"]) == 0  # ENV omitted: all of them too
-    assert capsys.readouterr().out == "\n".join((GOLDEN / f"plan-{env}.md").read_text()
-                                              for env in sorted(ENVIRONMENTS))
+        assert (out_dir / env / "resources.json").is_file()
+    for env in ENVIRONMENTS:  # the shipped ones are the reviewed golden plans
+        assert (out_dir / env / "plan.md").read_text() == (GOLDEN / f"plan-{env}.md").read_text()
+    assert cli.main(["plan", "--format", "markdown"]) == 0  # ENV omitted: all of them too, in name order
+    assert capsys.readouterr().out == "\n".join((out_dir / env / "plan.md").read_text() for env in envs)
 
 
 def test_config_file_plans_any_stack_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,9 +100,12 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_unknown_environment_and_unreadable_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "nope"]) == 2
+    unknown = new_env_name()
+    assert cli.main(["plan", unknown]) == 2
     err = capsys.readouterr().err
-    assert "no stack config for environment 'nope'" in err and "dev, prod, staging" in err
+    assert f"no stack config for environment {unknown!r}" in err
+    assert f"(environments: {', '.join(available_envs(ROOT))})" in err  # every file there, a user's own included
+    assert all(env in available_envs(ROOT) for env in ENVIRONMENTS)
     (tmp_path / "broken.yaml").write_text("config: [unclosed\n")
     assert cli.main(["plan", "--config-file", str(tmp_path / "broken.yaml")]) == 2
     assert "is not valid YAML: " + str(tmp_path / "broken.yaml") + ":2:" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from infra import cost
 from infra.cli import main
 from infra.diff import RESTARTS_TRAINING, Snapshot, changed_inputs, compare, diff_plan, headline, markdown
 from infra.plan import PlanError, plan
+from tests.infra.conftest import new_env_name
 
 ROOT = Path(__file__).resolve().parents[2]
 # The program and environments, and the image's build context (.dockerignore decides what of it the build sees).
@@ -91,23 +92,38 @@ def test_cli_puts_the_delta_first_in_markdown(repo: Path, capsys: pytest.Capture
     assert "| added | `v6e-more-0` |" in out
 
 
-def test_no_change_and_a_new_environment(repo: Path) -> None:
+def test_no_change_and_a_new_environment(repo: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     d = diff_plan(plan("dev", None, repo), "base", repo)
     assert d.empty and not d.chips_delta and headline(d)[-1] == "Resources: no change."
-    new_env = repo / "environments" / "Pulumi.qa.yaml"
+    # A stack file not yet committed: --diff compares the revision with the working tree, so it is a new environment
+    # against any revision. (Its name is one no environments/ holds: a user's own `qa` would be in `base`.)
+    new = new_env_name()
+    new_env = repo / "environments" / f"Pulumi.{new}.yaml"
     shutil.copy(repo / "environments" / "Pulumi.dev.yaml", new_env)
+    monkeypatch.chdir(repo)
     try:
-        d = diff_plan(plan("qa", None, repo), "base", repo)
+        d = diff_plan(plan(new, None, repo), "base", repo)
+        assert main(["plan", new, "--diff", "HEAD"]) == 0  # as the walkthrough runs it
     finally:
         new_env.unlink()
     assert d.old.missing and d.chips_delta == {"v6e": (0, 8)} and not d.removed and not d.changed
-    assert headline(d)[0].startswith("New environment: no environments/Pulumi.qa.yaml")
+    assert headline(d)[0] == f"New environment: no environments/Pulumi.{new}.yaml at this revision."
+    out = capsys.readouterr().out
+    assert f"New environment: no environments/Pulumi.{new}.yaml at this revision." in out
+    assert out.index("New environment") < out.index(f"plan: {new}")  # the delta first
 
 
-def test_an_unknown_ref_is_a_clear_error(repo: Path) -> None:
-    with pytest.raises(PlanError, match=r"git rev-parse"):
+def test_an_unknown_ref_is_a_clear_error(repo: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    message = "--diff no-such-ref: not a commit, branch or tag in this repository"
+    with pytest.raises(PlanError) as e:
         diff_plan(plan("dev", None, repo), "no-such-ref", repo)
+    assert str(e.value) == message  # git rev-parse --quiet prints nothing: the message is ours
+    monkeypatch.chdir(repo)
     assert main(["plan", "dev", "--diff", "no-such-ref"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: {message}\n" and captured.out == ""
 
 
 def test_changed_inputs_are_leaf_paths_and_secrets_stay_masked() -> None:
