@@ -1,29 +1,33 @@
-"""Validates Kubernetes objects against the upstream schemas in ../shared/schemas (see its SOURCES.md).
+"""Validates Kubernetes objects against upstream schemas that travel with the repository (nothing outside it is read).
 
-CRDs (JobSet, Kueue, KubeRay): jsonschema on the served version's openAPIV3Schema. Core v1 and
-resource.k8s.io/v1: the Kubernetes OpenAPI v3 documents, `{"$ref": "#/components/schemas/<name>"}`.
-Upstream schemas accept unknown fields (the apiserver prunes them), so every object schema that lists
-properties gets `additionalProperties: false` unless it preserves unknown fields or embeds a resource:
-a typo'd field then fails here instead of silently vanishing on the cluster. CEL rules are not checked.
+CRDs (JobSet, Kueue, KubeRay): jsonschema on the served version's openAPIV3Schema, from the CRD files vendored
+byte-for-byte under tests/schemas/crds (their upstream tags, commits and sha256 in tests/schemas/crds/SOURCES.md).
+Built-in kinds (core v1, resource.k8s.io/v1, networking.k8s.io/v1, ...): the JSON schemas the kubernetes-validate
+package (PyPI, a dev dependency) bundles per Kubernetes release, Kubernetes' own OpenAPI converted to JSON Schema.
+Upstream schemas accept unknown fields (the apiserver prunes them), so every object schema that lists properties gets
+`additionalProperties: false` unless it preserves unknown fields or embeds a resource: a typo'd field then fails here
+instead of silently vanishing on the cluster. kubernetes-validate's conversion lets every optional field be null; the
+Kubernetes OpenAPI does not say so (it marks no core field nullable), so null is taken out again: a None that leaks into
+an emitted object fails here. CEL rules are not checked.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
-import os
 import re
 from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# Override the location with GKE_TPU_RL_SCHEMAS; missing schemas fail tests unless this is "1":
-ALLOW_MISSING_ENV = "GKE_TPU_RL_ALLOW_NO_SCHEMAS"
-# The Kubernetes releases whose core schemas every object must pass (GKE's DRANET floor is 1.34).
+SCHEMAS_DIR = Path(__file__).resolve().parent / "schemas"
+CRDS_DIR = SCHEMAS_DIR / "crds"  # <project>/<upstream file name>.yaml, listed in SOURCES.md with their sha256
+# The Kubernetes releases whose built-in schemas every object must pass (GKE's DRANET floor is 1.34).
 KUBERNETES_VERSIONS = ("v1.34", "v1.35")
 KUBERNETES_VERSION = KUBERNETES_VERSIONS[0]
 POD_TEMPLATE = "io.k8s.api.core.v1.PodTemplateSpec"
@@ -35,34 +39,32 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs")
 
 
 class SchemasMissing(RuntimeError):
-    """../shared/schemas (or $GKE_TPU_RL_SCHEMAS) is not there, so nothing can be validated."""
+    """The vendored CRDs or kubernetes-validate's schemas for a release are not there: nothing can be validated."""
 
 
-def schemas_dir() -> Path:
-    return Path(os.environ.get("GKE_TPU_RL_SCHEMAS") or REPO_ROOT.parent / "shared" / "schemas")
+def _crd_files() -> list[Path]:
+    return sorted(CRDS_DIR.glob("*/*.yaml"))
 
 
 def require_schemas() -> Path:
-    d = schemas_dir()
-    if not (d / "SOURCES.md").is_file():
-        raise SchemasMissing(
-            f"upstream Kubernetes/CRD schemas not found at {d}: Kubernetes objects cannot be validated. "
-            f"Provide ../shared/schemas next to the repository (or set GKE_TPU_RL_SCHEMAS to its path); "
-            f"set {ALLOW_MISSING_ENV}=1 to skip these checks knowingly.")
-    return d
+    """The vendored CRD directory, once it and kubernetes-validate's schemas for every release are found."""
+    if not (CRDS_DIR / "SOURCES.md").is_file() or not _crd_files():
+        raise SchemasMissing(f"vendored CRD schemas not found at {CRDS_DIR}: the checkout is incomplete "
+                             f"(they are tracked files; see tests/schemas/crds/SOURCES.md)")
+    for kv in KUBERNETES_VERSIONS:
+        _definitions_file(kv)
+    return CRDS_DIR
 
 
 def need_schemas() -> Path:
-    """For tests: the schemas directory, or a failure that says why (a skip only when asked for)."""
+    """For tests: the vendored CRD directory, or a failure that says what is missing."""
     import pytest
 
     try:
         return require_schemas()
     except SchemasMissing as e:
-        if os.environ.get(ALLOW_MISSING_ENV) == "1":
-            pytest.skip(str(e))
-        pytest.fail(str(e), pytrace=False)
-        raise  # unreachable; pytest.fail raises
+        missing = str(e)
+    pytest.fail(missing, pytrace=False)
 
 
 def _python_pattern(pattern: str) -> str:
@@ -71,21 +73,27 @@ def _python_pattern(pattern: str) -> str:
     return f"(?{m.group(1)})^{pattern[m.end():]}" if m else pattern
 
 
+def _map_subschemas(schema: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """A shallow copy of `schema` with `fn` applied to each direct subschema (never to property names)."""
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: fn(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(v) for v in out[key]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key])
+    return out
+
+
 def strict(schema: Any) -> Any:
     """A copy of `schema` that rejects unknown fields, reads OpenAPI's `nullable: true` as allowing null and
     writes RE2-only pattern syntax the Python way."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: strict(v) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [strict(v) for v in out[key]]
-    for key in _SCHEMA_VALUES:
-        if isinstance(out.get(key), dict):
-            out[key] = strict(out[key])
+    out = _map_subschemas(schema, strict)
     if isinstance(out.get("components"), dict) and isinstance(out["components"].get("schemas"), dict):
         out["components"] = {**out["components"],
                              "schemas": {k: strict(v) for k, v in out["components"]["schemas"].items()}}
@@ -99,8 +107,22 @@ def strict(schema: Any) -> Any:
     return out
 
 
+def not_null(schema: Any) -> Any:
+    """A copy of `schema` without the null that kubernetes-validate's OpenAPI conversion adds to every optional
+    field's type (and enum): Kubernetes' own OpenAPI allows null nowhere in the built-in kinds."""
+    if not isinstance(schema, dict):
+        return schema
+    out = _map_subschemas(schema, not_null)
+    if isinstance(out.get("type"), list) and "null" in out["type"]:
+        types = [t for t in out["type"] if t != "null"]
+        out["type"] = types[0] if len(types) == 1 else types
+    if isinstance(out.get("enum"), list) and None in out["enum"]:
+        out["enum"] = [v for v in out["enum"] if v is not None]
+    return out
+
+
 def _load_yaml_docs(path: Path) -> list[Any]:
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the JobSet CRD is 800 KB
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the RayJob CRD is 1.4 MB
     with path.open() as f:
         return [d for d in yaml.load_all(f, Loader=loader) if d]
 
@@ -112,9 +134,10 @@ def _split_api_version(api_version: str) -> tuple[str, str]:
 
 @cache
 def _crds() -> dict[tuple[str, str, str], dict[str, Any]]:
-    """(group, version, kind) -> the served version's openAPIV3Schema, for every CRD under the schemas dir."""
+    """(group, version, kind) -> the served version's openAPIV3Schema, for every vendored CRD."""
+    require_schemas()
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for path in sorted(require_schemas().glob("*/*.yaml")):
+    for path in _crd_files():
         for doc in _load_yaml_docs(path):
             if doc.get("kind") != "CustomResourceDefinition":
                 continue
@@ -125,29 +148,45 @@ def _crds() -> dict[tuple[str, str, str], dict[str, Any]]:
     return out
 
 
-@cache
-def _openapi_docs(kv: str = KUBERNETES_VERSION) -> list[dict[str, Any]]:
-    d = require_schemas() / "kubernetes" / kv
-    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
+def _definitions_file(kv: str) -> Any:
+    """kubernetes-validate's strict definitions for release `kv` ("v1.34"): every built-in type, by OpenAPI name."""
+    f = resources.files("kubernetes_validate") / "kubernetes-json-schema" / f"{kv}.0-local-strict" / "_definitions.json"
+    if not f.is_file():
+        raise SchemasMissing(f"kubernetes-validate {importlib.metadata.version('kubernetes-validate')} bundles no "
+                             f"schemas for Kubernetes {kv}: install a release that does (pip install -U "
+                             f"kubernetes-validate, or `make install`)")
+    return f
 
 
 @cache
-def _openapi_index(kv: str = KUBERNETES_VERSION) -> dict[tuple[str, str, str], tuple[int, str]]:
-    """(group, version, kind) -> (document index, schema name) from x-kubernetes-group-version-kind."""
-    out: dict[tuple[str, str, str], tuple[int, str]] = {}
-    for i, doc in enumerate(_openapi_docs(kv)):
-        for name, schema in doc["components"]["schemas"].items():
-            for gvk in schema.get("x-kubernetes-group-version-kind", []):
-                key = (gvk["group"], gvk["version"], gvk["kind"])
-                # DeleteOptions/WatchEvent list many GVKs; the kind's own schema is named after it.
-                if key not in out or name.endswith("." + gvk["kind"]):
-                    out[key] = (i, name)
+def _definitions(kv: str = KUBERNETES_VERSION) -> dict[str, Any]:
+    """Release `kv`'s built-in schemas, `$ref`s as `#/$defs/<name>`, strict and without null."""
+    defs = json.loads(_definitions_file(kv).read_text())["$defs"]
+    return {name: strict(not_null(schema)) for name, schema in defs.items()}
+
+
+@cache
+def _kind_index(kv: str = KUBERNETES_VERSION) -> dict[tuple[str, str, str], str]:
+    """(group, version, kind) -> schema name, from x-kubernetes-group-version-kind."""
+    out: dict[tuple[str, str, str], str] = {}
+    for name, schema in _definitions(kv).items():
+        for gvk in schema.get("x-kubernetes-group-version-kind", []):
+            key = (gvk["group"], gvk["version"], gvk["kind"])
+            # DeleteOptions/WatchEvent list many GVKs; the kind's own schema is named after it.
+            if key not in out or name.endswith("." + gvk["kind"]):
+                out[key] = name
     return out
 
 
 @cache
-def _strict_components(doc_index: int, kv: str = KUBERNETES_VERSION) -> dict[str, Any]:
-    return strict({"components": _openapi_docs(kv)[doc_index]["components"]})["components"]
+def _core_validator(name: str, kv: str = KUBERNETES_VERSION) -> jsonschema.protocols.Validator:
+    """A built-in type by schema name, e.g. ObjectMeta for CRD metadata (CRDs declare it as a bare object), or the
+    PodTemplateSpec a JobSet embeds (its CRD carries the pod schema of the release it was built against)."""
+    defs = _definitions(kv)
+    if name not in defs:
+        raise SchemasMissing(f"{name} not found in kubernetes-validate's Kubernetes {kv} schemas")
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$ref": f"#/$defs/{name}", "$defs": defs}
+    return jsonschema.Draft202012Validator(schema)
 
 
 @cache
@@ -155,29 +194,16 @@ def _validator(group: str, version: str, kind: str, kv: str = KUBERNETES_VERSION
     crd = _crds().get((group, version, kind))
     if crd is not None:
         schema = strict(copy.deepcopy(crd))
-    elif (group, version, kind) in _openapi_index(kv):
-        doc_index, name = _openapi_index(kv)[(group, version, kind)]
-        schema = {"$ref": f"#/components/schemas/{name}", "components": _strict_components(doc_index, kv)}
-    else:
-        raise KeyError(kind)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema)
-
-
-@cache
-def _core_validator(name: str, kv: str = KUBERNETES_VERSION) -> jsonschema.protocols.Validator:
-    """A core type by schema name, e.g. ObjectMeta for CRD metadata (CRDs declare it as a bare object), or the
-    PodTemplateSpec a JobSet embeds (its CRD carries the pod schema of the release it was built against)."""
-    for i, doc in enumerate(_openapi_docs(kv)):
-        if name in doc["components"]["schemas"]:
-            schema = {"$ref": f"#/components/schemas/{name}", "components": _strict_components(i, kv)}
-            return jsonschema.Draft202012Validator(schema)
-    raise SchemasMissing(f"{name} not found in the Kubernetes {kv} OpenAPI documents")
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        return cls(schema)
+    if (group, version, kind) in _kind_index(kv):
+        return _core_validator(_kind_index(kv)[(group, version, kind)], kv)
+    raise KeyError(kind)
 
 
 def known_kinds(kv: str = KUBERNETES_VERSION) -> set[tuple[str, str]]:
     """Every (apiVersion, kind) this module can validate."""
-    keys = set(_crds()) | set(_openapi_index(kv))
+    keys = set(_crds()) | set(_kind_index(kv))
     return {(f"{g}/{v}" if g else v, k) for g, v, k in keys}
 
 
@@ -198,9 +224,8 @@ def validate(obj: dict[str, Any], kv: str = KUBERNETES_VERSION) -> list[str]:
     try:
         validator = _validator(group, version, kind, kv)
     except KeyError:
-        if group in BUNDLED_GROUPS:
-            return _validate_bundled(obj, kv)
-        return [f".: no schema for {api_version} {kind} under {schemas_dir()}"]
+        return [f".: no schema for {api_version} {kind}: not a vendored CRD under {CRDS_DIR} nor a built-in kind of "
+                f"Kubernetes {kv}"]
     errors = [_format(e) for e in validator.iter_errors(obj)]
     if (group, version, kind) in _crds() and isinstance(obj.get("metadata"), dict):
         errors += [_format(e, ("metadata",)) for e in _core_validator(OBJECT_META, kv).iter_errors(obj["metadata"])]
@@ -209,37 +234,32 @@ def validate(obj: dict[str, Any], kv: str = KUBERNETES_VERSION) -> list[str]:
     return sorted(set(errors))
 
 
+def _at(obj: Any, *keys: str) -> Any:
+    """obj[k1][k2]..., or None where a level is missing or not a mapping (the schema reports wrong types)."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def embedded_pod_templates(obj: dict[str, Any]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """(path, PodTemplateSpec) of every pod template a JobSet, RayJob or RayCluster embeds: their CRDs carry the pod
     schema of the release they were built against, so each is also checked against each release's own."""
-    spec = obj.get("spec") or {}
     found: list[tuple[tuple[Any, ...], Any]] = []
     if obj.get("kind") == "JobSet":
-        for i, rj in enumerate(spec.get("replicatedJobs") or []):
+        for i, rj in enumerate(_items(_at(obj, "spec", "replicatedJobs"))):
             found.append((("spec", "replicatedJobs", i, "template", "spec", "template"),
-                          ((rj.get("template") or {}).get("spec") or {}).get("template")))
-    cluster, at = (spec.get("rayClusterSpec"), ("spec", "rayClusterSpec")) if obj.get("kind") == "RayJob" else (
-        spec, ("spec",)) if obj.get("kind") == "RayCluster" else (None, ())
-    if isinstance(cluster, dict):
-        found.append(((*at, "headGroupSpec", "template"), (cluster.get("headGroupSpec") or {}).get("template")))
-        for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
-            found.append(((*at, "workerGroupSpecs", i, "template"), group.get("template")))
+                          _at(rj, "template", "spec", "template")))
+    at = {"RayJob": ("spec", "rayClusterSpec"), "RayCluster": ("spec",)}.get(obj.get("kind"))
+    if at is not None:
+        cluster = _at(obj, *at)
+        found.append(((*at, "headGroupSpec", "template"), _at(cluster, "headGroupSpec", "template")))
+        for i, group in enumerate(_items(_at(cluster, "workerGroupSpecs"))):
+            found.append(((*at, "workerGroupSpecs", i, "template"), _at(group, "template")))
     return [(path, t) for path, t in found if isinstance(t, dict)]
-
-
-# Built-in API groups ../shared/schemas does not carry: their strict schemas come from the kubernetes-validate
-# package (PyPI; Kubernetes' own OpenAPI converted per release, unknown fields refused in its -strict set).
-BUNDLED_GROUPS = ("networking.k8s.io",)
-
-
-def _validate_bundled(obj: dict[str, Any], kv: str) -> list[str]:
-    import kubernetes_validate
-
-    try:
-        kubernetes_validate.validate(obj, kv.removeprefix("v") + ".0", strict=True)
-    except kubernetes_validate.ValidationError as err:
-        return [f"{'.'.join(str(p) for p in err.path) or '.'}: {err.message}"]
-    return []
 
 
 def assert_valid(obj: dict[str, Any], versions: tuple[str, ...] = KUBERNETES_VERSIONS) -> None:

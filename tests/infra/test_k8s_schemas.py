@@ -1,8 +1,11 @@
-"""The schema validator itself: known-good objects pass, typos and wrong types fail, missing schemas say so."""
+"""The schema validator itself: known-good objects pass, typos and wrong types fail, missing schemas say so, and the
+vendored CRDs are the upstream bytes SOURCES.md lists."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -121,15 +124,94 @@ def test_strict_rules() -> None:
 
 
 def test_missing_schemas_fail_with_a_clear_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("GKE_TPU_RL_SCHEMAS", str(tmp_path / "nowhere"))
-    with pytest.raises(k8s_schemas.SchemasMissing, match="schemas not found at .*nowhere"):
+    monkeypatch.setattr(k8s_schemas, "CRDS_DIR", tmp_path / "nowhere")
+    with pytest.raises(k8s_schemas.SchemasMissing, match="vendored CRD schemas not found at .*nowhere"):
         k8s_schemas.require_schemas()
-    monkeypatch.delenv(k8s_schemas.ALLOW_MISSING_ENV, raising=False)
-    with pytest.raises(pytest.fail.Exception, match="GKE_TPU_RL_ALLOW_NO_SCHEMAS=1"):
+    with pytest.raises(pytest.fail.Exception, match="checkout is incomplete"):
         k8s_schemas.need_schemas()
-    monkeypatch.setenv(k8s_schemas.ALLOW_MISSING_ENV, "1")
-    with pytest.raises(pytest.skip.Exception):
-        k8s_schemas.need_schemas()
+    with pytest.raises(k8s_schemas.SchemasMissing, match="bundles no schemas for Kubernetes v1.99"):
+        k8s_schemas._definitions_file("v1.99")
+
+
+def _listed_sha256() -> dict[str, str]:
+    text = (k8s_schemas.CRDS_DIR / "SOURCES.md").read_text()
+    [block] = re.findall(r"^```sha256\n(.*?)^```$", text, re.M | re.S)
+    return {name: digest for digest, name in (line.split() for line in block.splitlines())}
+
+
+def test_vendored_crds_are_the_upstream_bytes_listed_in_sources() -> None:
+    listed = _listed_sha256()
+    on_disk = {p.relative_to(k8s_schemas.CRDS_DIR).as_posix(): p for p in k8s_schemas.CRDS_DIR.glob("*/*.yaml")}
+    assert sorted(on_disk) == sorted(listed)
+    for name, path in on_disk.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == listed[name], f"{name} differs from SOURCES.md"
+    crd_kinds = {(f"{g}/{v}", k) for g, v, k in k8s_schemas._crds()}
+    assert {k for _, k in crd_kinds} == {"JobSet", "RayJob", "AdmissionCheck", "ClusterQueue", "LocalQueue",
+                                         "ProvisioningRequestConfig", "ResourceFlavor", "WorkloadPriorityClass"}
+    assert crd_kinds <= k8s_schemas.known_kinds()
+
+
+RAYJOB: dict[str, Any] = {
+    "apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "r", "namespace": "rl"},
+    "spec": {"entrypoint": "python -m trainer", "rayClusterSpec": {
+        "headGroupSpec": {"rayStartParams": {}, "template": {"spec": {
+            "containers": [{"name": "head", "image": "ray"}]}}},
+        "workerGroupSpecs": [{"groupName": "w", "replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+                              "rayStartParams": {}, "template": {"spec": {
+                                  "containers": [{"name": "worker", "image": "ray"}]}}}]}},
+}
+BUILT_IN: list[dict[str, Any]] = [
+    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "rl"}},
+    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "sa", "namespace": "rl"}},
+    {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "namespace": "rl"}, "type": "Opaque",
+     "stringData": {"token": "x"}},
+    {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "c", "namespace": "rl"},
+     "spec": {"spec": {"devices": {"requests": [{"name": "d", "exactly": {"deviceClassName": "dc"}}]}}}},
+    {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "p", "namespace": "rl"},
+     "spec": {"podSelector": {}}},
+]
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    [(_, template), *_] = k8s_schemas.embedded_pod_templates(obj)
+    return template["spec"]
+
+
+# Each path (a CRD, a built-in kind, ObjectMeta of a CRD, a pod template embedded in a CRD) refuses an unknown field,
+# a wrong type and a null, for both releases.
+@pytest.mark.parametrize("kv", k8s_schemas.KUBERNETES_VERSIONS)
+@pytest.mark.parametrize(("obj", "at"), [
+    *(pytest.param(o, lambda o: o["metadata"], id=o["kind"]) for o in BUILT_IN),
+    pytest.param(LOCAL_QUEUE, lambda o: o["spec"], id="LocalQueue"),
+    pytest.param(LOCAL_QUEUE, lambda o: o["metadata"], id="LocalQueue-metadata"),
+    pytest.param(JOBSET, lambda o: _pod_spec(o)["containers"][0], id="JobSet-pod"),
+    pytest.param(RAYJOB, lambda o: _pod_spec(o)["containers"][0], id="RayJob-pod"),
+    pytest.param(RAYJOB, lambda o: o["spec"], id="RayJob"),
+])
+def test_every_path_refuses_unknown_fields_wrong_types_and_nulls(obj: dict[str, Any], at: Any, kv: str) -> None:
+    assert k8s_schemas.validate(obj, kv) == []
+    typo = copy.deepcopy(obj)
+    at(typo)["nmae"] = "x"
+    assert any("'nmae' was unexpected" in e for e in k8s_schemas.validate(typo, kv)), k8s_schemas.validate(typo, kv)
+    for value, message in ((["a"], "is not of type"), (None, "None is not of type")):
+        wrong = copy.deepcopy(obj)
+        field = next(k for k in ("name", "clusterQueue", "entrypoint") if k in at(wrong))
+        at(wrong)[field] = value
+        assert any(message in e for e in k8s_schemas.validate(wrong, kv)), (field, k8s_schemas.validate(wrong, kv))
+
+
+def test_not_null_removes_only_null() -> None:
+    schema = {"type": ["object", "null"], "properties": {
+        "a": {"type": ["string", "null"], "enum": ["x", None]},
+        "type": {"type": ["integer", "null"]},
+        "b": {"oneOf": [{"type": ["string", "null"]}, {"type": ["integer", "null"]}]},
+        "c": {"type": ["string", "integer", "null"]},
+    }}
+    out = k8s_schemas.not_null(schema)
+    assert out == {"type": "object", "properties": {
+        "a": {"type": "string", "enum": ["x"]}, "type": {"type": "integer"},
+        "b": {"oneOf": [{"type": "string"}, {"type": "integer"}]}, "c": {"type": ["string", "integer"]}}}
+    assert schema["properties"]["a"]["type"] == ["string", "null"]  # the input is left alone
 
 
 def test_network_policy_validates_strictly_from_the_bundled_schemas() -> None:
