@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                      help="text (tables for the terminal), markdown (a PR comment) or json")
     sub.add_parser("train", add_help=False, help="run the trainer (gke-tpu-rl train --help for its flags)")
+    ref = sub.add_parser(
+        "reference", help="print the stack or trainer config reference, or rewrite both docs with --write",
+        description="Renders docs/stack-config.md and docs/trainer-config.md from the typed specs "
+        "(infra/config.py, trainer/config.py): every key, its type, default, allowed values and description.")
+    ref.add_argument("doc", nargs="?", choices=("stack", "trainer"),
+                     help="which reference (default: both, or the stack's when printing)")
+    ref.add_argument("--write", action="store_true", help="write it (or both) under docs/ instead of printing")
     return p
 
 
@@ -209,6 +216,18 @@ def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
         raise ConfigError(f"{spec.env}: fit: {e}") from None
 
 
+def _reference(args: argparse.Namespace) -> int:
+    from infra import reference
+    from infra.plan import repo_root
+
+    if args.write:
+        for path in reference.write(repo_root(), [args.doc] if args.doc else None):
+            print(f"wrote {path}", file=sys.stderr)
+    else:
+        sys.stdout.write(reference.DOCS[args.doc or "stack"][1]())
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
@@ -217,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(train_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
+    if args.command == "reference":
+        return _reference(args)
     return _fit(args) if args.command == "fit" else _plan(args)
 
 

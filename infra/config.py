@@ -86,10 +86,12 @@ def _subnet(value: str) -> str:
 
 
 class DranetSpec(_Model):
-    enabled: bool = False
+    enabled: bool = Field(False, description="GKE managed DRANET: the multi-host pods of DRANET machines (ct6e, "
+                          "i.e. v6e) claim the NICs of extra high-MTU VPCs and send the DCN traffic between slices "
+                          "over them")
     networks: int | None = Field(None, ge=1, le=8, description="extra high-MTU networks; derived from the TPU "
                                  "catalog (the NICs of the DRANET machines) when unset, and must match it when set")
-    mtu: int = Field(8896, ge=1460, le=8896)
+    mtu: int = Field(8896, ge=1460, le=8896, description="MTU of the extra DRANET VPCs")
     cidrs: list[str] | None = Field(None, description="one subnet CIDR per extra network; derived when unset")
 
     @field_validator("cidrs")
@@ -102,11 +104,13 @@ class DranetSpec(_Model):
 
 
 class NetworkSpec(_Model):
-    node_cidr: str = "10.0.0.0/20"
-    pod_cidr: str = "10.16.0.0/14"
-    service_cidr: str = "10.20.0.0/20"
-    master_cidr: str = "172.16.0.0/28"
-    dranet: DranetSpec = DranetSpec()
+    node_cidr: str = Field("10.0.0.0/20", description="the node subnet's primary range")
+    pod_cidr: str = Field("10.16.0.0/14", description="the node subnet's secondary range for pod IPs")
+    service_cidr: str = Field("10.20.0.0/20", description="the node subnet's secondary range for Service IPs")
+    master_cidr: str = Field("172.16.0.0/28", description="the private control plane's IPv4 /28; like every "
+                             "range of the environment, it must not overlap the others")
+    dranet: DranetSpec = Field(DranetSpec(), description="extra high-MTU networks for the DCN traffic between "
+                               "multi-host slices (GKE managed DRANET)")
 
     @field_validator("node_cidr", "pod_cidr", "service_cidr")
     @classmethod
@@ -126,8 +130,9 @@ class NetworkSpec(_Model):
 
 
 class SystemPoolSpec(_Model):
-    machine_type: str = "e2-standard-8"
-    nodes: int = Field(2, ge=1, le=20)
+    machine_type: str = Field("e2-standard-8", description="machine type of the system pool; `plan` and "
+                              "`pulumi up` refuse one whose nodes cannot hold what is pinned to the pool")
+    nodes: int = Field(2, ge=1, le=20, description="nodes in the system pool")
 
     @field_validator("machine_type")
     @classmethod
@@ -138,19 +143,24 @@ class SystemPoolSpec(_Model):
 
 
 class ClusterSpec(_Model):
-    release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "RAPID"
+    release_channel: Literal["RAPID", "REGULAR", "STABLE"] = Field(
+        "RAPID", description="GKE release channel; the control plane and the node pools follow its upgrades")
     version_prefix: str | None = Field(
         None, description="a GKE minor like '1.34.': the cluster starts on the channel's newest version with that "
         "prefix (Cluster Toolkit's version_prefix); the channel's default when unset. Never a pinned patch, which "
         "GKE stops offering; the channel upgrades the cluster from there")
     ray_operator: bool | None = Field(
         None, description="the GKE Ray operator add-on (KubeRay); on by default when trainer.launcher is 'ray'")
-    system_pool: SystemPoolSpec = SystemPoolSpec()
-    master_authorized_cidrs: list[str] = Field(default_factory=list)
+    system_pool: SystemPoolSpec = Field(SystemPoolSpec(), description="the CPU node pool for what stays off the "
+                                        "TPU hosts: the JobSet and Kueue controllers, GKE's own pods, the Ray head")
+    master_authorized_cidrs: list[str] = Field(
+        default_factory=list, description="CIDR blocks allowed to reach the control plane's IP endpoint (master "
+        "authorized networks); empty: no allow-list")
     control_plane_endpoint: Literal["dns", "ip"] = Field(
         "dns", description="how `pulumi up` reaches the API server: the DNS-based endpoint (IAM-authenticated, "
         "reachable from any runner, no IP allow-list) or the IP endpoint (callers must be in masterAuthorizedCidrs)")
-    deletion_protection: bool = False
+    deletion_protection: bool = Field(False, description="GKE deletion protection: while true, the cluster "
+                                      "cannot be deleted (`pulumi destroy` fails)")
 
     @model_validator(mode="before")
     @classmethod
@@ -182,12 +192,15 @@ Capacity = Literal["on-demand", "spot", "reservation", "flex-start"]
 class SliceGroupSpec(_Model):
     """`count` identical slices of one shape; each slice becomes one node pool."""
 
-    name: str
-    tpu_type: str
-    topology: str
-    count: int = Field(1, ge=1, le=64)
-    capacity: Capacity = "on-demand"
-    reservation: str | None = None
+    name: str = Field(description="the group's name; its node pools are <name>-0, <name>-1, ...")
+    tpu_type: str = Field(description="TPU generation: a name or alias of the TPU catalog (infra/tpu.py)")
+    topology: str = Field(description="the slice's topology (chips along each axis); one the TPU type offers")
+    count: int = Field(1, ge=1, le=64, description="identical slices in the group, one node pool each")
+    capacity: Capacity = Field("on-demand", description="how the slices' VMs are obtained: on-demand, spot, a "
+                               "reservation (named in reservation), or flex-start (queued provisioning through "
+                               "Kueue's ProvisioningRequest)")
+    reservation: str | None = Field(None, description="the reservation's name; required with capacity "
+                                    "'reservation', and only then")
 
     @field_validator("name")
     @classmethod
@@ -229,9 +242,11 @@ class SliceGroupSpec(_Model):
 class StorageSpec(_Model):
     location: str | None = Field(None, description="bucket location; the region when unset")
     protect: bool = Field(True, description="retain the checkpoint bucket on destroy")
-    force_destroy: bool = False
-    versioning: bool = True
-    soft_delete_days: int = Field(7, ge=0, le=90)
+    force_destroy: bool = Field(False, description="let the bucket be deleted with its objects in it (needs "
+                                "protect: false)")
+    versioning: bool = Field(True, description="object versioning on the checkpoint bucket")
+    soft_delete_days: int = Field(7, ge=0, le=90, description="days Cloud Storage keeps deleted objects restorable: "
+                                  "0 (soft delete off) or 7 to 90")
 
     @field_validator("soft_delete_days")
     @classmethod
@@ -257,9 +272,9 @@ class StorageSpec(_Model):
 
 
 class ControllersSpec(_Model):
-    jobset_version: str = "0.12.0"
-    kueue_version: str = "0.19.2"
-    namespace: str = "gke-tpu-rl-system"
+    jobset_version: str = Field("0.12.0", description="the JobSet Helm chart's version")
+    kueue_version: str = Field("0.19.2", description="the Kueue Helm chart's version")
+    namespace: str = Field("gke-tpu-rl-system", description="namespace the JobSet and Kueue charts are installed in")
 
     @field_validator("jobset_version", "kueue_version")
     @classmethod
@@ -285,11 +300,14 @@ class ControllersSpec(_Model):
 
 
 class QueuesSpec(_Model):
-    namespace: str = "rl"
-    cluster_queue: str = "tpu-cluster-queue"
-    local_queue: str = "tpu"
+    namespace: str = Field("rl", description="namespace of the LocalQueue and the training job (its pods, service "
+                           "accounts and Hugging Face token secret)")
+    cluster_queue: str = Field("tpu-cluster-queue", description="name of the Kueue ClusterQueue that holds the TPU "
+                               "quota")
+    local_queue: str = Field("tpu", description="name of the Kueue LocalQueue the training job is queued in")
     priority_classes: dict[str, int] = Field(
-        default_factory=lambda: {"low": 100, "default": 500, "high": 1000})
+        default_factory=lambda: {"low": 100, "default": 500, "high": 1000},
+        description="Kueue WorkloadPriorityClasses: name to priority value (int32); trainer.priority names one")
 
     @field_validator("namespace", "local_queue")
     @classmethod
@@ -315,20 +333,26 @@ class QueuesSpec(_Model):
 
 
 class TrainerSpec(_Model):
-    enabled: bool = True
-    name: str = "grpo"
+    enabled: bool = Field(True, description="deploy the training job; false: the environment without one")
+    name: str = Field("grpo", description="name of the JobSet or RayJob")
     image: str | None = Field(None, description="a prebuilt trainer image; when unset the stack builds "
                               "trainer/Dockerfile, pushes it to the environment's registry and runs it by digest")
     image_tag: str = Field("latest", description="the tag the stack's build pushes (the JobSet uses the digest)")
     config: str | None = Field(None, description="trainer YAML by file name under trainer/configs/, passed to the "
                                "pod as --config; the trainer's embedded demo config when unset")
-    args: list[str] = Field(default_factory=list)
+    args: list[str] = Field(default_factory=list, description="arguments appended to the trainer's command line, "
+                            "e.g. [\"--set\", \"steps=200\"]")
     slice_group: str | None = Field(None, description="which slice group runs the trainer; the first when unset")
-    slices: int = Field(1, ge=1)
-    max_restarts: int = Field(3, ge=0, le=100)
-    priority: str = "default"
-    termination_grace_seconds: int = Field(600, ge=30, le=3600)
-    service_account: str = "trainer"
+    slices: int = Field(1, ge=1, description="slices of the trainer's group the job runs on, at most the group's "
+                        "count; with launcher 'ray', the most it grows to")
+    max_restarts: int = Field(3, ge=0, le=100, description="restarts of the whole job before it fails: the JobSet's "
+                              "failurePolicy.maxRestarts, or the RayJob's backoffLimit")
+    priority: str = Field("default", description="the job's Kueue priority class, a key of queues.priorityClasses")
+    termination_grace_seconds: int = Field(600, ge=30, le=3600, description="the trainer pods' termination grace "
+                                           "period, the time for the SIGTERM checkpoint; on the JobSet launcher it "
+                                           "is refused when below an estimate of that checkpoint's time")
+    service_account: str = Field("trainer", description="the trainer's Kubernetes service account, granted the "
+                                 "checkpoint bucket through workload identity")
     launcher: Literal["jobset", "ray"] = Field(
         "jobset", description="'jobset': a JobSet restarts every slice from the last checkpoint on any failure; "
         "'ray': a Kueue-queued elastic RayJob whose Ray Train JaxTrainer goes on with the slices left when one is "
@@ -376,17 +400,21 @@ class TrainerSpec(_Model):
 
 class EnvironmentSpec(_Model):
     env: str = Field(description="the environment (stack) name")
-    project: str
-    region: str
-    zone: str
-    labels: dict[str, str] = Field(default_factory=dict)
-    network: NetworkSpec = NetworkSpec()
-    cluster: ClusterSpec = ClusterSpec()
-    slices: list[SliceGroupSpec] = Field(min_length=1)
-    storage: StorageSpec = StorageSpec()
-    controllers: ControllersSpec = ControllersSpec()
-    queues: QueuesSpec = QueuesSpec()
-    trainer: TrainerSpec = TrainerSpec()
+    project: str = Field(description="the GCP project id")
+    region: str = Field(description="GCP region of the network, the registry and (by default) the bucket")
+    zone: str = Field(description="zone of the cluster (zonal) and of every node pool; in region")
+    labels: dict[str, str] = Field(default_factory=dict, description="labels added to the GCP resources (cluster, "
+                                   "node pools, bucket, registry) beside app and env")
+    network: NetworkSpec = Field(NetworkSpec(), description="the VPC's IP ranges and the DRANET networks")
+    cluster: ClusterSpec = Field(ClusterSpec(), description="the GKE Standard cluster and its CPU system pool")
+    slices: list[SliceGroupSpec] = Field(min_length=1, description="TPU slice groups: each is count identical "
+                                         "slices of one shape, one node pool per slice")
+    storage: StorageSpec = Field(StorageSpec(), description="the checkpoint bucket")
+    controllers: ControllersSpec = Field(ControllersSpec(), description="the JobSet and Kueue controllers, from "
+                                         "their upstream Helm charts")
+    queues: QueuesSpec = Field(QueuesSpec(), description="Kueue's queues and priority classes for the training job")
+    trainer: TrainerSpec = Field(TrainerSpec(), description="the training job: a JobSet, or an elastic RayJob with "
+                                 "launcher 'ray'")
 
     @field_validator("env")
     @classmethod

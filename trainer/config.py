@@ -38,27 +38,35 @@ class ModelConfig(_Strict):
     blended in between).
     """
 
-    vocab_size: int = Field(gt=0)
-    d_model: int = Field(gt=0)
-    n_layers: int = Field(gt=0)
-    n_heads: int = Field(gt=0)
-    n_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    d_ff: int = Field(gt=0)
+    vocab_size: int = Field(gt=0, description="embedding rows; at least the tokenizer's vocabulary")
+    d_model: int = Field(gt=0, description="hidden size")
+    n_layers: int = Field(gt=0, description="decoder layers")
+    n_heads: int = Field(gt=0, description="query heads; a multiple of n_kv_heads")
+    n_kv_heads: int = Field(gt=0, description="key/value heads (grouped-query attention)")
+    head_dim: int = Field(gt=0, description="size of each attention head; even (RoPE rotates half of it)")
+    d_ff: int = Field(gt=0, description="MLP intermediate size")
     # Both must be positive: a negative RoPE base or RMSNorm epsilon gives NaN activations, and training goes on NaN.
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-6, gt=0)
-    qk_norm: bool = False
-    tie_embeddings: bool = True
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    max_seq_len: int = Field(gt=0)
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
-    qkv_bias: bool = False
-    rope_type: Literal["default", "linear", "llama3"] = "default"
-    rope_factor: float = Field(1.0, gt=0)
-    rope_low_freq_factor: float = Field(1.0, gt=0)
-    rope_high_freq_factor: float = Field(4.0, gt=0)
-    rope_original_max_len: int | None = Field(None, gt=0)  # llama3: the pre-training context length
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+    qk_norm: bool = Field(False, description="RMSNorm on each head's queries and keys (Qwen3)")
+    tie_embeddings: bool = Field(True, description="the output projection reuses the token embedding")
+    param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights; "
+                                                         "compute.param_dtype overrides it")
+    max_seq_len: int = Field(gt=0, description="longest sequence, prompt plus completion")
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = Field(
+        None, description="the Hugging Face model_type the model came from and exports as; unset: inferred (qwen3 "
+        "with qk_norm, qwen2 with qkv_bias, else llama)")
+    qkv_bias: bool = Field(False, description="the q/k/v projections add a bias (Qwen2); o_proj never has one")
+    rope_type: Literal["default", "linear", "llama3"] = Field(
+        "default", description="RoPE frequency scaling as in transformers: default (none), linear (every inverse "
+        "frequency divided by rope_factor) or llama3 (Llama 3.1/3.2)")
+    rope_factor: float = Field(1.0, gt=0, description="RoPE scaling factor (linear, llama3)")
+    rope_low_freq_factor: float = Field(1.0, gt=0, description="llama3 scaling: wavelengths above "
+                                        "rope_original_max_len / this are divided by rope_factor")
+    rope_high_freq_factor: float = Field(4.0, gt=0, description="llama3 scaling: wavelengths below "
+                                         "rope_original_max_len / this are kept; above rope_low_freq_factor")
+    rope_original_max_len: int | None = Field(None, gt=0, description="llama3 scaling (required there): the "
+                                              "pre-training context length")
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -94,28 +102,37 @@ class ComputeConfig(_Strict):
     logprob_chunk: completion tokens whose [B, chunk, V] fp32 logits exist at once (recomputed in the backward).
     """
 
-    param_dtype: DType | None = None
-    dtype: DType | None = None
-    remat: Literal["none", "full", "dots"] = "none"
-    train_micro_batch_size: int | None = Field(None, gt=0)
-    logprob_chunk: int = Field(512, gt=0)
+    param_dtype: DType | None = Field(None, description="master weights and optimizer state; unset: "
+                                      "model.param_dtype, or the checkpoint's dtype")
+    dtype: DType | None = Field(None, description="matmul inputs, activations and the KV cache; unset: the param "
+                                "dtype (norms, softmax, logits and losses stay float32 either way)")
+    remat: Literal["none", "full", "dots"] = Field(
+        "none", description="recompute each decoder layer in the backward pass: none (keep every activation), full "
+        "(keep only the layer inputs), dots (keep matmul outputs without a batch dim, recompute the rest)")
+    train_micro_batch_size: int | None = Field(None, gt=0, description="global sequences per gradient-accumulation "
+                                               "micro-batch; unset: the whole minibatch in one pass")
+    logprob_chunk: int = Field(512, gt=0, description="completion tokens whose float32 logits exist at once "
+                               "(recomputed in the backward pass)")
     # The gradient-accumulation buffer (with train_micro_batch_size). float32 adds a params x 4 bytes buffer; bfloat16
     # halves it and rounds each micro-batch's sum to 8 mantissa bits: for bf16 training state that does not fit.
-    grad_accum_dtype: DType = "float32"
+    grad_accum_dtype: DType = Field("float32", description="the gradient-accumulation buffer (with "
+                                    "train_micro_batch_size); bfloat16 halves it and rounds each micro-batch's sum")
     # Run the decoder layers as one lax.scan (compile time flat in depth) or unrolled (XLA sees every layer: what
     # the preflight's cost model needs, and sometimes faster for shallow models).
-    scan_layers: bool = True
+    scan_layers: bool = Field(True, description="run the decoder layers as one lax.scan (compile time flat in "
+                              "depth); false: unrolled")
 
 
 class MeshConfig(_Strict):
     """Device mesh (slices, fsdp, tensor); at most one axis may be -1 (inferred from the device count)."""
 
-    slices: int = 1
-    fsdp: int = -1
-    tensor: int = 1
+    slices: int = Field(1, description="data-parallel axis across TPU slices (over DCN); -1: inferred")
+    fsdp: int = Field(-1, description="axis sharding the batch and the parameters (FSDP); -1: inferred")
+    tensor: int = Field(1, description="tensor-parallel axis; -1: inferred")
     # Shard parameters and optimizer state over slices x fsdp instead of fsdp alone (ZeRO-3 across slices, over
     # DCN): for a model whose training state does not fit one slice.
-    fsdp_across_slices: bool = False
+    fsdp_across_slices: bool = Field(False, description="shard parameters and optimizer state over slices x fsdp "
+                                     "instead of fsdp alone (ZeRO-3 across slices, over DCN)")
 
     def axes(self) -> dict[str, int]:
         return {"slices": self.slices, "fsdp": self.fsdp, "tensor": self.tensor}
@@ -124,86 +141,113 @@ class MeshConfig(_Strict):
 class TaskConfig(BaseModel):
     # Extra keys are task kwargs (e.g. `path` for gsm8k), so this section alone allows them.
     model_config = ConfigDict(extra="allow")
-    name: str = "digits"
+    name: str = Field("digits", description="the task: its prompts, answers and default rewards")
 
 
 class InitConfig(_Strict):
-    from_: Literal["random", "hf"] = Field("random", alias="from")
-    path: str | None = None
+    from_: Literal["random", "hf"] = Field("random", alias="from", description="random (the model section's "
+                                           "shape) or hf (a Hugging Face checkpoint in init.path)")
+    path: str | None = Field(None, description="local Hugging Face checkpoint directory (config.json, "
+                             "safetensors); required with init.from hf")
 
 
 class RLConfig(_Strict):
-    algo: Literal["grpo", "gspo", "dr_grpo"] = "grpo"
-    group_size: int = Field(8, ge=2)
-    prompts_per_step: int = Field(8, gt=0)
-    mu_iterations: int = Field(1, gt=0)
-    clip_eps: float = Field(0.2, ge=0)
-    clip_eps_high: float = Field(0.28, ge=0)
-    kl_beta: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    adv_eps: float = Field(1e-6, gt=0)
+    algo: Literal["grpo", "gspo", "dr_grpo"] = Field(
+        "grpo", description="grpo: a clipped ratio per token; gspo: one per sequence; dr_grpo: per token, with "
+        "no std division of the advantages and a constant (batch x max length) loss denominator")
+    group_size: int = Field(8, ge=2, description="completions sampled per prompt; advantages are relative to the "
+                            "group")
+    prompts_per_step: int = Field(8, gt=0, description="prompts per step; a step trains on prompts_per_step x "
+                                  "group_size sequences")
+    mu_iterations: int = Field(1, gt=0, description="passes over each step's batch")
+    clip_eps: float = Field(0.2, ge=0, description="the ratio's lower clip: 1 - clip_eps")
+    clip_eps_high: float = Field(0.28, ge=0, description="the ratio's upper clip: 1 + clip_eps_high")
+    kl_beta: float = Field(0.0, ge=0, description="weight of the KL penalty to the initial policy; 0: none (and no "
+                           "reference copy of the weights)")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="per-token KL estimate: k1 = log(pi/ref), k3 = r - "
+                                              "1 - log r with r = ref/pi")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = Field(
+        "token_mean", description="the mean of grpo's loss and of the KL term: over all tokens, or per sequence "
+        "then over sequences (dr_grpo ignores it)")
+    adv_eps: float = Field(1e-6, gt=0, description="added to the group's reward std before dividing by it")
     # PPO minibatches: each of the mu_iterations passes takes this many optimizer steps over disjoint parts of the
     # batch. 1 = one full-batch step per iteration.
-    minibatches: int = Field(1, gt=0)
+    minibatches: int = Field(1, gt=0, description="optimizer steps per pass, each over a disjoint part of the "
+                             "batch; divides it")
 
 
 class SamplingConfig(_Strict):
-    max_new_tokens: int = Field(16, gt=0)
+    max_new_tokens: int = Field(16, gt=0, description="the most tokens generated per completion")
     # Prompts are left-padded/truncated to this many tokens; None = max_seq_len - max_new_tokens.
-    max_prompt_len: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(0, ge=0)  # 0 = off
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_prompt_len: int | None = Field(None, gt=0, description="prompts are left-padded or truncated to this many "
+                                       "tokens; unset: model.max_seq_len - max_new_tokens")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0: greedy")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: off")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the likeliest tokens holding this much "
+                         "probability; 1: off")
     # Global sequences generated at once (the rollout batch is sampled in chunks of this size, so the KV cache
     # does not grow with prompts x group size). None = the whole batch at once.
-    max_num_sequences: int | None = Field(None, gt=0)
+    max_num_sequences: int | None = Field(None, gt=0, description="global sequences generated at once (the "
+                                          "rollout is sampled in chunks of this size); unset: the whole batch")
     # All-gather the weights over mesh.fsdp once per step, in the compute dtype, for sampling: decoding then needs
     # no all-gather per generated token. Costs params x bytes / mesh.tensor of HBM per chip while sampling.
-    gather_weights: bool = False
+    gather_weights: bool = Field(False, description="all-gather the weights over mesh.fsdp once per step for "
+                                 "sampling, so decoding needs no all-gather per token; costs HBM while sampling")
 
 
 class OptimConfig(_Strict):
     # adamw: two param-sized moments. adafactor: factored second moments and no first moment (optax.adafactor,
     # lr as an absolute step: multiply_by_parameter_scale off), for models whose Adam state does not fit.
-    name: Literal["adamw", "adafactor"] = "adamw"
-    lr: float = Field(1e-5, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = Field(0.0, ge=0)
+    name: Literal["adamw", "adafactor"] = Field(
+        "adamw", description="adamw, or adafactor (factored second moments, no first moment) for a model whose Adam "
+        "state does not fit")
+    lr: float = Field(1e-5, gt=0, description="peak learning rate")
+    warmup_steps: int = Field(0, ge=0, description="training steps of linear warmup from 0")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine schedule decays to lr x min_lr_ratio")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
     # Adam's decay rates lie in [0, 1): at 1 the bias correction divides by 1 - b**t = 0 (optax does not check;
     # torch.optim.Adam refuses betas outside [0, 1) for the same reason).
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.999, ge=0, lt=1)
-    clip_norm: float = Field(1.0, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1, description="Adam's first-moment decay rate")
+    b2: float = Field(0.999, ge=0, lt=1, description="Adam's second-moment decay rate")
+    clip_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
 
 
 class CheckpointConfig(_Strict):
-    every: int = Field(0, ge=0)  # 0 = only at the end / on SIGTERM
-    keep: int = Field(3, gt=0)
-    dir: str | None = None  # default: $CHECKPOINT_DIR, else <run_dir>/checkpoints
-    async_save: bool = True
+    every: int = Field(0, ge=0, description="save every N steps; 0: only at the end and on SIGTERM")
+    keep: int = Field(3, gt=0, description="checkpoints kept")
+    dir: str | None = Field(None, description="checkpoint directory; unset: $CHECKPOINT_DIR, else "
+                            "<run_dir>/checkpoints")
+    async_save: bool = Field(True, description="write checkpoints in the background while training goes on")
 
 
 class TrainConfig(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)  # holds a list: not frozen
 
-    model: ModelConfig | None = None  # required for random init; read from the checkpoint for hf init
-    mesh: MeshConfig = MeshConfig()
-    task: TaskConfig = TaskConfig()
-    rewards: list[str] | None = None  # None = the task's reward_names
-    tokenizer: str = "char"
-    init: InitConfig = InitConfig()
-    compute: ComputeConfig = ComputeConfig()
-    rl: RLConfig = RLConfig()
-    sampling: SamplingConfig = SamplingConfig()
-    optim: OptimConfig = OptimConfig()
-    steps: int = Field(100, gt=0)
-    seed: int = Field(0, ge=-(2**63), lt=2**63)  # jax.random.PRNGKey takes an int64 seed
-    run_dir: str = Field("runs/default", min_length=1)
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    log_every: int = Field(1, gt=0)
-    progress: bool = True  # rich progress bar on process 0 when stdout is a terminal
+    model: ModelConfig | None = Field(None, description="the decoder's shape; required with init.from random, "
+                                      "omitted with hf (read from the checkpoint's config.json)")
+    mesh: MeshConfig = Field(MeshConfig(), description="the device mesh, slices x fsdp x tensor; at most one axis "
+                             "may be -1, inferred from the device count")
+    task: TaskConfig = Field(TaskConfig(), description="the prompt task; this section's other keys are the task's "
+                             "options (e.g. path for gsm8k)")
+    rewards: list[str] | None = Field(None, description="reward functions; a completion's reward is their sum; "
+                                      "unset: the task's own")
+    tokenizer: str = Field("char", description="char (the built-in character tokenizer) or a local directory "
+                           "holding tokenizer.json")
+    init: InitConfig = Field(InitConfig(), description="where the initial weights come from")
+    compute: ComputeConfig = Field(ComputeConfig(), description="how the step spends memory and FLOPs; none of it "
+                                   "changes the maths beyond float rounding")
+    rl: RLConfig = Field(RLConfig(), description="the policy-gradient algorithm and the batch of a step")
+    sampling: SamplingConfig = Field(SamplingConfig(), description="generating the rollouts")
+    optim: OptimConfig = Field(OptimConfig(), description="the optimizer and its warmup + cosine schedule")
+    steps: int = Field(100, gt=0, description="training steps")
+    # jax.random.PRNGKey takes an int64 seed
+    seed: int = Field(0, ge=-(2**63), lt=2**63, description="the random seed (int64)")
+    run_dir: str = Field("runs/default", min_length=1, description="where metrics.jsonl, config.yaml and (by "
+                         "default) checkpoints go; the --run-dir flag overrides it")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="saving and resuming")
+    log_every: int = Field(1, gt=0, description="print a metrics line every N steps (when there is no progress "
+                           "bar)")
+    progress: bool = Field(True, description="a progress bar on process 0 when stdout is a terminal")
 
     @property
     def prompt_len(self) -> int:
