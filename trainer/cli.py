@@ -75,6 +75,31 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def check_cpu_mesh(cfg: TrainConfig) -> None:
+    """A single process on CPU: a mesh that does not fit its CPU devices is one ConfigError line with the fix, raised
+    before the run starts (only the CPU backend is started here, which prints nothing)."""
+    import jax
+
+    if jax.config.jax_platforms != "cpu":
+        return  # TPU/GPU or undecided: train() checks the mesh against whatever backend JAX picks
+    n = jax.device_count()
+    axes = cfg.mesh.axes()
+    need = 1
+    for v in axes.values():
+        need *= v if v != -1 else 1
+    if n % need == 0:
+        return  # fits (a -1 axis takes the rest); the batch checks follow in train()
+    mesh = " x ".join(f"{k}={v}" for k, v in axes.items())
+    sized = f"a multiple of {need}" if -1 in axes.values() else str(need)
+    slices = max(axes["slices"], 1)
+    have = f"{n} CPU device{'s' if n != 1 else ''}"
+    raise ConfigError(
+        f"the mesh {mesh} needs {sized} devices but this CPU run has {have}; run it as local processes: "
+        f"--local-processes {slices} --devices-per-process {need // slices}, or shrink the mesh: "
+        f"--set mesh.slices=1 --set mesh.fsdp={n} --set mesh.tensor=1"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -110,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             if not is_transient(err):
                 raise
             return _restart_me(err)
+        if not info.multi_process:
+            check_cpu_mesh(checked)
         if info.multi_process and info.cpu_devices:
             from trainer.launch import quiet_native_stdout
 

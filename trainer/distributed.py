@@ -5,6 +5,8 @@ With none of the variables set the trainer runs as a single process and never ca
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import sys
 import threading
@@ -132,6 +134,34 @@ def _exit_unless_cancelled(info: ProcessInfo, code: int) -> threading.Timer:
     return timer
 
 
+def _visible_accelerator(env: Mapping[str, str]) -> bool:
+    """Whether this host may have a TPU or GPU for JAX, judged without starting a backend: device nodes, the PCI
+    scan jax itself uses, and the variables that ask for TPU. Errs towards True (then JAX chooses, as it always did)."""
+    if any(env.get(n) for n in ("JAX_FORCE_TPU_INIT", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")):
+        return True
+    # TPU VMs and GKE TPU pods: /dev/accel* (v2-v4) or /dev/vfio/N (v5e and later); GPUs: /dev/nvidia*, /dev/kfd.
+    if any(glob.glob(p) for p in ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia*", "/dev/kfd", "/dev/dxg")):
+        return True
+    try:
+        from jax._src import hardware_utils as hw
+
+        return hw.num_available_tpu_chips_and_device_id()[0] > 0 or hw.has_visible_nvidia_gpu()
+    except Exception:  # a jax without these helpers: cannot tell, so do not choose for it
+        return True
+
+
+def cpu_only_host(env: Mapping[str, str] | None = None) -> bool:
+    """True when JAX would end up on CPU anyway but would first start libtpu (installed by jax[tpu] on any Linux
+    x86_64 machine), which then prints start-up errors about a TPU that is not there: no platform chosen
+    (JAX_PLATFORMS), libtpu installed, and no TPU or GPU visible."""
+    import jax
+
+    env = os.environ if env is None else env
+    if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
+        return False
+    return not _visible_accelerator(env)
+
+
 def initialize_from_env(env: Mapping[str, str] | None = None, *, exit_on_timeout: int | None = None) -> ProcessInfo:
     """Configure JAX for this process; must run before anything touches a JAX backend.
 
@@ -147,6 +177,10 @@ def initialize_from_env(env: Mapping[str, str] | None = None, *, exit_on_timeout
         jax.config.update("jax_num_cpu_devices", info.cpu_devices)
         if info.multi_process:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    elif not info.multi_process and cpu_only_host(env):
+        # A plain run on a machine without accelerators (`gke-tpu-rl train`): CPU without trying libtpu first. A pod
+        # of the JobSet (multi-process, no TRAINER_CPU_DEVICES) always leaves the choice to JAX.
+        jax.config.update("jax_platforms", "cpu")
     if info.multi_process:
         watchdog = None if exit_on_timeout is None else _exit_unless_cancelled(info, exit_on_timeout)
         try:

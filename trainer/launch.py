@@ -7,6 +7,7 @@ process fails the others are stopped, and the first failure's exit code is retur
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,8 +43,19 @@ def child_env(
     return env
 
 
-# Gloo prints a connection line per collective group, on stdout, from C++: noise, not progress.
-_NOISE = (b"[Gloo] Rank ",)
+ENV_VERBOSE = "TRAINER_VERBOSE"  # 1: keep the native chatter (gloo's connection lines) the children drop
+
+# Gloo prints a connection line per collective group, on stdout, from C++: noise, not progress. It is written in
+# pieces, and groups connect on several threads at once, so the pieces of two lines can interleave
+# ("[Gloo] Rank [Gloo] Rank 2 is connected ...\n3 is connected ...\n"): a line is noise when it is made of these
+# pieces only, so a line with anything else in it (a real error) is always kept.
+_GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer ranks is : |\d+|\s+"
+)
+
+
+def is_gloo_noise(line: bytes) -> bool:
+    return (b"[Gloo] Rank " in line or b" is connected to " in line) and not _GLOO_PIECES.sub(b"", line)
 
 
 def _forward(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
@@ -54,7 +66,10 @@ def _forward(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
 
 def quiet_native_stdout() -> None:
     """In a child: send fd 1 (native code's stdout) through a filter that drops gloo's connection lines,
-    while Python's sys.stdout keeps the original stream (so a terminal still shows the live progress bar)."""
+    while Python's sys.stdout keeps the original stream (so a terminal still shows the live progress bar).
+    TRAINER_VERBOSE=1 leaves fd 1 alone."""
+    if os.environ.get(ENV_VERBOSE, "") not in ("", "0"):
+        return
     sys.stdout.flush()
     original_fd = os.dup(1)
     read_fd, write_fd = os.pipe()
@@ -65,7 +80,7 @@ def quiet_native_stdout() -> None:
     def pump() -> None:
         with open(read_fd, "rb", closefd=True) as native:
             for line in iter(native.readline, b""):
-                if not line.startswith(_NOISE):
+                if not is_gloo_noise(line):
                     os.write(original_fd, line)
 
     threading.Thread(target=pump, daemon=True, name="native-stdout-filter").start()
