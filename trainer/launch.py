@@ -49,13 +49,15 @@ ENV_VERBOSE = "TRAINER_VERBOSE"  # 1: keep the native chatter (gloo's connection
 # pieces, and groups connect on several threads at once, so the pieces of two lines can interleave
 # ("[Gloo] Rank [Gloo] Rank 2 is connected ...\n3 is connected ...\n"): a line is noise when it is made of these
 # pieces only, so a line with anything else in it (a real error) is always kept.
-_GLOO_PIECES = re.compile(
-    rb"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer ranks is : |\d+|\s+"
-)
+_GLOO_WORDS = (rb"\[Gloo\] Rank", rb"is connected to", rb"peer ranks\.",
+               rb"Expected number of connected peer ranks is :")
+_GLOO_WORD = re.compile(b"|".join(_GLOO_WORDS))
+_GLOO_PIECES = re.compile(b"|".join((*_GLOO_WORDS, rb"\d+", rb"\s+")))
 
 
 def is_gloo_noise(line: bytes) -> bool:
-    return (b"[Gloo] Rank " in line or b" is connected to " in line) and not _GLOO_PIECES.sub(b"", line)
+    # Any fragment of a connection line ("3 peer ranks. Expected ... is : 3" too), and nothing but such fragments.
+    return bool(_GLOO_WORD.search(line)) and not _GLOO_PIECES.sub(b"", line)
 
 
 def _forward(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
