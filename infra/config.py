@@ -332,6 +332,42 @@ class QueuesSpec(_Model):
         return v
 
 
+_HF_REPO = re.compile(r"^[A-Za-z0-9][-\w.]{0,95}/[-\w.]{1,96}$")
+
+
+class StageSpec(_Model):
+    """What a Job stages into the bucket before the trainer starts (python -m trainer.stage, workloads/stage.py):
+    the Hugging Face model behind the trainer config's init.path and the dataset file behind its task.path."""
+
+    model: str | None = Field(None, description="Hugging Face model repo (ORG/NAME) downloaded into the trainer "
+                              "config's init.path, e.g. Qwen/Qwen3-0.6B; gated repos need gke-tpu-rl:hfToken")
+    revision: str | None = Field(None, description="branch, tag or commit of the model repo; its default branch "
+                                 "when unset")
+    dataset: str | None = Field(None, description="Hugging Face dataset repo (ORG/NAME) one file of which becomes the "
+                                "trainer config's task.path, e.g. openai/gsm8k")
+    dataset_file: str | None = Field(None, description="that file's path in the dataset repo (.parquet or .jsonl), "
+                                     "e.g. main/train-00000-of-00001.parquet")
+    timeout_minutes: int = Field(180, ge=5, le=1440, description="how long `pulumi up` waits for the staging Job "
+                                 "before it gives up (a 70B model is about 140 GB)")
+
+    @field_validator("model", "dataset")
+    @classmethod
+    def _repo(cls, v: str | None) -> str | None:
+        if v is not None and not _HF_REPO.match(v):
+            raise ValueError(f"{v!r} is not a Hugging Face repo id like ORG/NAME")
+        return v
+
+    @model_validator(mode="after")
+    def _pairs(self) -> StageSpec:
+        if (self.dataset is None) != (self.dataset_file is None):
+            raise ValueError("stage.dataset and stage.datasetFile go together")
+        if self.revision is not None and self.model is None:
+            raise ValueError("stage.revision needs stage.model")
+        if self.model is None and self.dataset is None:
+            raise ValueError("stage: set model, or dataset with datasetFile, or leave stage out")
+        return self
+
+
 class TrainerSpec(_Model):
     enabled: bool = Field(True, description="deploy the training job; false: the environment without one")
     name: str = Field("grpo", description="name of the JobSet or RayJob")
@@ -362,6 +398,8 @@ class TrainerSpec(_Model):
         "`slices` is the most")
     max_failures: int = Field(3, ge=0, le=100, description="launcher 'ray' only: Ray Train's FailureConfig, "
                               "worker-group restarts before the run fails")
+    stage: StageSpec | None = Field(None, description="stage the model weights and the dataset into the bucket with "
+                                    "a Job before the trainer is created (the trainer's pods read them from there)")
 
     @field_validator("name")
     @classmethod

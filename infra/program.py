@@ -17,7 +17,7 @@ from infra.queues import Queues, QueuesArgs
 from infra.registry import Registry, RegistryArgs
 from infra.slices import TpuSlices, TpuSlicesArgs
 from infra.storage import Storage, StorageArgs
-from infra.trainer_job import TrainerJob, TrainerJobArgs
+from infra.trainer_job import TrainerJob, TrainerJobArgs, stage_targets
 
 
 def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
@@ -68,4 +68,5 @@ def main() -> None:
     spec = load_spec()
     system_pool.check(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
     grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
+    stage_targets(spec)  # what trainer.stage fetches has a place on the bucket the trainer config reads
     build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))

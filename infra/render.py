@@ -166,6 +166,10 @@ FIELDS: dict[str, list[Field]] = {
         ("tpuPerPod", f"{_POD}.containers[0].resources.limits.google\\.com/tpu"),
         ("nodeSelector", f"{_POD}.nodeSelector"), ("maxRestarts", "spec.failurePolicy.maxRestarts"),
         ("image", f"{_POD}.containers[0].image")],
+    "kubernetes:batch/v1:Job": [
+        ("runs", lambda i: " ".join(path_get(i, "spec.template.spec.containers[0].command") or [])),
+        ("pool", "spec.template.spec.nodeSelector"),
+    ],
     "kubernetes:ray.io/v1:RayJob": [
         ("queue", "metadata.labels.kueue\\.x-k8s\\.io/queue-name"),
         ("priority", "metadata.labels.kueue\\.x-k8s\\.io/priority-class"),

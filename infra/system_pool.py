@@ -23,6 +23,7 @@ from infra.machines import (
     requests_of,
 )
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES, SUBMITTER_REQUESTS
+from workloads.stage import STAGE_RESOURCES
 from workloads.trainer_pod import GCSFUSE_SIDECAR
 
 POOL_KEY = f"{NAMESPACE}:cluster.systemPool"
@@ -111,13 +112,25 @@ def ray_head() -> Pod:
         "ray-head": requests_of(HEAD_RESOURCES),
         "autoscaler": requests_of(AUTOSCALER_RESOURCES),
         "submitter": requests_of(SUBMITTER_REQUESTS),
-        "gcsfuse sidecar": Requests(cpu_millicores(GCSFUSE_SIDECAR["gke-gcsfuse/cpu-request"]),
-                                    memory_mib(GCSFUSE_SIDECAR["gke-gcsfuse/memory-request"])),
+        "gcsfuse sidecar": _sidecar(),
     }
     total = Requests(0, 0)
     for r in parts.values():
         total = total + r
     return Pod("Ray head", total, " + ".join(f"{n} {r.vcpu}" for n, r in parts.items()) + " vCPU")
+
+
+def _sidecar() -> Requests:
+    return Requests(cpu_millicores(GCSFUSE_SIDECAR["gke-gcsfuse/cpu-request"]),
+                    memory_mib(GCSFUSE_SIDECAR["gke-gcsfuse/memory-request"]))
+
+
+def stage_pod() -> Pod:
+    """The staging Job's pod (trainer.stage): its container and the gcsfuse sidecar. It runs before the trainer, so
+    it never overlaps a Ray head of the same environment, but counting both keeps the check simple and safe."""
+    total = requests_of(STAGE_RESOURCES) + _sidecar()
+    return Pod("staging Job", total, f"stage {requests_of(STAGE_RESOURCES).vcpu} + gcsfuse sidecar "
+               f"{_sidecar().vcpu} vCPU")
 
 
 def pinned_pods(spec: EnvironmentSpec) -> list[Pod]:
@@ -131,6 +144,8 @@ def pinned_pods(spec: EnvironmentSpec) -> list[Pod]:
     pods.append(Pod("GKE add-ons", GKE_CLUSTER_ADDONS))
     if spec.runs_on_ray:
         pods.append(ray_head())
+    if spec.trainer.enabled and spec.trainer.stage is not None:
+        pods.append(stage_pod())
     return pods
 
 

@@ -7,15 +7,40 @@ from dataclasses import dataclass
 
 import pulumi
 
-from infra.config import EnvironmentSpec
+from infra.config import NAMESPACE, ConfigError, EnvironmentSpec
 from infra.k8s import apply
-from workloads import core, dra, jobset, rayjob, trainer_pod
+from workloads import core, dra, jobset, rayjob, stage, trainer_pod
 from workloads.labels import MANAGED_BY
 
 # Any change to what the stack renders for the training job replaces it (see TrainerJob).
 REPLACE_ON_CHANGES = ("spec", "metadata")
 # Beyond the pods' grace period: the API server and controllers deleting the Jobs and pods in order.
 DELETE_MARGIN_S = 300
+
+
+def stage_targets(spec: EnvironmentSpec) -> stage.StageTargets | None:
+    """Where trainer.stage puts the model and the dataset: the trainer config's own init.path and task.path (as the
+    pods get it), which must lie on the bucket's mount. None without trainer.stage. Raises ConfigError."""
+    from infra.fit import env_job
+
+    s = spec.trainer.stage
+    if not spec.trainer.enabled or s is None:
+        return None
+    cfg = env_job(spec).cfg
+    mount = trainer_pod.CHECKPOINT_MOUNT + "/"
+    model_dir = dataset_file = None
+    if s.model is not None:
+        model_dir = cfg.init.path if cfg.init.from_ == "hf" else None
+        if not model_dir or not model_dir.startswith(mount):
+            raise ConfigError(f"{NAMESPACE}:trainer.stage.model: the trainer config must read a Hugging Face "
+                              f"checkpoint from the bucket (init: {{from: hf, path: {mount}...}}); it has init.from "
+                              f"{cfg.init.from_!r}, init.path {cfg.init.path!r}")
+    if s.dataset is not None:
+        dataset_file = getattr(cfg.task, "path", None)
+        if not dataset_file or not str(dataset_file).startswith(mount):
+            raise ConfigError(f"{NAMESPACE}:trainer.stage.dataset: the trainer config's task must read its data from "
+                              f"the bucket (task.path under {mount}); it has {dataset_file!r}")
+    return stage.StageTargets(model_dir, dataset_file)
 
 
 def delete_timeout_s(spec: EnvironmentSpec) -> int:
@@ -52,6 +77,12 @@ class TrainerJob(pulumi.ComponentResource):
             deps.append(apply(dra.netdev_claim_template(claim, ns, nics), child))
         refs = trainer_pod.TrainerRefs(image=args.image, bucket=spec.bucket_name,
                                        service_account=t.service_account, hf_secret=hf_secret, claim_template=claim)
+        if (targets := stage_targets(spec)) is not None:
+            # Created, and completed, before the trainer: `pulumi up` waits on the Job (pulumi-kubernetes awaits a
+            # batch/v1 Job's Complete condition) up to trainer.stage.timeoutMinutes.
+            deps.append(apply(stage.stage_job(spec, refs, targets), pulumi.ResourceOptions(
+                parent=self, depends_on=list(deps), delete_before_replace=True,
+                custom_timeouts=pulumi.CustomTimeouts(create=f"{spec.trainer.stage.timeout_minutes}m"))))
         if t.launcher == "ray":
             head = spec.ray_head_service_account
             deps.append(apply(core.service_account(head, ns), child))

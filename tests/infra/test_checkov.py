@@ -116,13 +116,19 @@ def write_manifests(plans: dict[str, PlanResult], root: Path) -> tuple[int, list
         objects = kubernetes_objects(plans[env])
         jobs = [job for o in objects if o["kind"] == "JobSet" for job in replicated_jobs(o)]
         jobs += [pod for o in objects if o["kind"] == "RayJob" for pod in ray_pods(o)]
-        assert not any(o["kind"] in ("Job", "Pod") for o in objects), "a real Job or Pod would collide with stand-ins"
+        # Real Jobs and Pods (the staging Job) are scanned as they are; none may share a stand-in's name.
+        real = [o for o in objects if o["kind"] in ("Job", "Pod")]
+        stand_ins = {(j["kind"], j["metadata"]["namespace"], j["metadata"]["name"]) for j in jobs}
+        clash = [o for o in real if (o["kind"], o["metadata"].get("namespace", "default"), o["metadata"]["name"])
+                 in stand_ins]
+        assert not clash, "a real Job or Pod collides with a stand-in"
         out = root / env
         out.mkdir(parents=True)
         for name, obj in zip(manifest_filenames(objects + jobs), objects + jobs, strict=True):
             (out / name).write_text(yaml.safe_dump(obj, sort_keys=False))
         documents += len(objects) + len(jobs)
-        pod_templates += [f"{env}/{j['kind']}.{j['metadata']['namespace']}.{j['metadata']['name']}" for j in jobs]
+        pod_templates += [f"{env}/{j['kind']}.{j['metadata']['namespace']}.{j['metadata']['name']}"
+                          for j in jobs + real]
     return documents, pod_templates
 
 

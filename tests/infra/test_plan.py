@@ -177,7 +177,7 @@ def test_kubernetes_objects_are_manifests(plans: dict[str, PlanResult]) -> None:
     objects = kubernetes_objects(plan)
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(["Namespace", "ClusterQueue", "LocalQueue", "ResourceFlavor", "WorkloadPriorityClass",
-                            "WorkloadPriorityClass", "WorkloadPriorityClass", "ServiceAccount", "JobSet",
+                            "WorkloadPriorityClass", "WorkloadPriorityClass", "ServiceAccount", "JobSet", "Job",
                             "ResourceClaimTemplate"])
     for o in objects:
         assert list(o)[:3] == ["apiVersion", "kind", "metadata"]

@@ -29,6 +29,12 @@ def _with_pool(config: dict[str, Any], machine_type: str, nodes: int) -> dict[st
     return {**config, NS + "cluster": cluster}
 
 
+def _without_staging(config: dict[str, Any]) -> dict[str, Any]:
+    """The environment without its staging Job (tests of the Ray head's own fit)."""
+    trainer = {k: v for k, v in config[NS + "trainer"].items() if k != "stage"}
+    return {**config, NS + "trainer": trainer}
+
+
 class _Recording(mockrun.RecordingMonitor):
     made: list[mockrun.RecordingMonitor] = []
 
@@ -134,7 +140,7 @@ def test_pods_are_packed_per_node_not_summed() -> None:
     placed, unplaced = sp.pack(pods, 2, free)
     assert [p.name for p in unplaced] == ["big"] and [[p.name for p in n] for n in placed] == [["small"], []]
     # dev's Ray head (9.7 GiB) on three e2-highcpu-8 (8 GiB each): enough memory in all, on no single node.
-    spec = _spec("dev", _with_pool(stack_config("dev"), "e2-highcpu-8", 3))
+    spec = _spec("dev", _with_pool(_without_staging(stack_config("dev")), "e2-highcpu-8", 3))
     result = sp.fit(spec)
     assert result.requested.memory_mib < 3 * result.free.memory_mib
     assert [p.name for p in result.unplaced] == ["Ray head"]
@@ -170,7 +176,7 @@ def test_every_shipped_environment_fits(path: Path) -> None:
 def test_the_old_dev_pool_is_refused_by_plan_with_the_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """dev as it shipped (one e2-standard-4, trainer on Ray): the Ray head alone takes 3.5 of its 3.92 vCPU."""
-    config = _with_pool(stack_config("dev"), "e2-standard-4", 1)
+    config = _with_pool(_without_staging(stack_config("dev")), "e2-standard-4", 1)
     rc, err, registered = _plan(tmp_path, "dev", config, monkeypatch, capsys)
     assert rc == 2, err
     assert registered == []
