@@ -114,7 +114,10 @@ class Chaos:
         return ev
 
     def _after(self, ev: dict[str, Any], world: int | None = None) -> None:
-        rec = self._wait(f"a step after {ev['kind']}", lambda r: r["time"] > ev["time"] and
+        # The first step of a worker-group attempt that started after the event (rank 0's pid tells attempts apart):
+        # a step the old group was finishing when the event came can still be reported after it.
+        old = {r["pid"] for r in read_jsonl(self.run / "ray_steps.jsonl") if r["time"] <= ev["time"]}
+        rec = self._wait(f"a step after {ev['kind']}", lambda r: r["time"] > ev["time"] and r["pid"] not in old and
                          (world is None or r["world"] == world))
         ev.update(next_step=rec["step"], world_after=rec["world"], next_step_after_s=round(rec["time"] - ev["time"], 1))
         log(f"{ev['kind']}: step {rec['step']} on {rec['world']} worker(s) {ev['next_step_after_s']} s later")
