@@ -58,10 +58,7 @@ class ChartPods:
 
     @property
     def requests(self) -> Requests:
-        total = Requests(0, 0)
-        for c in self.containers.values():
-            total = total + requests_of(c)
-        return total
+        return sum((requests_of(c) for c in self.containers.values()), Requests(0, 0))
 
 
 # Keyed by chart version: a version bump without reading its chart is refused (requests and containers change between
@@ -114,10 +111,8 @@ def ray_head() -> Pod:
         "submitter": requests_of(SUBMITTER_REQUESTS),
         "gcsfuse sidecar": _sidecar(),
     }
-    total = Requests(0, 0)
-    for r in parts.values():
-        total = total + r
-    return Pod("Ray head", total, " + ".join(f"{n} {r.vcpu}" for n, r in parts.items()) + " vCPU")
+    return Pod("Ray head", sum(parts.values(), Requests(0, 0)),
+               " + ".join(f"{n} {r.vcpu}" for n, r in parts.items()) + " vCPU")
 
 
 def _sidecar() -> Requests:
@@ -168,10 +163,7 @@ class Fit:
 
     @property
     def requested(self) -> Requests:
-        total = Requests(0, 0)
-        for p in self.pods:
-            total = total + p.requests
-        return total
+        return sum((p.requests for p in self.pods), Requests(0, 0))
 
     @property
     def pool(self) -> str:

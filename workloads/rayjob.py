@@ -13,6 +13,7 @@ import shlex
 from typing import Any
 
 from infra.config import EnvironmentSpec
+from infra.machines import Requests, requests_of
 from workloads import labels as L
 from workloads.trainer_pod import (
     CONTAINER_SECURITY,
@@ -67,20 +68,10 @@ JOB_LABEL = "gke-tpu-rl/rayjob"
 AUTH_OPTIONS = {"mode": "token"}
 
 
-def _millicores(q: str) -> int:
-    return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
-
-
-def _mebibytes(q: str) -> int:
-    units = {"Mi": 1, "Gi": 1024}
-    return int(q[:-2]) * units[q[-2:]]
-
-
 def head_quota() -> dict[str, str]:
     """CPU and memory Kueue counts for the head pod set: the head, the autoscaler and the submitter."""
-    parts = (HEAD_RESOURCES, AUTOSCALER_RESOURCES, SUBMITTER_REQUESTS)
-    cpu = sum(_millicores(p["cpu"]) for p in parts)
-    memory = sum(_mebibytes(p["memory"]) for p in parts)
+    total = sum((requests_of(p) for p in (HEAD_RESOURCES, AUTOSCALER_RESOURCES, SUBMITTER_REQUESTS)), Requests(0, 0))
+    cpu, memory = int(total.cpu_m), int(total.memory_mib)
     return {"cpu": f"{cpu // 1000}" if cpu % 1000 == 0 else f"{cpu}m", "memory": f"{memory}Mi"}
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from infra import tpu
 from infra.config import ConfigError, EnvironmentSpec, parse_spec
+from infra.machines import cpu_millicores, memory_mib
 from tests import k8s_schemas
 from tests.infra.test_config import _raw
 from workloads import jobset, kueue, rayjob, trainer_pod
@@ -153,8 +154,8 @@ def test_kueue_quota_covers_the_head_pod_set_exactly() -> None:
     head = obj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     autoscaler = obj["spec"]["rayClusterSpec"]["autoscalerOptions"]["resources"]["requests"]
     assert obj["spec"]["submissionMode"] == "SidecarMode"
-    cpu_m = rayjob._millicores(head["resources"]["requests"]["cpu"]) + rayjob._millicores(autoscaler["cpu"]) + 500
-    mem_mi = rayjob._mebibytes(head["resources"]["requests"]["memory"]) + rayjob._mebibytes(autoscaler["memory"]) + 200
+    cpu_m = int(cpu_millicores(head["resources"]["requests"]["cpu"]) + cpu_millicores(autoscaler["cpu"]) + 500)
+    mem_mi = int(memory_mib(head["resources"]["requests"]["memory"]) + memory_mib(autoscaler["memory"]) + 200)
     cq = kueue.cluster_queue(spec)
     [system] = [g for g in cq["spec"]["resourceGroups"] if g["coveredResources"] == ["cpu", "memory"]]
     [flavor] = system["flavors"]
