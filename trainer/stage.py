@@ -89,14 +89,21 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Write through a temporary file in the same folder and a file rename (fine on GCS FUSE)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{PARTIAL}")
+@contextmanager
+def _replacing(dest: Path) -> Iterator[Path]:
+    """A temporary file beside `dest` to write; renamed onto `dest` when the block succeeds (a file rename: fine on
+    GCS FUSE), removed either way."""
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}{PARTIAL}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
-        os.replace(tmp, path)
+        yield tmp
+        os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with _replacing(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -110,12 +117,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _place(src: str | Path, dest: Path) -> int:
     """Copy src onto dest through a temporary name beside it and a rename; the bytes written."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}{PARTIAL}")
-    try:
+    with _replacing(dest) as tmp:
         shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dest.stat().st_size
 
 
@@ -525,13 +528,9 @@ def stage_dataset(repo: str, filename: str, dest: str | Path, revision: str | No
     log(f"fetched {repo}/{filename} ({human(path.stat().st_size)}) at commit {commit}")
     out.parent.mkdir(parents=True, exist_ok=True)
     marker_path.unlink(missing_ok=True)
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}{PARTIAL}")
-    try:
+    with _replacing(out) as tmp:
         _write_gsm8k_jsonl(path, tmp, filename)
         rows = _validate_gsm8k(tmp, filename)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     size = out.stat().st_size
     _write_json(marker_path, {
         "repo": repo,
