@@ -4,6 +4,7 @@ were there) against today's: resources and Kubernetes objects added, removed and
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import io
 import json
@@ -73,6 +74,7 @@ class Snapshot:
 # ---------------------------------------------------------------- the image the stack builds
 
 
+@functools.cache
 def _pattern(glob: str) -> re.Pattern[str]:
     # .dockerignore's glob (Go's filepath.Match plus '**'): '*' stays within a folder, '**/' spans any depth.
     out, i = "", 0
@@ -86,36 +88,43 @@ def _pattern(glob: str) -> re.Pattern[str]:
     return re.compile(out + r"\Z")
 
 
-def _dockerignore(tree: Path) -> list[tuple[bool, re.Pattern[str]]]:
+def _dockerignore(tree: Path) -> list[tuple[bool, str]]:
+    """(keep, glob) per line of the tree's .dockerignore, in order."""
     path = tree / ".dockerignore"
     lines = [line.strip() for line in (path.read_text().splitlines() if path.is_file() else [])]
-    return [(line.startswith("!"), _pattern(line.lstrip("!").strip("/"))) for line in lines
-            if line and not line.startswith("#")]
+    return [(line.startswith("!"), line.lstrip("!").strip("/")) for line in lines if line and not line.startswith("#")]
 
 
-def _ignored(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
+def _ignored(rel: str, rules: list[tuple[bool, str]]) -> bool:
     # The last pattern that matches the path or a folder above it decides; '!' keeps what it matches.
     parts = rel.split("/")
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
     ignored = False
-    for keep, pattern in rules:
-        if any(pattern.match(p) for p in prefixes):
+    for keep, glob in rules:
+        if any(_pattern(glob).match(p) for p in prefixes):
             ignored = not keep
     return ignored
+
+
+def _may_keep_below(folder: str, rules: list[tuple[bool, str]]) -> bool:
+    """Whether a '!' pattern could keep something inside `folder`: its leading segments match the folder's, or it
+    starts with '**' (any depth)."""
+    depth = folder.count("/") + 1
+    return any(keep and (glob.startswith("**") or (len(glob.split("/")) > depth and
+                                                   _pattern("/".join(glob.split("/")[:depth])).match(folder)))
+               for keep, glob in rules)
 
 
 def context_digest(tree: Path) -> str:
     """A digest of the files the image build sees (the tree's .dockerignore applied): what decides whether
     pulumi-docker-build rebuilds, and so whether the training job gets a new image digest."""
     rules, digest = _dockerignore(tree), hashlib.sha256()
-    keeps = [pattern.pattern for keep, pattern in rules if keep]
     for folder, dirs, files in os.walk(tree):
         rel_folder = Path(folder).relative_to(tree).as_posix()
         rel_folder = "" if rel_folder == "." else rel_folder + "/"
         # An ignored folder is skipped unless a '!' pattern could keep something inside it (not .venv's 10^5 files).
         dirs[:] = sorted(d for d in dirs if not _ignored(rel_folder + d, rules)
-                         or any(k.startswith(re.escape(rel_folder + d + "/")) or k.startswith("(?:.*/)?")
-                                for k in keeps))
+                         or _may_keep_below(rel_folder + d, rules))
         for name in sorted(files):
             rel = rel_folder + name
             if not _ignored(rel, rules):
