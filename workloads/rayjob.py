@@ -64,7 +64,7 @@ JOB_LABEL = "gke-tpu-rl/rayjob"
 # makes a random token Secret per cluster, hands it to every Ray container, the autoscaler and the submitter as
 # RAY_AUTH_TOKEN (common/pod.go SetContainerTokenAuthEnvVars), and its own dashboard client sends it
 # (utils/dashboardclient/dashboard_httpclient.go, `x-ray-authorization: Bearer`). Ray then refuses job submissions
-# without it, while the health endpoints the probes call stay open (tests/workloads/test_ray_head_live.py).
+# without it, while the health endpoints the probes call stay open (tests/workloads/test_ray_upstream.py).
 AUTH_OPTIONS = {"mode": "token"}
 
 
