@@ -5,13 +5,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pulumi.errors import RunError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from infra import machines, rules, tpu
+from infra import machines, rules, tpu, user_code, zones
 
 NAMESPACE = "gke-tpu-rl"
 STACK_NAME = "stack name"  # how errors name the environment, which is not a config key
@@ -201,6 +202,9 @@ class SliceGroupSpec(_Model):
                                "Kueue's ProvisioningRequest)")
     reservation: str | None = Field(None, description="the reservation's name; required with capacity "
                                     "'reservation', and only then")
+    skip_zone_check: bool = Field(False, description="skip the check that `zone` offers tpuType (the table in "
+                                  "infra/tpu_zones.yaml, from Google's TPU zone list): for a zone Google opened "
+                                  "after that table was read")
 
     @field_validator("name")
     @classmethod
@@ -374,8 +378,12 @@ class TrainerSpec(_Model):
     image: str | None = Field(None, description="a prebuilt trainer image; when unset the stack builds "
                               "trainer/Dockerfile, pushes it to the environment's registry and runs it by digest")
     image_tag: str = Field("latest", description="the tag the stack's build pushes (the JobSet uses the digest)")
-    config: str | None = Field(None, description="trainer YAML by file name under trainer/configs/, passed to the "
-                               "pod as --config; the trainer's embedded demo config when unset")
+    config: str | None = Field(None, description="the trainer YAML, passed to the pod as --config: a file name "
+                               "under trainer/configs/, or with trainer.code a path inside that folder; the trainer's "
+                               "embedded demo config when unset")
+    code: str | None = Field(None, description="a folder of this repository (relative to Pulumi.yaml) with your own "
+                             "tasks and rewards: a Python project (pyproject.toml) or a folder of modules, built into "
+                             "the trainer image; the trainer config names them as MODULE:NAME (docs/own-tasks.md)")
     args: list[str] = Field(default_factory=list, description="arguments appended to the trainer's command line, "
                             "e.g. [\"--set\", \"steps=200\"]")
     slice_group: str | None = Field(None, description="which slice group runs the trainer; the first when unset")
@@ -401,6 +409,13 @@ class TrainerSpec(_Model):
     stage: StageSpec | None = Field(None, description="stage the model weights and the dataset into the bucket with "
                                     "a Job before the trainer is created (the trainer's pods read them from there)")
 
+    @property
+    def config_in_code(self) -> bool:
+        """trainer.config names a file inside trainer.code (which wins over a bundled config of the same name)."""
+        v = self.config
+        return (v is not None and self.code is not None and not Path(v).is_absolute() and ".." not in Path(v).parts
+                and (user_code.REPO_ROOT / self.code / v).is_file())
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -424,16 +439,36 @@ class TrainerSpec(_Model):
     def _tag(cls, v: str) -> str:
         return rules.image_tag(v)
 
-    @field_validator("config")
+    @field_validator("code")
     @classmethod
-    def _config(cls, v: str | None) -> str | None:
-        # The image installs the package, so the pod can only name a config bundled under trainer/configs/.
+    def _code(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        user_code.repo_folder(v)
+        if not (user_code.REPO_ROOT / v).is_dir():
+            raise ValueError(f"{v!r} is not a folder of this repository ({user_code.REPO_ROOT})")
+        return v
+
+    @model_validator(mode="after")
+    def _code_in_built_image(self) -> TrainerSpec:
+        if self.code is not None and self.image is not None:
+            raise ValueError("trainer.code is built into the image the stack builds; with trainer.image (a prebuilt "
+                             "image) set, install your code in that image and unset trainer.code, or unset "
+                             "trainer.image")
+        return self
+
+    @model_validator(mode="after")
+    def _config(self) -> TrainerSpec:
+        # The image holds the trainer package and trainer.code, so the pod can only name a config in one of them.
         from trainer.config import default_config_path
 
-        if v is not None and ("/" in v or not default_config_path(v).is_file()):
-            bundled = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
-            raise ValueError(f"{v!r} is not a trainer config under trainer/configs/; allowed: {', '.join(bundled)}")
-        return v
+        v = self.config
+        if v is None or self.config_in_code or ("/" not in v and default_config_path(v).is_file()):
+            return self
+        bundled = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
+        inside = f", or a file inside trainer.code ({self.code})" if self.code else ""
+        raise ValueError(f"trainer.config: {v!r} is not a trainer config under trainer/configs/{inside}; allowed: "
+                         f"{', '.join(bundled)}")
 
 
 class EnvironmentSpec(_Model):
@@ -499,6 +534,7 @@ class EnvironmentSpec(_Model):
             raise ValueError(
                 f"cluster.versionPrefix: {prefix!r} has no version new enough for managed DRANET "
                 f"(network.dranet.enabled needs {DRANET_MIN_GKE} or later); use '1.34.' or later")
+        zones.check_slice_zones(self.slices, self.zone)
         self._check_dranet()
         self._check_ranges()
         self._check_range_sizes()
@@ -702,6 +738,8 @@ def _describe(err: dict[str, Any]) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if not key:  # cross-field checks name their own key at the start of the message
         return msg if msg.startswith(STACK_NAME) else f"{NAMESPACE}:{msg}"
+    if msg.startswith(key + ".") and ": " in msg:  # a section's cross-field check names the key inside it
+        return f"{NAMESPACE}:{msg}"
     where = STACK_NAME if key == "env" else f"{NAMESPACE}:{key}"
     value = err.get("input")
     if err["type"] == "missing":

@@ -1,9 +1,10 @@
-"""List prices of an environment's TPU slices, from the price table in infra/tpu_prices.yaml (copied from Google's
-public price pages, with their source and date). A combination the table lacks has no price: never a guess."""
+"""List prices of an environment: its TPU slices from the price table in infra/tpu_prices.yaml, and what it costs
+besides them (the CPU system pool's VMs and the GKE cluster management fee) from infra/gke_prices.yaml, both copied from
+Google's prices with their source and date. A combination a table lacks has no price: never a guess."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import yaml
 
 PRICES = Path(__file__).with_name("tpu_prices.yaml")
+GKE_PRICES = Path(__file__).with_name("gke_prices.yaml")
 HOURS_PER_MONTH = 730  # Google's price pages convert hourly to monthly with 730 hours
 # The price-table columns each capacity kind is billed at, first found wins. A reservation is billed at the
 # committed-use rate when a commitment covers it, else at the on-demand rate (Compute Engine reservations);
@@ -71,8 +73,24 @@ class SliceGroupCost:
 
 
 @dataclass(frozen=True)
+class OtherCost:
+    """A cost of the environment besides its TPU slices (the system pool, the GKE cluster fee); usd_per_hour None
+    when infra/gke_prices.yaml has no price for it ("not priced")."""
+
+    name: str  # "system pool", "GKE cluster fee"
+    detail: str  # what is billed, e.g. "2 x e2-standard-8"; "" when the name says it
+    usd_per_hour: float | None
+    lacking: str = ""  # what the table lacks when it is not priced, e.g. "e2-standard-8 in us-central2"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.detail}".rstrip()
+
+
+@dataclass(frozen=True)
 class EnvironmentCost:
     groups: list[SliceGroupCost]
+    others: list[OtherCost] = field(default_factory=list)  # empty: the TPU slices alone were priced
 
     @property
     def priced(self) -> list[SliceGroupCost]:
@@ -83,8 +101,16 @@ class EnvironmentCost:
         return [g for g in self.groups if g.usd_per_chip_hour is None]
 
     @property
-    def usd_per_hour(self) -> float:
+    def unpriced_others(self) -> list[OtherCost]:
+        return [o for o in self.others if o.usd_per_hour is None]
+
+    @property
+    def tpu_usd_per_hour(self) -> float:
         return sum(g.usd_per_hour or 0.0 for g in self.groups)
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.tpu_usd_per_hour + sum(o.usd_per_hour or 0.0 for o in self.others)
 
     @property
     def usd_per_month(self) -> float:
@@ -92,12 +118,18 @@ class EnvironmentCost:
 
     def line(self) -> str:
         """One line for the plan summary."""
-        if not self.groups:
+        if not self.groups and not self.others:
             return "no TPU slices"
-        parts = [f"{usd(self.usd_per_hour)}/hour, {usd(self.usd_per_month)}/month at list price"]
+        head = f"{usd(self.usd_per_hour)}/hour, {usd(self.usd_per_month)}/month at list price"
+        if self.others:
+            items = [f"TPU slices {usd(self.tpu_usd_per_hour)}"] + [
+                f"{o.label} {usd(o.usd_per_hour)}" for o in self.others if o.usd_per_hour is not None]
+            head += f" ({', '.join(items)} per hour)"
+        parts = [head]
         if self.unpriced:
             parts.append("no price for " + ", ".join(
                 f"{g.group} ({g.tpu_type} {g.capacity} in {g.region})" for g in self.unpriced) + ", not counted")
+        parts += [f"{o.label} not priced (no price for {o.lacking}), not counted" for o in self.unpriced_others]
         if any(g.capacity == "flex-start" for g in self.groups):
             parts.append("flex-start pools are billed only while provisioned")
         return "; ".join(parts)
@@ -121,10 +153,56 @@ def slice_groups(spec: Any) -> list[dict[str, Any]]:
              "count": g.count, "chips": g.count * g.shape.chips} for g in spec.slices]
 
 
-def environment_cost(slices: list[dict[str, Any]], region: str, table: PriceTable | None = None) -> EnvironmentCost:
-    """slices: [{name, tpu_type, capacity, chips}] with chips = every slice of the group."""
+def system_pool(spec: Any) -> dict[str, Any]:
+    """An EnvironmentSpec's CPU system pool as the plain record pricing and `plan --diff` compare (the diff's runner
+    writes the same record from an older revision's spec)."""
+    pool = spec.cluster.system_pool
+    return {"machine_type": pool.machine_type, "nodes": pool.nodes}
+
+
+# ---------------------------------------------------------------- besides the TPU slices
+
+
+@dataclass(frozen=True)
+class GkeTable:
+    cluster_fee_usd_per_hour: float | None  # GKE's management fee per cluster
+    machines: dict[str, dict[str, dict[str, float]]]  # machine type -> region -> rate -> USD per VM-hour
+    sources: list[dict[str, Any]]
+
+    def machine_rate(self, machine_type: str, region: str, rate: str = "on-demand") -> float | None:
+        value = self.machines.get(machine_type, {}).get(region, {}).get(rate)
+        return None if value is None else float(value)
+
+
+def parse_gke_table(doc: dict[str, Any]) -> GkeTable:
+    fee = doc.get("cluster_fee_usd_per_hour")
+    return GkeTable(cluster_fee_usd_per_hour=None if fee is None else float(fee), machines=doc.get("machines") or {},
+                    sources=list(doc.get("sources") or []))
+
+
+@cache
+def default_gke_table() -> GkeTable:
+    return parse_gke_table(yaml.safe_load(GKE_PRICES.read_text()))
+
+
+def cluster_costs(pool: dict[str, Any], region: str, table: GkeTable | None = None) -> list[OtherCost]:
+    """The system pool's VMs (on-demand: the pool takes no spot or reservation setting) and the cluster's management
+    fee. pool: {machine_type, nodes}, as system_pool() gives it."""
+    table = table or default_gke_table()
+    machine, nodes = pool["machine_type"], pool["nodes"]
+    rate = table.machine_rate(machine, region)
+    return [OtherCost("system pool", f"{nodes} x {machine}", None if rate is None else rate * nodes,
+                      f"{machine} in {region}"),
+            OtherCost("GKE cluster fee", "", table.cluster_fee_usd_per_hour, "the cluster fee")]
+
+
+def environment_cost(slices: list[dict[str, Any]], region: str, table: PriceTable | None = None,
+                     pool: dict[str, Any] | None = None, gke: GkeTable | None = None) -> EnvironmentCost:
+    """slices: [{name, tpu_type, capacity, chips}] with chips = every slice of the group. With `pool` (the system
+    pool's record) the cluster's costs besides the TPU slices are counted too; without it, the slices alone."""
     return EnvironmentCost([slice_cost(s["name"], s["tpu_type"], region, s["capacity"], s["chips"], table)
-                            for s in slices])
+                            for s in slices],
+                           [] if pool is None else cluster_costs(pool, region, gke))
 
 
 def usd(value: float, signed: bool = False) -> str:

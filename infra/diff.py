@@ -40,7 +40,9 @@ result = run_stack(env, (yaml.safe_load(path.read_text()) or {}).get("config") o
 spec = result.spec
 slices = [{"name": g.name, "tpu_type": g.tpu_type, "topology": g.topology, "capacity": g.capacity,
            "count": g.count, "chips": g.count * g.shape.chips} for g in spec.slices]
-print(json.dumps({"region": spec.region, "slices": slices, "outputs": result.outputs,
+pool = getattr(getattr(spec, "cluster", None), "system_pool", None)
+system_pool = None if pool is None else {"machine_type": pool.machine_type, "nodes": pool.nodes}
+print(json.dumps({"region": spec.region, "slices": slices, "system_pool": system_pool, "outputs": result.outputs,
                   "resources": [{"urn": r.urn, "type": r.type, "name": r.name, "custom": r.custom,
                                  "inputs": r.inputs, "options": r.options} for r in result.resources]},
                  default=str))
@@ -59,6 +61,7 @@ class Snapshot:
     resources: dict[str, dict[str, Any]]  # urn -> {type, name, custom, inputs, options}
     missing: str | None = None  # why there is no plan at that revision (the environment did not exist)
     context: str | None = None  # digest of the image build context the stack builds (None: it builds none)
+    system_pool: dict[str, Any] | None = None  # {machine_type, nodes}; None: the slices alone are priced
 
     @property
     def chips_by_type(self) -> dict[str, int]:
@@ -67,8 +70,9 @@ class Snapshot:
             out[s["tpu_type"]] = out.get(s["tpu_type"], 0) + s["chips"]
         return out
 
-    def cost(self, table: cost.PriceTable | None = None) -> cost.EnvironmentCost:
-        return cost.environment_cost(self.slices, self.region, table)
+    def cost(self, table: cost.PriceTable | None = None, gke: cost.GkeTable | None = None) -> cost.EnvironmentCost:
+        # A revision without the environment costs nothing: no cluster, no fee.
+        return cost.environment_cost(self.slices, self.region, table, None if self.missing else self.system_pool, gke)
 
 
 # ---------------------------------------------------------------- the image the stack builds
@@ -141,6 +145,10 @@ def _built_image(resources: dict[str, dict[str, Any]], outputs: dict[str, Any], 
                                                                     for r in resources.values()):
         return resources, None
     mocked, real = ref.split("@sha256:", 1)[1], context_digest(tree)
+    # The build arguments carry trainer.code's digest (infra/user_code.py): a change there is a new image too.
+    args = [r["inputs"].get("buildArgs") for r in resources.values() if r["type"] == IMAGE_TYPE]
+    if any(args):
+        real = hashlib.sha256((real + json.dumps(args, sort_keys=True)).encode()).hexdigest()
     return json.loads(json.dumps(resources).replace(mocked, real)), real
 
 
@@ -150,7 +158,8 @@ def snapshot(result: PlanResult, tree: Path | None = None) -> Snapshot:
     context = None
     if tree is not None:
         resources, context = _built_image(resources, result.outputs, tree)
-    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources, context=context)
+    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources, context=context,
+                    system_pool=cost.system_pool(result.spec))
 
 
 def _git(root: Path, *args: str, silent_failure: str | None = None) -> bytes:
@@ -188,7 +197,7 @@ def snapshot_at(env: str, ref: str, root: Path) -> Snapshot:
         if "missing" in doc:
             return Snapshot("", [], {}, missing=doc["missing"])
         resources, context = _built_image({r.pop("urn"): r for r in doc["resources"]}, doc["outputs"], tree)
-    return Snapshot(doc["region"], doc["slices"], resources, context=context)
+    return Snapshot(doc["region"], doc["slices"], resources, context=context, system_pool=doc.get("system_pool"))
 
 
 # ---------------------------------------------------------------- comparing
@@ -338,6 +347,18 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _rate(o: cost.OtherCost) -> str:
+    """What is billed and its price, e.g. '2 x e2-standard-8 $0.54'."""
+    return f"{o.detail} {'not priced' if o.usd_per_hour is None else cost.usd(o.usd_per_hour)}".lstrip()
+
+
+def _changed_others(old: cost.EnvironmentCost, new: cost.EnvironmentCost
+                    ) -> list[tuple[cost.OtherCost, cost.OtherCost]]:
+    """The costs besides the TPU slices (the system pool, the cluster fee) present on both sides that changed."""
+    before = {o.name: o for o in old.others}
+    return [(before[o.name], o) for o in new.others if o.name in before and before[o.name] != o]
+
+
 def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
     """The delta in a few sentences: chips, price, resource counts."""
     lines = []
@@ -353,7 +374,10 @@ def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
     delta = new_cost.usd_per_hour - old_cost.usd_per_hour
     line = (f"List price: {cost.usd(delta, signed=True)}/hour, {cost.usd(delta * cost.HOURS_PER_MONTH, signed=True)}"
             f"/month ({cost.usd(old_cost.usd_per_hour)} → {cost.usd(new_cost.usd_per_hour)} per hour).")
+    line += "".join(f" {o.name[:1].upper()}{o.name[1:]}: {_rate(was)} → {_rate(o)} per hour."
+                    for was, o in _changed_others(old_cost, new_cost))
     unpriced = {g.group for g in old_cost.unpriced + new_cost.unpriced}
+    unpriced |= {f"{o.label} ({o.lacking})" for o in old_cost.unpriced_others + new_cost.unpriced_others}
     if unpriced:
         line += f" No price for {', '.join(sorted(unpriced))}: not counted."
     lines.append(line)

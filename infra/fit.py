@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra import tpu
+from infra import tpu, user_code
 from infra.config import NAMESPACE, ConfigError, EnvironmentSpec, parse_spec
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[st
     pod, unknown = build_parser().parse_known_args(trainer_args(spec))
     if unknown:
         raise ConfigError(f"environment {spec.env!r}: trainer.args has arguments the trainer does not take: {unknown}")
-    name = config or pod.config
+    name = config or user_code.local_config(spec, pod.config)
     slices, resized = t.slices, []
     if t.launcher == "ray":
         # Ray keeps the global batch when it loses slices, so the fewest slices it may go on with hold the most per
@@ -91,7 +91,7 @@ def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[st
         slices, resized = spec.ray_min_slices, [f"mesh.slices={spec.ray_min_slices}"]
     cfg = _trainer_config(name, [*pod.overrides, *resized, *(overrides or [])])
     at = f", at Ray's minimum of {slices} slice{'s' if slices > 1 else ''}" if resized else ""
-    title = f"{spec.env} (trainer {t.name}, config {name or 'demo.yaml'}{at})"
+    title = f"{spec.env} (trainer {t.name}, config {config or t.config or 'demo.yaml'}{at})"
     return FitJob(title, cfg, target(group.shape, slices))
 
 

@@ -10,10 +10,16 @@ import pulumi
 import pulumi_docker_build as docker_build
 import pulumi_gcp as gcp
 
+from infra import user_code
 from infra.config import EnvironmentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "trainer" / "Dockerfile"
+# trainer/Dockerfile copies the environment's trainer.code from this named build context; without trainer.code it is
+# this empty stand-in (a folder holding only its README).
+USER_CODE_CONTEXT = "user-code"
+NO_USER_CODE = ROOT / "trainer" / "no_user_code"
+USER_CODE_DIGEST_ARG = "USER_CODE_DIGEST"
 # TPU VMs are x86_64; a build on an arm64 laptop needs BuildKit's emulation for this platform.
 PLATFORM = docker_build.Platform.LINUX_AMD64
 # Artifact Registry takes a short-lived OAuth token with this user name (no JSON keys).
@@ -39,10 +45,15 @@ class TrainerImage(pulumi.ComponentResource):
         super().__init__("gke-tpu-rl:infra:TrainerImage", name, None, opts)
         spec = args.spec
         repo = spec.trainer_image_repository
+        code = user_code.folder(spec)
         token = gcp.organizations.get_client_config_output().access_token
         self.image = docker_build.Image(
             f"{name}-trainer",
-            context=docker_build.BuildContextArgs(location=_rel(ROOT)),  # .dockerignore keeps trainer/ only
+            # .dockerignore keeps the main context to trainer/; trainer.code comes as the named context user-code.
+            context=docker_build.BuildContextArgs(location=_rel(ROOT), named={
+                USER_CODE_CONTEXT: docker_build.ContextArgs(location=_rel(code or NO_USER_CODE))}),
+            # The provider's context hash misses the named context's files (infra/user_code.py): their digest does not.
+            build_args={USER_CODE_DIGEST_ARG: user_code.digest(code or NO_USER_CODE)},
             dockerfile=docker_build.DockerfileArgs(location=_rel(DOCKERFILE)),
             platforms=[PLATFORM],
             tags=[f"{repo}:{spec.trainer.image_tag}"],

@@ -6,7 +6,7 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
-from infra import grace, system_pool
+from infra import grace, system_pool, user_code
 from infra.cluster import Cluster, ClusterArgs
 from infra.config import NAMESPACE, EnvironmentSpec, load_spec
 from infra.controllers import Controllers, ControllersArgs
@@ -69,4 +69,5 @@ def main() -> None:
     system_pool.check(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
     grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
     stage_targets(spec)  # what trainer.stage fetches has a place on the bucket the trainer config reads
+    user_code.check(spec)  # the trainer config's own tasks and rewards are in trainer.code
     build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))

@@ -213,8 +213,9 @@ def trainer_keys() -> list[Key]:
     from trainer.rewards import REWARDS
     from trainer.tasks import TASK_NAMES
 
-    return walk(TrainConfig, {"task.name": lambda: _codes(TASK_NAMES), "rewards": lambda: "each one of "
-                              + _codes(sorted(REWARDS))})
+    return walk(TrainConfig, {"task.name": lambda: _codes(TASK_NAMES) + ", or `MODULE:FACTORY` of your own code",
+                              "rewards": lambda: "each one of " + _codes(sorted(REWARDS))
+                              + ", or `MODULE:FUNCTION` of your own code"})
 
 
 def _cell(text: str) -> str:

@@ -13,7 +13,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from infra import grace
-from infra.cost import EnvironmentCost, environment_cost, slice_groups, usd
+from infra.cost import EnvironmentCost, environment_cost, slice_groups, system_pool, usd
 from infra.mockrun import (
     IMAGE_TYPE,
     MOCK_DNS_SUFFIX,
@@ -344,7 +344,7 @@ def summarize(result: PlanResult) -> Summary:
     chips_by_type: dict[str, int] = {}
     pflops = 0.0
     hbm = 0
-    costs = environment_cost(slice_groups(spec), spec.region)
+    costs = environment_cost(slice_groups(spec), spec.region, pool=system_pool(spec))
     for g, c in zip(spec.slices, costs.groups, strict=True):
         shape = g.shape
         capacity = f"reservation:{g.reservation}" if g.capacity == "reservation" else g.capacity

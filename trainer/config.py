@@ -141,7 +141,8 @@ class MeshConfig(_Strict):
 class TaskConfig(BaseModel):
     # Extra keys are task kwargs (e.g. `path` for gsm8k), so this section alone allows them.
     model_config = ConfigDict(extra="allow")
-    name: str = Field("digits", description="the task: its prompts, answers and default rewards")
+    name: str = Field("digits", description="the task: its prompts, answers and default rewards; a built-in, or "
+                      "your own as MODULE:FACTORY, called with this section's other keys (docs/own-tasks.md)")
 
 
 class InitConfig(_Strict):
@@ -229,8 +230,8 @@ class TrainConfig(_Strict):
                              "may be -1, inferred from the device count")
     task: TaskConfig = Field(TaskConfig(), description="the prompt task; this section's other keys are the task's "
                              "options (e.g. path for gsm8k)")
-    rewards: list[str] | None = Field(None, description="reward functions; a completion's reward is their sum; "
-                                      "unset: the task's own")
+    rewards: list[str] | None = Field(None, description="reward functions, built-in or your own as "
+                                      "MODULE:FUNCTION; a completion's reward is their sum; unset: the task's own")
     tokenizer: str = Field("char", description="char (the built-in character tokenizer) or a local directory "
                            "holding tokenizer.json")
     init: InitConfig = Field(InitConfig(), description="where the initial weights come from")

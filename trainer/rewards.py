@@ -114,10 +114,16 @@ REWARDS: dict[str, RewardFn] = {
 
 
 def get_reward(name: str) -> RewardFn:
+    """A built-in reward by name, or the user's own as MODULE:FUNCTION (trainer/user_code.py)."""
+    if ":" in name:
+        from trainer.user_code import resolve
+
+        return resolve(name)
     try:
         return REWARDS[name]
     except KeyError:
-        raise KeyError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}") from None
+        raise KeyError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}, or MODULE:FUNCTION "
+                       "of your own code") from None
 
 
 def compute_rewards(

@@ -3,6 +3,7 @@ the CLI checks them before any device is set up)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,11 +64,14 @@ def load_task_data(cfg: TrainConfig) -> TaskData:
     except (KeyError, TypeError, ValueError, OSError) as err:
         raise named("task", err) from None
     names = tuple(cfg.rewards) if cfg.rewards is not None else tuple(task.reward_names)
+    if not names:
+        raise ConfigError(f"rewards: task {cfg.task.name!r} names no rewards; set rewards: [...]")
     try:
         for name in names:
             get_reward(name)
     except (KeyError, TypeError, ValueError) as err:
         raise named("rewards", err) from None
+    try_task(cfg.task.name, task, names)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except (KeyError, TypeError, ValueError, OSError) as err:
@@ -78,3 +82,32 @@ def load_task_data(cfg: TrainConfig) -> TaskData:
             f"({tokenizer.vocab_size})"
         )
     return TaskData(cfg, task, tokenizer, names)
+
+
+def try_task(task_name: str, task: Any, reward_names: tuple[str, ...]) -> None:
+    """Example 0, built twice, and every reward on it with two completions, one empty (a policy may stop at once):
+    what the loop will do, so a user's task or reward that breaks fails here, naming it, before any device is set
+    up. Raises ConfigError."""
+    from trainer.rewards import compute_rewards
+
+    try:
+        first, again = task.example(0), task.example(0)
+    except Exception as err:
+        raise ConfigError(f"task: {task_name!r} example(0) failed: {type(err).__name__}: {err}") from None
+    prompt, fields = getattr(first, "prompt", None), getattr(first, "fields", None)
+    if not isinstance(prompt, str) or not isinstance(fields, dict):
+        raise ConfigError(f"task: {task_name!r} example(0) returned {first!r}; expected an object with prompt (str) "
+                          "and fields (dict), e.g. trainer.tasks.Example")
+    if (again.prompt, again.fields) != (prompt, fields):
+        # A resumed run (and every host) derives its prompts from the index alone.
+        raise ConfigError(f"task: {task_name!r} example(0) differs between two calls; an example must depend only "
+                          "on the task's options (seed) and the index")
+    for name in reward_names:
+        try:
+            # Two completions, so a reward that ignores the batch size is caught.
+            scores = compute_rewards([name], [prompt] * 2, ["", "0"], {k: [v] * 2 for k, v in fields.items()})[name]
+        except Exception as err:
+            raise ConfigError(f"rewards: {name!r} failed on example 0 of task {task_name!r} with an empty "
+                              f"completion: {type(err).__name__}: {err}") from None
+        if not all(math.isfinite(x) for x in scores):
+            raise ConfigError(f"rewards: {name!r} returned {scores!r} for two completions; expected finite numbers")

@@ -179,9 +179,13 @@ TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """Build a task by name; unknown names and unknown options raise errors that name them."""
+    """Build a task by name, or the user's own as MODULE:FACTORY called with the task's options (a class or a
+    function; trainer/user_code.py); unknown names and unknown options raise errors that name them."""
+    if ":" in name:
+        return _user_task(name, kwargs)
     if name not in _TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}")
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}, or MODULE:FACTORY of your "
+                       "own code")
     cls, preset = _TASKS[name]
     allowed = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")} - {"name"}
     bad = sorted(set(kwargs) - allowed)
@@ -195,6 +199,27 @@ def get_task(name: str, **kwargs: Any) -> Task:
     if name == "gsm8k" and "path" not in kwargs:
         raise TypeError("task 'gsm8k' needs path=<jsonl file>")
     return cls(**{**preset, **kwargs})
+
+
+def _user_task(ref: str, options: dict[str, Any]) -> Task:
+    import inspect
+
+    from trainer.user_code import resolve
+
+    factory = resolve(ref)
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as err:
+        raise TypeError(f"task {ref!r} does not take the options {sorted(options)}: {err}") from None
+    except ValueError:
+        pass  # no signature to check (a builtin): the call below says what is wrong
+    task = factory(**options)
+    if not callable(getattr(task, "example", None)):
+        raise TypeError(f"task {ref!r} returned a {type(task).__name__} without an example(index) method")
+    names = getattr(task, "reward_names", ())
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"task {ref!r}: reward_names must be a list of reward names, got {names!r}")
+    return task
 
 
 def sample_gsm8k_path() -> Path:

@@ -12,6 +12,7 @@ from workloads.trainer_pod import (
     TRAINER_UID,
     TrainerRefs,
     checkpoint_dir,
+    config_args,
     dranet_nics,
     hf_token_env,
     megascale_interfaces,
@@ -68,10 +69,10 @@ def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
 
 
 def trainer_args(spec: EnvironmentSpec) -> list[str]:
-    """The trainer config (a bundled file name), metrics next to the checkpoints in the bucket, and a mesh that
+    """The trainer config (bundled, or in trainer.code), metrics next to the checkpoints in the bucket, and a mesh that
     spans every slice; the config's args come last so they can override any of it."""
     t = spec.trainer
-    config = ["--config", t.config] if t.config else []
+    config = config_args(spec)
     return [*config, "--run-dir", f"{checkpoint_dir(spec)}/run", "--set", f"mesh.slices={t.slices}",
             "--set", "mesh.fsdp=-1", *t.args]
 

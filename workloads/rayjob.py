@@ -20,6 +20,7 @@ from workloads.trainer_pod import (
     TrainerRefs,
     base_pod,
     checkpoint_dir,
+    config_args,
     dranet_nics,
     hf_token_env,
     megascale_interfaces,
@@ -79,7 +80,7 @@ def entrypoint(spec: EnvironmentSpec) -> list[str]:
     """The driver's command: the same trainer and config as the JobSet's pods, with Ray Train's elastic range.
     trainer/ray_train.py sets mesh.slices from the workers each attempt gets."""
     t, shape = spec.trainer, trainer_group(spec).shape
-    config = ["--config", t.config] if t.config else []
+    config = config_args(spec)
     return ["python", "-m", "trainer", "--ray", "--ray-slices", f"{spec.ray_min_slices}:{t.slices}",
             "--ray-tpu", f"{shape.generation.ray_accelerator}:{shape.topology}",
             "--ray-max-failures", str(t.max_failures),

@@ -150,3 +150,14 @@ def tpu_pod(spec: EnvironmentSpec, refs: TrainerRefs, container: dict[str, Any],
     if refs.claim_template:
         pod["resourceClaims"] = [{"name": "netdev", "resourceClaimTemplateName": refs.claim_template}]
     return pod
+
+
+def config_args(spec: EnvironmentSpec) -> list[str]:
+    """`--config` as the pod reads it: a bundled config by name, or a file of trainer.code where the image holds
+    that folder."""
+    from trainer.user_code import USER_CODE_DIR
+
+    t = spec.trainer
+    if t.config is None:
+        return []
+    return ["--config", f"{USER_CODE_DIR}/{t.config}" if t.config_in_code else t.config]

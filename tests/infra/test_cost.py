@@ -1,10 +1,13 @@
-"""List prices from the repo's price table: per capacity kind, per region, and "no price" instead of a guess."""
+"""List prices from the repo's price tables: per capacity kind, per region, the system pool and the GKE cluster fee
+besides the TPU slices, and "no price" / "not priced" instead of a guess."""
 
 from __future__ import annotations
 
 import pytest
 
-from infra import cost
+from infra import cost, diff, machines, render, zones
+from infra.mockrun import run_stack
+from tests.infra.conftest import stack_config
 
 TABLE = cost.parse_table({
     "sources": [{"url": "https://example.invalid/prices", "retrieved": "2026-11-01"}],
@@ -64,3 +67,105 @@ def test_usd_formatting() -> None:
     assert cost.usd(1234.5) == "$1,234.50"
     assert cost.usd(86.4, signed=True) == "+$86.40" and cost.usd(-2, signed=True) == "-$2.00"
     assert cost.usd(0, signed=True) == "±$0.00"
+
+
+# ---------------------------------------------------------------- besides the TPU slices
+
+GKE = cost.parse_gke_table({
+    "sources": [{"url": "https://example.invalid/gke", "retrieved": "2026-11-01"}],
+    "cluster_fee_usd_per_hour": 0.1,
+    "machines": {"e2-standard-8": {"us-east5": {"on-demand": 0.25}}},
+})
+V6E = [{"name": "a", "tpu_type": "v6e", "capacity": "on-demand", "chips": 4}]
+
+
+def test_the_system_pool_and_the_cluster_fee_are_counted() -> None:
+    env = cost.environment_cost(V6E, "us-east5", TABLE, {"machine_type": "e2-standard-8", "nodes": 2}, GKE)
+    assert env.tpu_usd_per_hour == pytest.approx(4 * 2.7)
+    assert env.usd_per_hour == pytest.approx(4 * 2.7 + 2 * 0.25 + 0.1)
+    assert env.usd_per_month == pytest.approx((4 * 2.7 + 2 * 0.25 + 0.1) * 730)
+    assert env.line() == ("$11.40/hour, $8,322.00/month at list price (TPU slices $10.80, system pool "
+                          "2 x e2-standard-8 $0.50, GKE cluster fee $0.10 per hour)")
+
+
+def test_a_machine_or_region_the_table_lacks_is_not_priced() -> None:
+    for machine, region in (("n2-standard-8", "us-east5"), ("e2-standard-8", "europe-west4")):
+        env = cost.environment_cost([], region, TABLE, {"machine_type": machine, "nodes": 3}, GKE)
+        [pool, fee] = env.others
+        assert pool.usd_per_hour is None and fee.usd_per_hour == pytest.approx(0.1)
+        assert env.usd_per_hour == pytest.approx(0.1)  # the fee alone: no neighbouring price stands in
+        assert f"system pool 3 x {machine} not priced (no price for {machine} in {region}), not counted" in env.line()
+
+
+def test_without_a_system_pool_the_slices_alone_are_priced() -> None:
+    env = cost.environment_cost(V6E, "us-east5", TABLE)
+    assert not env.others and env.line() == "$10.80/hour, $7,884.00/month at list price"
+
+
+def test_a_shipped_environment_costs_its_slices_pool_and_fee() -> None:
+    plan = run_stack("staging", stack_config("staging"))
+    env = cost.environment_cost(cost.slice_groups(plan.spec), plan.spec.region, pool=cost.system_pool(plan.spec))
+    gke = cost.default_gke_table()
+    pool = 2 * gke.machine_rate("e2-standard-8", "us-east5")  # staging: 2 x e2-standard-8 in us-east5
+    assert [(o.label, o.usd_per_hour) for o in env.others] == [
+        ("system pool 2 x e2-standard-8", pytest.approx(pool)), ("GKE cluster fee", pytest.approx(0.10))]
+    assert env.usd_per_hour == pytest.approx(env.tpu_usd_per_hour + pool + 0.10)
+    summary = render.summarize(plan)
+    assert dict(summary.facts())["Cost"] == env.line()
+    assert "system pool 2 x e2-standard-8 $0.54, GKE cluster fee $0.10 per hour" in env.line()
+
+
+def test_the_plan_says_not_priced_for_a_machine_type_the_table_lacks() -> None:
+    raw = stack_config("staging")
+    n2 = {**raw, "gke-tpu-rl:cluster": {**raw["gke-tpu-rl:cluster"],
+                                        "systemPool": {"machineType": "n2-standard-8", "nodes": 2}}}
+    line = dict(render.summarize(run_stack("staging", n2)).facts())["Cost"]
+    assert "system pool 2 x n2-standard-8 not priced (no price for n2-standard-8 in us-east5), not counted" in line
+    assert line.startswith("$86.50/hour") and "(TPU slices $86.40, GKE cluster fee $0.10 per hour)" in line
+
+
+def test_the_diff_shows_a_system_pool_machine_change_per_hour() -> None:
+    raw = stack_config("staging")
+    bigger = {**raw, "gke-tpu-rl:cluster": {**raw["gke-tpu-rl:cluster"],
+                                            "systemPool": {"machineType": "e2-standard-16", "nodes": 2}}}
+    d = diff.compare("staging", "base", diff.snapshot(run_stack("staging", raw)),
+                     diff.snapshot(run_stack("staging", bigger)))
+    gke = cost.default_gke_table()
+    delta = 2 * (gke.machine_rate("e2-standard-16", "us-east5") - gke.machine_rate("e2-standard-8", "us-east5"))
+    before, after = d.cost_delta()
+    assert after.usd_per_hour - before.usd_per_hour == pytest.approx(delta)
+    [price] = [line for line in diff.headline(d) if line.startswith("List price:")]
+    assert price.startswith(f"List price: +${delta:,.2f}/hour")
+    assert "System pool: 2 x e2-standard-8 $0.54 → 2 x e2-standard-16 $1.07 per hour." in price
+    assert "TPU chips: no change." in diff.headline(d)
+
+
+def test_a_new_environment_counts_no_cluster_before_it() -> None:
+    new = diff.snapshot(run_stack("staging", stack_config("staging")))
+    d = diff.compare("staging", "base", diff.Snapshot("", [], {}, missing="no stack file"), new)
+    before, after = d.cost_delta()
+    assert before.usd_per_hour == 0 and not before.others
+    assert after.usd_per_hour == pytest.approx(after.tpu_usd_per_hour + sum(o.usd_per_hour or 0 for o in after.others))
+
+
+def test_the_gke_table_cites_its_sources_and_is_well_formed() -> None:
+    table = cost.default_gke_table()
+    assert table.sources and all(s["url"].startswith("https://") and s.get("retrieved") for s in table.sources)
+    assert "https://cloud.google.com/kubernetes-engine/pricing" in {s["url"] for s in table.sources}
+    assert table.cluster_fee_usd_per_hour == 0.10  # GKE Standard: $0.10 per cluster per hour
+    for name, regions in table.machines.items():
+        m = machines.machine(name)  # a type the system-pool check accepts
+        for region, rates in regions.items():
+            assert set(rates) == {"on-demand"}, (name, region)
+            # E2 bills per vCPU and GiB, so within a region a type costs its vCPUs' share of e2-standard-2: a copying
+            # slip shows here (the source rounds to 5 decimals).
+            two = table.machines["e2-standard-2"][region]["on-demand"]
+            assert rates["on-demand"] == pytest.approx(two * m.vcpus / 2, rel=5e-4), (name, region)
+
+
+def test_every_region_with_a_tpu_zone_prices_the_system_pool() -> None:
+    regions = {zones.region_of(z) for gen in zones.default_table().zones.values() for listed in gen.values()
+               for z in listed}
+    table = cost.default_gke_table()
+    missing = {(name, r) for name in table.machines for r in regions if table.machine_rate(name, r) is None}
+    assert missing == {(name, "us-central2") for name in table.machines}  # the source has no E2 rows there

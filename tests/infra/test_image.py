@@ -27,7 +27,9 @@ def test_stack_builds_and_pushes_the_trainer_image(plans: dict[str, PlanResult])
         [image] = plan.of_type(IMAGE)
         repo = f"us-east5-docker.pkg.dev/acme-rl-{env}/rl-{env}/trainer"
         assert image.inputs["dockerfile"] == {"location": "trainer/Dockerfile"}
-        assert image.inputs["context"] == {"location": "."}
+        # The repository root (its .dockerignore keeps trainer/), and trainer.code's stand-in (test_user_code.py).
+        assert image.inputs["context"] == {"location": ".",
+                                           "named": {"user-code": {"location": "trainer/no_user_code"}}}
         assert image.inputs["platforms"] == ["linux/amd64"]  # TPU hosts are x86_64
         assert image.inputs["push"] is True and image.inputs["tags"] == [f"{repo}:latest"]
         [registry] = image.inputs["registries"]

@@ -384,10 +384,12 @@ def test_ironwood_slices_are_placed_like_cluster_toolkit() -> None:
     config = {**raw, "gke-tpu-rl:slices": [
         {"name": "ironwood", "tpuType": "tpu7x", "topology": "2x2x2", "count": 2, "capacity": "on-demand"}]}
     config["gke-tpu-rl:trainer"] = {**raw["gke-tpu-rl:trainer"], "slices": 2}
+    # A zone Google lists for Ironwood (infra/tpu_zones.yaml).
+    config["gke-tpu-rl:region"], config["gke-tpu-rl:zone"] = "us-central1", "us-central1-c"
     plan = run_stack("dev", config)
     [policy] = plan.of_type("gcp:compute/resourcePolicy:ResourcePolicy")
     assert policy.inputs["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "2x2x2"}
-    assert policy.inputs["region"] == "us-east5" and policy.inputs["name"] == "rl-dev-ironwood-placement"
+    assert policy.inputs["region"] == "us-central1" and policy.inputs["name"] == "rl-dev-ironwood-placement"
     pools = _tpu_pools(plan)
     assert sorted(pools) == ["ironwood-0", "ironwood-1"]
     for pool in pools.values():

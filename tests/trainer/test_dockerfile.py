@@ -33,7 +33,9 @@ def _args() -> dict[str, str]:
 
 
 def _copied() -> list[str]:
-    return [src for op, rest in _instructions() if op == "COPY" for src in rest.split()[:-1]]
+    """What COPY takes from the main build context (the repository root)."""
+    return [src for op, rest in _instructions() if op == "COPY" and not rest.startswith("--from=")
+            for src in rest.split()[:-1]]
 
 
 def test_hadolint_is_clean() -> None:
@@ -95,3 +97,18 @@ def test_the_image_context_builds_a_complete_trainer_package(tmp_path: Path) -> 
     assert not [n for n in names if n.startswith(("infra/", "workloads/"))]
     assert "trainer/configs/qwen3-8b-grpo-v6e-4x4.yaml" in names and "trainer/__main__.py" in names
     assert any(n.startswith("trainer/presets/") for n in names)
+
+
+def test_user_code_comes_from_the_named_context_the_stack_passes() -> None:
+    from infra import image
+    from trainer.user_code import USER_CODE_DIR
+
+    [copy] = [rest for op, rest in _instructions() if op == "COPY" and rest.startswith("--from=")]
+    assert copy.split() == [f"--from={image.USER_CODE_CONTEXT}", ".", "${USER_CODE_DIR}"]
+    assert _args()["USER_CODE_DIR"] == USER_CODE_DIR  # where workloads point --config of a trainer.code file
+    assert image.USER_CODE_DIGEST_ARG in _args()
+    # Installed after the trainer (so `python -m trainer.user_code` exists) and before the smoke check and USER.
+    ops = [(op, rest) for op, rest in _instructions()]
+    install = next(i for i, (op, rest) in enumerate(ops) if op == "RUN" and "trainer.user_code install" in rest)
+    assert ops.index(("COPY", copy)) < install < ops.index(("USER", "${TRAINER_UID}:${TRAINER_UID}"))
+    assert '"${USER_CODE_DIR}"' in ops[install][1]

@@ -1,0 +1,165 @@
+"""trainer.code: the environment's own tasks and rewards, a folder of this repository built into the trainer image.
+
+The image build gets the folder as a named build context (infra/image.py). pulumi-docker-build decides whether to
+rebuild from a hash of the build context, and it hashes a named context through the *main* context's .dockerignore
+(provider/internal/context.go hashBuildContext, v0.0.22), whose allow-list would drop the user's files: so the
+stack passes this module's digest of the folder as a build argument, which the provider compares on every update
+(image.go Diff: buildArgs).
+
+The trainer config's MODULE:NAME references are checked here without importing the user's code (its dependencies
+need not be installed where `pulumi` runs): the module's file must exist in the folder and define the name at top
+level. The trainer's preflight imports and tries them in the image (trainer/task_data.py try_task).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infra.config import EnvironmentSpec
+    from trainer.config import TrainConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # where Pulumi.yaml is and `pulumi` runs the program
+# Never part of the digest (nor worth sending): bytecode and tool caches the user's runs leave behind.
+SKIPPED_DIRS = frozenset({"__pycache__", ".git", ".venv", ".pytest_cache", ".ruff_cache", ".mypy_cache"})
+SKIPPED_SUFFIXES = (".pyc", ".pyo")
+
+
+def repo_folder(value: str) -> str:
+    """A relative path inside the repository, without '..': what the image build and `plan --diff` of another
+    revision both resolve against the repository they run in. Returns it as given; raises ValueError."""
+    path = Path(value)
+    if path.is_absolute() or ".." in path.parts or value.strip() in ("", "."):
+        raise ValueError(f"{value!r} must be a path inside this repository, relative to Pulumi.yaml, without '..' "
+                         "(so the code is versioned with the environment)")
+    return value
+
+
+def folder(spec: EnvironmentSpec) -> Path | None:
+    return None if spec.trainer.code is None else REPO_ROOT / spec.trainer.code
+
+
+def local_config(spec: EnvironmentSpec, pod_config: str | None) -> str | None:
+    """The pod's --config as a path here: a file of trainer.code is in the image at USER_CODE_DIR."""
+    from trainer.user_code import USER_CODE_DIR
+
+    root = folder(spec)
+    if root is None or pod_config is None or not pod_config.startswith(USER_CODE_DIR + "/"):
+        return pod_config
+    return str(root / pod_config.removeprefix(USER_CODE_DIR + "/"))
+
+
+def digest(path: Path) -> str:
+    """sha256 over the folder's files (relative names and contents), caches left out."""
+    h = hashlib.sha256()
+    for here, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS)
+        for name in sorted(files):
+            if name.endswith(SKIPPED_SUFFIXES):
+                continue
+            rel = (Path(here) / name).relative_to(path).as_posix()
+            h.update(rel.encode() + b"\0" + (Path(here) / name).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def references(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(config key, MODULE:NAME) of every user object the trainer config names."""
+    found = [("task.name", cfg.task.name)] if ":" in cfg.task.name else []
+    found += [(f"rewards[{i}]", r) for i, r in enumerate(cfg.rewards or []) if ":" in r]
+    return found
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    # A project may keep its packages under src/ (the src layout); a plain folder holds them at its top.
+    rel = Path(*module.split("."))
+    for base in (root, root / "src"):
+        for candidate in (base / rel.with_suffix(".py"), base / rel / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    # Statements that run at import: the module's own, and those inside its if/try/with blocks.
+    out: list[ast.stmt] = []
+    for node in body:
+        out.append(node)
+        if isinstance(node, ast.If | ast.With | ast.Try):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
+            for block in blocks:
+                out.extend(_top_level(block))
+    return out
+
+
+def _defines(tree: ast.Module, name: str) -> bool | None:
+    """Whether the module binds `name` at import; None when that cannot be told without running it (a star
+    import, a module __getattr__)."""
+    unknown = False
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == name:
+                return True
+            unknown |= node.name == "__getattr__"
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                if alias.name == "*":
+                    unknown = True
+                elif (alias.asname or alias.name.split(".")[0]) == name:
+                    return True
+    return None if unknown else False
+
+
+def check_references(spec: EnvironmentSpec, cfg: TrainConfig) -> list[str]:
+    """Problems with the trainer config's MODULE:NAME references, each naming the key: empty when all resolve."""
+    from trainer.user_code import parse_ref
+
+    root, problems = folder(spec), []
+    for key, ref in references(cfg):
+        try:
+            module, name = parse_ref(ref)
+        except ValueError as err:
+            problems.append(f"{key}: {err}")
+            continue
+        # The kit's own modules are in the image too (trainer.rewards:gsm8k_answer is a valid reference).
+        homes = [REPO_ROOT] if module.split(".")[0] == "trainer" else ([root] if root else [])
+        if not homes:
+            problems.append(f"{key}: {ref!r} names your own code, but trainer.code is not set; set it to the folder "
+                            "of this repository that holds module " + repr(module))
+            continue
+        path = next((p for p in (_module_file(h, module) for h in homes) if p is not None), None)
+        if path is None:
+            problems.append(f"{key}: {ref!r}: no module {module!r} in {homes[0].relative_to(REPO_ROOT) or '.'} "
+                            f"(looked for {module.replace('.', '/')}.py or its __init__.py, also under src/)")
+            continue
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except SyntaxError as err:
+            problems.append(f"{key}: {ref!r}: {path.relative_to(REPO_ROOT)} line {err.lineno}: {err.msg}")
+            continue
+        if _defines(tree, name) is False:
+            problems.append(f"{key}: {ref!r}: {path.relative_to(REPO_ROOT)} defines no {name!r} at top level")
+    return problems
+
+
+def check(spec: EnvironmentSpec) -> None:
+    """The trainer config's MODULE:NAME references resolve in trainer.code; raises ConfigError naming each key."""
+    from infra.config import NAMESPACE, ConfigError
+    from infra.fit import env_job
+
+    if not spec.trainer.enabled:
+        return
+    job = env_job(spec)
+    problems = check_references(spec, job.cfg)
+    if problems:
+        where = spec.trainer.config or "the demo config"
+        raise ConfigError(f"{NAMESPACE}:trainer: the trainer config ({where}, with trainer.args) names code the image "
+                          "would not have:\n  " + "\n  ".join(problems))
