@@ -32,9 +32,15 @@ class TrainerImageArgs:
     repository: gcp.artifactregistry.Repository
 
 
+# Pulumi runs the program with the `main` folder of Pulumi.yaml as its working directory (engine getPwdMain: a
+# directory main becomes the pwd), here infra/; the provider resolves the build's paths against it.
+PROGRAM_DIR = Path(__file__).resolve().parent
+
+
 def _rel(path: Path) -> str:
-    # Relative to where Pulumi runs the program, so the plan (and its golden files) reads the same on any machine.
-    return os.path.relpath(path)
+    # Relative to that folder, not to wherever `plan` is run: the same paths on any machine and from any folder, so
+    # `plan --diff` compares like with like.
+    return os.path.relpath(path, PROGRAM_DIR)
 
 
 class TrainerImage(pulumi.ComponentResource):

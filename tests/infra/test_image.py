@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
+import pytest
+import yaml
+
+from infra import image as image_module
 from infra.mockrun import SECRET_MASK, PlanResult, run_stack
 from tests.infra.conftest import raw_inputs, stack_config
 
 IMAGE = "docker-build:index:Image"
 JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
 RAYJOB = "kubernetes:ray.io/v1:RayJob"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _jobset_image(plan: PlanResult) -> str:
@@ -26,10 +33,11 @@ def test_stack_builds_and_pushes_the_trainer_image(plans: dict[str, PlanResult])
     for env, plan in plans.items():
         [image] = plan.of_type(IMAGE)
         repo = f"us-east5-docker.pkg.dev/acme-rl-{env}/rl-{env}/trainer"
-        assert image.inputs["dockerfile"] == {"location": "trainer/Dockerfile"}
-        # The repository root (its .dockerignore keeps trainer/), and trainer.code's stand-in (test_user_code.py).
-        assert image.inputs["context"] == {"location": ".",
-                                           "named": {"user-code": {"location": "trainer/no_user_code"}}}
+        # Relative to infra/, where Pulumi runs the program: the repository root (its .dockerignore keeps trainer/),
+        # and trainer.code's stand-in (test_user_code.py).
+        assert image.inputs["dockerfile"] == {"location": "../trainer/Dockerfile"}
+        assert image.inputs["context"] == {"location": "..",
+                                           "named": {"user-code": {"location": "../trainer/no_user_code"}}}
         assert image.inputs["platforms"] == ["linux/amd64"]  # TPU hosts are x86_64
         assert image.inputs["push"] is True and image.inputs["tags"] == [f"{repo}:latest"]
         [registry] = image.inputs["registries"]
@@ -65,3 +73,17 @@ def test_a_prebuilt_image_skips_the_build() -> None:
     plan = run_stack("dev", {**stack_config("dev"), "gke-tpu-rl:trainer": trainer})
     assert not plan.of_type(IMAGE)
     assert _jobset_image(plan) == prebuilt and plan.outputs["trainerImage"] == prebuilt
+
+
+def test_build_paths_are_relative_to_the_folder_pulumi_runs_the_program_in(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pulumi's engine (getPwdMain) makes a directory `main` the program's working directory, and the provider
+    # resolves the build's paths against it: infra/ is where the image component lives.
+    main = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())["main"]
+    assert (ROOT / main).resolve() == image_module.PROGRAM_DIR
+    # So the paths do not depend on where `plan` runs (a diff against another revision compares like with like).
+    monkeypatch.chdir(tmp_path)
+    [image] = run_stack("staging", stack_config("staging")).of_type(IMAGE)
+    assert image.inputs["context"]["location"] == ".."
+    dockerfile = os.path.normpath(ROOT / main / image.inputs["dockerfile"]["location"])
+    assert dockerfile == str(ROOT / "trainer" / "Dockerfile")

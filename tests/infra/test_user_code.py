@@ -45,7 +45,7 @@ def _container(result: PlanResult) -> dict[str, Any]:
 def test_the_folder_is_the_images_user_code_context_and_its_digest_a_build_arg() -> None:
     result = run_stack("staging", _config(code=EXAMPLE, config="configs/max-digit.yaml"))
     img = _one(result, IMAGE_TYPE)
-    assert img["context"]["named"] == {image.USER_CODE_CONTEXT: {"location": EXAMPLE}}
+    assert img["context"]["named"] == {image.USER_CODE_CONTEXT: {"location": f"../{EXAMPLE}"}}  # from infra/
     assert img["buildArgs"] == {image.USER_CODE_DIGEST_ARG: user_code.digest(ROOT / EXAMPLE)}
     # The pod reads the config where the image holds the folder.
     args = _container(result)["args"]
@@ -53,7 +53,7 @@ def test_the_folder_is_the_images_user_code_context_and_its_digest_a_build_arg()
     # Without trainer.code the context is the empty stand-in, and a bundled config goes by name.
     plain = run_stack("staging", stack_config("staging"))
     assert _one(plain, IMAGE_TYPE)["context"]["named"] == {
-        image.USER_CODE_CONTEXT: {"location": "trainer/no_user_code"}}
+        image.USER_CODE_CONTEXT: {"location": "../trainer/no_user_code"}}
     assert _container(plain)["args"][:2] == ["--config", "llama3-70b-grpo-2xv6e-4x4.yaml"]
 
 
