@@ -52,13 +52,16 @@ def run(w: Workload) -> dict:
 def row(r: dict) -> str:
     progs = [p for p in r["programs"] if p["status"] != "skipped"]
     worst = max(progs, key=lambda p: p["peak"] if p["peak"] else p.get("oom_required") or 0)
-    hbm = r["hbm_per_device"]
+    hbm = r["hbm_limit"]  # the basis every share of the report is of (libtpu's usable HBM where it was read)
     peak = worst["peak"] or worst.get("oom_required") or 0
     verdict = "yes" if r["fits"] else "**no**"
     batch = f"{r['batch']} x ({r['prompt_len']} + {r['new_tokens']})"
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
-    return (f"| {r['workload']} | {mesh} | {batch} | {verdict} | {peak / 2**30:.1f} GiB ({peak / hbm:.0%}, "
-            f"{worst['name']}) | {r['step_seconds']:.1f} s | {r['mfu']:.0%} | {r['compile_seconds_total']:.0f} s |")
+    # No time or MFU for a config that does not fit (the report gives null and says why).
+    step = "—" if r["step_seconds"] is None else f"{r['step_seconds']:.1f} s"
+    mfu = "—" if r["mfu"] is None else f"{r['mfu']:.0%}"
+    return (f"| {r['workload']} | {mesh} | {batch} | {verdict} | {peak / 2**30:.1f} GiB ({peak / hbm:.0%} of "
+            f"{r['share_of']}, {worst['name']}) | {step} | {mfu} | {r['compile_seconds_total']:.0f} s |")
 
 
 HEADER = ("| workload | mesh | batch (sequences x tokens) | fits | peak HBM per chip (share, program) | "

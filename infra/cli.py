@@ -4,6 +4,7 @@ machine) and `train` (the trainer's own CLI)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from infra.config import EnvironmentSpec
     from infra.fit import FitJob
     from trainer.fit import FitReport
+    from trainer.fit_search import SearchResult
 
 EXIT_OK = 0
 EXIT_CONFIG = 2  # bad stack config, unknown environment, unreadable file: the message says which
@@ -49,12 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     fit = sub.add_parser(
         "fit", help="compile the trainer for a TPU slice on this machine: HBM per chip, FLOPs, MFU",
         description="Compiles the trainer's jitted programs (sample, reference log-probs, update) with libtpu for "
-        "a TPU topology, on this CPU machine, and reports per-chip HBM against the chip's, FLOPs, estimated time "
-        "and MFU of one RL step. Exit 0: fits (a warning above 90% of HBM); 3: a program does not fit (the "
-        "message names it and the settings that reduce it); 2: bad input.",
+        "a TPU topology, on this CPU machine, and reports per-chip HBM against what libtpu lets a program use "
+        "(e.g. 31.25 of a v6e chip's 32 GiB), FLOPs, estimated time and MFU of one RL step (none for a config "
+        "that does not fit). Exit 0: fits (a warning above 90% of the usable HBM); 3: a program does not fit (the "
+        "message names it and the settings that reduce it, each with its estimated saving) or --search found "
+        "nothing within its budget; 2: bad input.",
         epilog="examples: gke-tpu-rl fit dev | gke-tpu-rl fit --config run.yaml --tpu v6e:4x4 --slices 2 "
         "--set rl.group_size=16 | gke-tpu-rl fit --config qwen3-8b-grpo-v6e-4x4.yaml --tpu v6e:4x4 --model "
-        "qwen3-8b --format markdown")
+        "qwen3-8b --format markdown | gke-tpu-rl fit prod --search --budget 8")
     fit.add_argument("env", nargs="?", metavar="ENV",
                      help="environment: its trainer's slice group, slice count, trainer.config and trainer.args")
     fit.add_argument("--config-file", type=Path, metavar="FILE", help="read ENV's stack config from FILE")
@@ -69,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="size this bundled model instead (case-insensitive): see trainer/presets/")
     fit.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                      help="text (tables for the terminal), markdown (a PR comment) or json")
+    fit.add_argument("--search", action="store_true",
+                     help="when a program does not fit, search for the fastest settings that fit and print them as "
+                     "--set flags: compute.remat, compute.train_micro_batch_size, compute.logprob_chunk, "
+                     "sampling.max_num_sequences, sampling.gather_weights (the maths unchanged but for rounding); "
+                     "only if none of those fits, bf16 compute.grad_accum_dtype, compute.dtype, compute.param_dtype. "
+                     "Never the rl batch, the optimizer or the model. Candidates go fastest first by estimated time, "
+                     "skipping those estimated not to fit; exit 0 with the report of the fitting config, 3 with "
+                     "what was tried")
+    fit.add_argument("--budget", type=int, default=None, metavar="N",
+                     help="with --search: at most N program compiles in all (default 12), the config as given "
+                     "included (it takes up to 3: sample, ref_logprobs, update); a setting that leaves a program's "
+                     "compiled code unchanged does not compile it again, so a candidate usually takes 1")
     sub.add_parser("train", add_help=False, help="run the trainer (gke-tpu-rl train --help for its flags)")
     ref = sub.add_parser(
         "reference", help="print the stack or trainer config reference, or rewrite both docs with --write",
@@ -103,6 +119,17 @@ def _run_fit(job: FitJob, model: str | None = None) -> FitReport:
                progress=lambda msg: print(f"{msg} ...", file=sys.stderr, flush=True))
 
 
+def _run_search(job: FitJob, model: str | None, budget: int) -> SearchResult:
+    """`fit --search`: trainer.fit_search over the job's config; progress on stderr, as for _run_fit."""
+    from trainer.fit_search import search
+
+    return search(job.cfg, job.target, title=job.title, model=model, budget=budget,
+                  progress=lambda msg: print(f"{msg} ...", file=sys.stderr, flush=True))
+
+
+SEARCH_BUDGET = 12  # program compiles: the config as given and about ten candidates
+
+
 def _fit(args: argparse.Namespace) -> int:
     from infra import render
     from infra.config import ConfigError
@@ -111,6 +138,11 @@ def _fit(args: argparse.Namespace) -> int:
     from trainer.config import ConfigError as TrainerConfigError
 
     try:
+        if args.budget is not None and not args.search:
+            raise ConfigError("--budget goes with --search")
+        budget = SEARCH_BUDGET if args.budget is None else args.budget
+        if budget < 1:
+            raise ConfigError(f"--budget {budget}: must be 1 or more")
         if args.env is None and args.config_file is None:
             if not args.config or not args.tpu:
                 raise ConfigError("fit needs ENV, or --config YAML with --tpu TYPE:TOPOLOGY (e.g. v6e:4x4)")
@@ -120,25 +152,31 @@ def _fit(args: argparse.Namespace) -> int:
                 raise ConfigError("--tpu and --slices go with --config alone; ENV fits its trainer's own slices")
             env = args.env or _env_from_file(args.config_file)
             job = env_job(env_spec(env, args.config_file), args.config, args.overrides)
-        report = _run_fit(job, args.model)
+        found = _run_search(job, args.model, budget) if args.search else None
+        report = (found.report or found.base) if found is not None else _run_fit(job, args.model)
     except (ConfigError, PlanError, TrainerConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     if args.format == "json":
-        sys.stdout.write(report.json())
+        doc = report.to_json() | ({"search": found.to_json()} if found is not None else {})
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     elif args.format == "markdown":
-        sys.stdout.write(report.markdown())
+        sys.stdout.write(report.markdown() + (found.markdown() if found is not None else ""))
     else:
         render.print_fit(report, _console())  # the errors and what to change are part of it
+        if found is not None:
+            render.print_fit_search(found, _console())
     if not report.fits:
-        _no_fit(report, verbose=args.format != "text")
+        _no_fit(report, verbose=args.format != "text", searched=found is not None)
+        if found is not None:
+            print(f"error: {found.lines()[0]}", file=sys.stderr)
         return EXIT_NO_FIT
     return EXIT_OK
 
 
-def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True) -> None:
+def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True, searched: bool = False) -> None:
     """On stderr: each program that does not fit and what would reduce it, or (after a text report that shows
-    them) one line naming the programs."""
+    them) one line naming the programs; unless a search ran, how to have the settings found."""
     where = f"{env}: " if env else ""
     if verbose:
         for e in report.errors():
@@ -147,6 +185,9 @@ def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True) -> 
         names = ", ".join(p.name for p in report.failures)
         print(f"error: {where}does not fit on {report.target.label}: {names} (see above for what to change)",
               file=sys.stderr)
+    if not searched and report.failures:
+        print(f"hint: `gke-tpu-rl fit {env or '...'} --search` compiles candidate settings and prints the fastest "
+              "that fit", file=sys.stderr)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from infra.plan import is_kubernetes_object
 
 if TYPE_CHECKING:
     from trainer.fit import FitReport
+    from trainer.fit_search import SearchResult as FitSearch
 
 # ---------------------------------------------------------------- which settings the tree shows, per type
 
@@ -435,7 +436,7 @@ def print_fit(report: FitReport, console: Console) -> None:
     console.rule(Text(f"fit: {report.title}", style="bold"))
     for line in report.headline():
         console.print(line, highlight=False)
-    table = Table(*report.HEADERS, title="Per-program HBM (per " + report.unit + "), FLOPs and time per RL step",
+    table = Table(*report.headers(), title="Per-program HBM (per " + report.unit + "), FLOPs and time per RL step",
                   title_justify="left")
     styles = {"fits": "green", "tight": "yellow", "does not fit": "bold red", "skipped": "dim"}
     for row, p in zip(report.rows(), report.programs, strict=True):
@@ -448,6 +449,15 @@ def print_fit(report: FitReport, console: Console) -> None:
         console.print(Text(e) if e.startswith("  ") else Text.assemble(("error: ", "bold red"), e))
     for n in report.notes():
         console.print(Text(n, style="dim"))
+
+
+def print_fit_search(result: FitSearch, console: Console) -> None:
+    """`gke-tpu-rl fit --search`'s outcome, after the report of the config it ends on: the settings to add (or why
+    there are none) and every configuration it compiled."""
+    head, *rest = result.lines()
+    console.print(Text(head, style="bold green" if result.found else "bold red"))
+    for line in rest:
+        console.print(Text(line, style="bold" if line.startswith("  --set") else ""), highlight=False)
 
 
 def print_text(result: PlanResult, console: Console, fit: FitReport | None = None) -> None:

@@ -104,6 +104,8 @@ CHECKED: dict[str, tuple[str, str]] = {
     "gke-tpu-rl fit --config run.yaml --tpu v5p:4x4x4 --model llama-3.1-70b": ("test_readme_fit_commands",
                                                                                "libtpu compile of a 70B model"),
     "gke-tpu-rl plan staging --fit": ("test_readme_fit_commands", "the plan runs; its fit is a 70B compile"),
+    "gke-tpu-rl fit --config qwen3-0.6b-grpo-v6e-2x2.yaml --tpu v6e:2x2 --set compute.remat=none --search "
+    "--budget 8": ("test_readme_fit_commands", "a search of several compiles (112 s here): run up to the compile"),
     # docs/own-tasks.md
     "PYTHONPATH=examples/my_tasks gke-tpu-rl train --config examples/my_tasks/configs/max-digit.yaml "
     "--local-processes 2 --devices-per-process 4": (
@@ -551,8 +553,14 @@ def _stop_before_compiling(job: Any, model: str | None = None) -> Any:
     raise _Compiled(job, model, cfg, source)
 
 
+def _search_stops_before_compiling(job: Any, model: str | None, budget: int) -> Any:
+    assert budget >= 1
+    return _stop_before_compiling(job, model)
+
+
 def fit_until_compile(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> _Compiled:
     monkeypatch.setattr(cli, "_run_fit", _stop_before_compiling)
+    monkeypatch.setattr(cli, "_run_search", _search_stops_before_compiling)
     with pytest.raises(_Compiled) as e:
         cli.main(argv[1:])
     return e.value
@@ -574,6 +582,9 @@ def test_readme_fit_commands(clone: Path, monkeypatch: pytest.MonkeyPatch) -> No
             assert c.job.title.startswith("prod (") and c.cfg.compute.remat == "full"
         elif "--model" in argv:
             assert "Llama-3.1-70B" in c.source and (t.tpu_type, t.topology) == ("v5p", "4x4x4")
+        elif "--search" in argv:
+            assert "Qwen3-0.6B" in c.source and (t.tpu_type, t.topology) == ("v6e", "2x2")
+            assert c.cfg.compute.remat == "none"
         else:
             assert (t.topology, t.slices, c.cfg.mesh.slices) == ("4x4", 2, 2) and "Qwen3-8B" in c.source
         ledger.checked(command)

@@ -40,23 +40,36 @@ What is measured, and what is estimated:
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import math
 import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from trainer import fit_estimate as E
 from trainer import presets
-from trainer.config import ConfigError, ModelConfig, TrainConfig, resolve_mesh, with_model
-from trainer.fit_report import WARN_FRACTION, FitReport, GiB, ProgramFit, Target
+from trainer.config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    apply_overrides,
+    config_from_dict,
+    resolve_mesh,
+    with_model,
+)
+from trainer.fit_report import BUDGET_SPENT, WARN_FRACTION, FitReport, GiB, ProgramFit, Suggestion, Target
 from trainer.flops import StepFlops, param_count, step_flops
 
 # The report and FLOPs types live in fit_report.py and flops.py; callers import them from here.
-__all__ = ["GiB", "WARN_FRACTION", "FitError", "FitReport", "ProgramFit", "StepFlops", "Target", "fit", "param_count",
-           "parse_oom", "prepare_environment", "resolve_model", "step_flops", "suggestions", "topology_devices"]
+__all__ = ["GiB", "WARN_FRACTION", "CompileCache", "FitError", "FitReport", "ProgramFit", "StepFlops", "Suggestion",
+           "Target", "fit", "param_count", "parse_oom", "prepare_environment", "resolve_model", "step_flops",
+           "suggestions", "topology_devices", "usable_hbm"]
 PROGRAMS = ("sample", "ref_logprobs", "update")
 # Custom calls libtpu's cost model prices at -1 s each in optimal_seconds (libtpu 0.0.42.1: the negative part of
 # every optimal_seconds seen, from 0.6B to 70B programs on 1 to 4 slices, is exactly the count of these).
@@ -169,6 +182,50 @@ def prepare_environment(target: Target) -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+@functools.lru_cache(maxsize=16)
+def usable_hbm(target: Target) -> int | None:
+    """The HBM per device libtpu lets a program use on `target` (its compile-time limit, e.g. 31.25 GiB of a v6e
+    chip's 32): the figure of the RESOURCE_EXHAUSTED it raises for a program that needs 1 TiB, a compile of well
+    under a second. None where libtpu did not say."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(topology_devices(target)[0]))
+
+    def huge(x: jax.Array) -> jax.Array:  # 1 TiB of temporaries, kept alive by the barrier: more than any chip has
+        return jnp.sum(jax.lax.optimization_barrier(jnp.broadcast_to(x[0], (1 << 20, 1 << 18))))
+
+    try:
+        jax.jit(huge).lower(x).compile()
+    except Exception as err:  # RESOURCE_EXHAUSTED, naming the limit
+        parsed = parse_oom(str(err))
+        return parsed[1] if parsed else None
+    return None
+
+
+@dataclass
+class CompileCache:
+    """Compiled programs by their lowered text and target (the same text compiles the same), and a budget.
+
+    `fit --search` passes one through every fit it runs: a setting that leaves a program's lowered text unchanged
+    (sampling.max_num_sequences for the update, compute.remat for the sampler) costs no compile, and `budget`
+    caps the compiles of the whole search (a program past it is reported not compiled)."""
+
+    budget: int | None = None
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    results: dict[str, ProgramFit] = field(default_factory=dict)
+
+    @property
+    def left(self) -> int | None:
+        return None if self.budget is None else max(0, self.budget - self.compiles)
+
+
+# What a compile measures; a reused program copies these.
+_COMPILED_FIELDS = ("argument", "output", "alias", "temp", "code", "oom_message", "oom_required", "oom_available",
+                    "compiler_flops", "compiler_seconds", "compile_seconds")
+
+
 def topology_devices(target: Target) -> list[Any]:
     from jax.experimental.topologies import get_topology_desc
 
@@ -189,12 +246,13 @@ def fit(
     title: str,
     model: str | None = None,
     progress: Callable[[str], None] | None = None,
+    cache: CompileCache | None = None,
 ) -> FitReport:
     """Compile `cfg`'s programs for `target` and report memory, FLOPs, time and MFU per RL step.
 
     `cfg` is the trainer config as the pod would load it (mesh overrides applied); `model` names a bundled preset
     (see resolve_model). Raises ConfigError (FitError) for inputs that cannot be compiled; a program that does
-    not fit is reported, not raised.
+    not fit is reported, not raised. With `cache`, a program compiled before is reused and its budget applies.
     """
     say = progress or (lambda _msg: None)
     cfg, source = resolve_model(cfg, model)
@@ -231,11 +289,28 @@ def fit(
             report_programs.append(p)
             continue
         p.resident, p.resident_what = resident[name]
+        with jax.set_mesh(mesh):
+            lowered = getattr(programs, name).lower(*args[name])
+        key = ""
+        if cache is not None:
+            text = f"{target.topology_name} {target.slices} {target.host_bounds}\n{lowered.as_text()}"
+            key = hashlib.sha256(text.encode()).hexdigest()
+            if key in cache.results:
+                say(f"reusing {name}: compiled before in this run ({i + 1}/{len(PROGRAMS)})")
+                for f in _COMPILED_FIELDS:
+                    setattr(p, f, getattr(cache.results[key], f))
+                p.reused = True
+                report_programs.append(p)
+                continue
+            if cache.left == 0:
+                p.skipped = BUDGET_SPENT
+                report_programs.append(p)
+                continue
         say(f"compiling {name} for {target.label} ({i + 1}/{len(PROGRAMS)})")
         t0 = time.perf_counter()
         try:
             with jax.set_mesh(mesh):
-                compiled = getattr(programs, name).lower(*args[name]).compile()
+                compiled = lowered.compile()
         except Exception as err:  # only RESOURCE_EXHAUSTED is a finding; anything else is re-raised
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
@@ -255,6 +330,11 @@ def fit(
                 hlo = compiled.as_text()
                 p.compiler_seconds += sum(hlo.count(op) for op in _MINUS_ONE_SECOND_OPS)
         p.compile_seconds = time.perf_counter() - t0
+        if cache is not None:
+            cache.compiles += 1
+            cache.compile_seconds += p.compile_seconds
+            cache.results[key] = ProgramFit(name, **{f.name: getattr(p, f.name) for f in fields(ProgramFit)
+                                                     if f.name in _COMPILED_FIELDS})
         report_programs.append(p)
     _estimate_times(cfg, target, len(devices), flops, report_programs)
     m = cfg.model_cfg
@@ -262,8 +342,10 @@ def fit(
         title=title, target=target, model=source, params=param_count(m), param_dtype=m.param_dtype,
         compute_dtype=cfg.compute_dtype, mesh={k: getattr(cfg.mesh, k) for k in ("slices", "fsdp", "tensor")},
         batch=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=cfg.sampling.max_new_tokens,
-        devices=len(devices), programs=report_programs)
-    report.suggestions = {p.name: suggestions(p.name, cfg) for p in report_programs if p.skipped is None}
+        devices=len(devices), programs=report_programs, hbm_usable=usable_hbm(target))
+    for p in report_programs:
+        if p.skipped is None:
+            report.suggestions[p.name] = estimate_savings(p, cfg, suggestions(p.name, cfg))
     return report
 
 
@@ -277,43 +359,25 @@ def _estimate_times(cfg: TrainConfig, target: Target, n_devices: int, flops: Ste
             continue
         floor = p.flops / (n_devices * peak)
         if p.name == "sample":
-            p.seconds = _sample_seconds(cfg, n_devices, flops, peak, bw)
+            p.seconds = E.sample_seconds(cfg, n_devices, flops, peak, bw)
         elif p.compiler_flops > 0 and p.compiler_seconds > 0:
             p.seconds = max(floor, p.compiler_seconds * p.flops / p.compiler_flops)
         else:  # did not compile: the compute roofline alone
             p.seconds = floor
 
 
-def _sample_seconds(cfg: TrainConfig, n_devices: int, flops: StepFlops, peak: float, bw: float) -> float:
-    import jax.numpy as jnp
-
-    m, mesh = cfg.model_cfg, cfg.mesh
-    rows = cfg.sample_chunk_rows
-    chunks = cfg.batch_size // rows
-    S = cfg.prompt_len + cfg.sampling.max_new_tokens
-    data = mesh.slices * mesh.fsdp
-    # Each device reads the weights of its tensor shard once per forward pass (FSDP gathers the rest; with
-    # sampling.gather_weights a compute-dtype copy gathered once per step) and its rows' KV cache (sharded over kv
-    # heads when mesh.tensor divides them).
-    gathered = getattr(cfg.sampling, "gather_weights", False)
-    weights = param_count(m) * jnp.dtype(cfg.compute_dtype if gathered else m.param_dtype).itemsize / mesh.tensor
-    kv_shards = mesh.tensor if m.n_kv_heads % mesh.tensor == 0 else 1
-    kv = rows / data * S * m.n_layers * 2 * m.n_kv_heads * m.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-    kv /= kv_shards
-    hbm_s = (weights + kv) / bw
-    prefill = max(rows * flops.prefill_row / (n_devices * peak), hbm_s)
-    decode = max(rows * flops.decode_row / (n_devices * peak), hbm_s)
-    return chunks * (prefill + cfg.sampling.max_new_tokens * decode)
-
-
 # ---------------------------------------------------------------------------------------------- advice
 
 
-def suggestions(program: str, cfg: TrainConfig) -> list[str]:
-    """Config settings that would reduce `program`'s memory, with values that pass the config's own checks."""
+def suggestions(program: str, cfg: TrainConfig) -> list[Suggestion]:
+    """Config settings that would reduce `program`'s memory, with values that pass the config's own checks (no
+    estimate yet: `estimate_savings` adds it)."""
     c, rl, mesh, m = cfg.compute, cfg.rl, cfg.mesh, cfg.model_cfg
     data = mesh.slices * mesh.fsdp
-    out: list[str] = []
+    out: list[Suggestion] = []
+
+    def add(setting: str, text: str) -> None:
+        out.append(Suggestion(f"{setting}{text}", setting))
 
     def halves(n: int, divides: int) -> int | None:
         h = n // 2
@@ -321,34 +385,72 @@ def suggestions(program: str, cfg: TrainConfig) -> list[str]:
 
     if program == "update":
         if c.remat != "full":
-            out.append(f"compute.remat=full (now {c.remat}): keep only each layer's input for the backward pass")
+            add("compute.remat=full", f" (now {c.remat}): keep only each layer's input for the backward pass")
         mb = halves(cfg.micro_batch_rows, cfg.minibatch_rows)
         if mb:
-            out.append(f"compute.train_micro_batch_size={mb} (now {cfg.micro_batch_rows}): fewer sequences' "
-                       "activations at once, gradients accumulated")
+            add(f"compute.train_micro_batch_size={mb}", f" (now {cfg.micro_batch_rows}): fewer sequences' "
+                "activations at once, gradients accumulated")
         if cfg.batch_size % (2 * rl.minibatches) == 0 and (cfg.batch_size // (2 * rl.minibatches)) % data == 0:
-            out.append(f"rl.minibatches={2 * rl.minibatches} (now {rl.minibatches}): smaller minibatches (more "
-                       "optimizer steps per RL step: changes the algorithm)")
+            add(f"rl.minibatches={2 * rl.minibatches}", f" (now {rl.minibatches}): smaller minibatches (more "
+                "optimizer steps per RL step: changes the algorithm)")
     if program == "sample":
         ns = halves(cfg.sample_chunk_rows, cfg.batch_size)
         if ns:
-            out.append(f"sampling.max_num_sequences={ns} (now {cfg.sample_chunk_rows}): a KV cache for fewer "
-                       "sequences at once")
+            add(f"sampling.max_num_sequences={ns}", f" (now {cfg.sample_chunk_rows}): a KV cache for fewer "
+                "sequences at once")
+        if cfg.sampling.gather_weights:
+            add("sampling.gather_weights=false", " (now true): no whole compute-dtype copy of the weights while "
+                "sampling (an all-gather per generated token instead)")
     if program in ("update", "ref_logprobs") and c.logprob_chunk > 128 and cfg.sampling.max_new_tokens > 128:
-        out.append(f"compute.logprob_chunk={max(128, min(c.logprob_chunk, cfg.sampling.max_new_tokens) // 2)} "
-                   f"(now {c.logprob_chunk}): fewer fp32 [batch, chunk, vocab] logits at once")
+        add(f"compute.logprob_chunk={max(128, min(c.logprob_chunk, cfg.sampling.max_new_tokens) // 2)}",
+            f" (now {c.logprob_chunk}): fewer fp32 [batch, chunk, vocab] logits at once")
     if program in ("sample", "update") and getattr(cfg.optim, "name", None) == "adamw":
-        out.append("optim.name=adafactor: factored second moments and no first moment instead of Adam's two "
-                   "param-sized moments" + (" (resident while sampling)" if program == "sample" else ""))
+        add("optim.name=adafactor", ": factored second moments and no first moment instead of Adam's two "
+            "param-sized moments" + (" (resident while sampling)" if program == "sample" else "")
+            + " (a different optimizer: changes the algorithm)")
     if cfg.compute_dtype != "bfloat16":
-        out.append("compute.dtype=bfloat16: bf16 activations" + (" and KV cache" if program == "sample" else ""))
+        add("compute.dtype=bfloat16", ": bf16 activations" + (" and KV cache" if program == "sample" else ""))
     if m.param_dtype != "bfloat16":
-        out.append("compute.param_dtype=bfloat16: halves the master weights and Adam state")
+        add("compute.param_dtype=bfloat16", ": halves the master weights and Adam state")
     if mesh.slices > 1 and getattr(mesh, "fsdp_across_slices", None) is False:
-        out.append("mesh.fsdp_across_slices=true: shard the weights and optimizer state over the slices too "
-                   "(an all-gather over DCN every pass)")
+        add("mesh.fsdp_across_slices=true", ": shard the weights and optimizer state over the slices too "
+            "(an all-gather over DCN every pass)")
     t = next((t for t in (2, 4, 8) if t > mesh.tensor and m.n_kv_heads % t == 0 and m.n_heads % t == 0), None)
     if t:
-        out.append(f"mesh.tensor={t} (now {mesh.tensor}): shard heads, MLP and vocab, not only the batch")
-    out.append("more chips: a larger topology or more slices (trainer.slices / --slices)")
+        add(f"mesh.tensor={t}", f" (now {mesh.tensor}): shard heads, MLP and vocab, not only the batch")
+    out.append(Suggestion("more chips: a larger topology or more slices (trainer.slices / --slices)"))
     return out
+
+
+def with_settings(cfg: TrainConfig, settings: list[str]) -> TrainConfig:
+    """`cfg` with `--set KEY=VALUE` settings applied the way the CLI applies them (resolved mesh axes kept, except
+    that a mesh.tensor setting re-derives fsdp, as the JobSet's mesh.fsdp=-1 would)."""
+    extra = ["mesh.fsdp=-1"] if any(s.startswith("mesh.tensor=") for s in settings) else []
+    data = apply_overrides(cfg.model_dump(by_alias=True), [*settings, *extra])
+    if cfg.model is not None and cfg.init.from_ == "hf":  # a model attached by resolve_model: as with_model does
+        data["init"] = {"from": "random", "path": None}
+        return config_from_dict(data).model_copy(update={"init": cfg.init})
+    return config_from_dict(data)
+
+
+def estimate_savings(p: ProgramFit, cfg: TrainConfig, found: list[Suggestion]) -> list[Suggestion]:
+    """Fill each suggestion's estimated saving for compiled program `p` of the resolved config `cfg`: the
+    analytic memory model (trainer/fit_estimate.py) calibrated on what the compiler measured for `p`."""
+    lay = E.Layout.of(cfg)
+    base = E.memory(cfg, p.name, lay)
+    k = E.calibration(base, E.measured_temp(p))
+    for s in found:
+        try:
+            if s.setting is None:  # more chips: twice as many, as a topology twice the size
+                other = E.memory(cfg, p.name, lay.doubled())
+                s.estimate_note = "for twice the chips"
+            else:
+                changed = with_settings(cfg, [s.setting])
+                if s.setting.startswith("mesh."):
+                    changed = resolve_mesh(changed, lay.devices, exact=True)
+                other = E.memory(changed, p.name)
+        except ConfigError as err:
+            s.estimate_note = str(err)
+            continue
+        s.saves = int(E.saving(base, other, k))
+    return found

@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 GiB = 1 << 30
-WARN_FRACTION = 0.9  # above this share of HBM a program fits, with a warning
+WARN_FRACTION = 0.9  # above this share of the usable HBM a program fits, with a warning
+BUDGET_SPENT = "not compiled: the compile budget is spent"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ProgramFit:
     model_flops: float = 0.0
     seconds: float = 0.0  # the estimate described in the module docstring
     compile_seconds: float = 0.0
+    reused: bool = False  # the same lowered program was compiled before (fit's CompileCache): figures copied
 
     @property
     def compiled(self) -> bool:
@@ -86,6 +88,26 @@ class ProgramFit:
 
 
 @dataclass
+class Suggestion:
+    """A setting (or other change) that reduces a program's memory, with its estimated saving."""
+
+    text: str  # "compute.remat=full (now none): keep only each layer's input for the backward pass"
+    setting: str | None = None  # "compute.remat=full"; None for advice that is no single setting (more chips)
+    saves: int | None = None  # estimated bytes per device saved (trainer/fit_estimate.py); None: no estimate
+    estimate_note: str = ""  # what the estimate assumes, or why there is none
+
+    def line(self, unit: str) -> str:
+        if self.saves is None:
+            return f"{self.text} [no estimate{': ' + self.estimate_note if self.estimate_note else ''}]"
+        verb = "saves" if self.saves >= 0 else "costs"
+        note = f", {self.estimate_note}" if self.estimate_note else ""
+        return f"{self.text} [{verb} ~{size(abs(self.saves))} per {unit}, estimated{note}]"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
 class FitReport:
     title: str  # what was fitted: an environment, or a config file
     target: Target
@@ -99,7 +121,10 @@ class FitReport:
     new_tokens: int
     devices: int
     programs: list[ProgramFit]
-    suggestions: dict[str, list[str]] = field(default_factory=dict)
+    suggestions: dict[str, list[Suggestion]] = field(default_factory=dict)
+    # libtpu's per-device HBM limit (its compile-time check; fit probes it): below the catalog's HBM, as libtpu
+    # keeps part of it (31.25 of the 32 GiB on v6e). None: not known.
+    hbm_usable: int | None = None
 
     @property
     def devices_per_chip(self) -> int:
@@ -113,12 +138,29 @@ class FitReport:
     def unit(self) -> str:
         return "chip" if self.devices_per_chip == 1 else f"device ({self.devices_per_chip} per chip)"
 
+    @property
+    def hbm_limit(self) -> int:
+        """What a program must fit in, per device: every share in the report is of this figure."""
+        if self.hbm_usable is not None and self.hbm_usable <= self.hbm_per_device:
+            return self.hbm_usable
+        return self.hbm_per_device
+
+    @property
+    def hbm_basis(self) -> str:
+        """The limit with where it comes from, e.g. "31.25 GiB usable (libtpu)": the label of every share."""
+        if self.hbm_limit == self.hbm_usable:
+            return f"{_gib(self.hbm_limit)} usable (libtpu)"
+        return f"{_gib(self.hbm_limit)} HBM (catalog)"
+
+    def share(self, p: ProgramFit) -> float:
+        return p.peak / self.hbm_limit
+
     def status(self, p: ProgramFit) -> str:
         if p.skipped is not None:
-            return "skipped"
-        if p.oom_message is not None or p.peak > self.hbm_per_device:
+            return "not compiled" if p.skipped == BUDGET_SPENT else "skipped"
+        if p.oom_message is not None or p.peak > self.hbm_limit:
             return "does not fit"
-        return "tight" if p.peak > WARN_FRACTION * self.hbm_per_device else "fits"
+        return "tight" if p.peak > WARN_FRACTION * self.hbm_limit else "fits"
 
     @property
     def failures(self) -> list[ProgramFit]:
@@ -126,7 +168,19 @@ class FitReport:
 
     @property
     def fits(self) -> bool:
-        return not self.failures
+        """Every program compiled (or skipped by the config) and fits."""
+        return not self.failures and all(self.status(p) != "not compiled" for p in self.programs)
+
+    def program(self, name: str) -> ProgramFit:
+        return next(p for p in self.programs if p.name == name)
+
+    def not_applicable(self) -> str | None:
+        """Why the step has no time or MFU (None: it has): an estimate for a config that cannot run would read
+        as achievable."""
+        if self.failures:
+            return f"{', '.join(p.name for p in self.failures)} does not fit"
+        missing = [p.name for p in self.programs if self.status(p) == "not compiled"]
+        return f"{', '.join(missing)} not compiled" if missing else None
 
     @property
     def step_seconds(self) -> float:
@@ -145,9 +199,10 @@ class FitReport:
 
     def headline(self) -> list[str]:
         t = self.target
+        usable = f" ({self.hbm_basis} per {self.unit.split()[0]})" if self.hbm_limit == self.hbm_usable else ""
         return [
-            f"{t.label}: {t.chips} chips, {_gib(t.hbm_bytes_per_chip)} HBM and {t.peak_flops_per_chip / 1e12:g} "
-            f"TFLOP/s bf16 per chip",
+            f"{t.label}: {t.chips} chips, {_gib(t.hbm_bytes_per_chip)} HBM{usable} and "
+            f"{t.peak_flops_per_chip / 1e12:g} TFLOP/s bf16 per chip",
             f"model: {self.model}, {_count(self.params)} params, weights {self.param_dtype}, "
             f"compute {self.compute_dtype}",
             f"step: {self.batch} sequences x ({self.prompt_len} prompt + {self.new_tokens} new) tokens; mesh "
@@ -156,37 +211,50 @@ class FitReport:
 
     def rows(self) -> list[list[str]]:
         out = []
+        width = len(self.headers())
         for p in self.programs:
             if p.skipped is not None:
-                out.append([p.name, *["-"] * (len(self.HEADERS) - 2), f"skipped: {p.skipped}"])
+                note = p.skipped if p.skipped == BUDGET_SPENT else f"skipped: {p.skipped}"
+                out.append([p.name, *["-"] * (width - 2), note])
                 continue
             status = self.status(p)
+            # No time for a program that cannot run: it would read as achievable.
+            secs = "—" if status == "does not fit" else _secs(p.seconds)
             if p.oom_message is not None:
                 out.append([p.name, "-", "-", "-", "-", _gib(p.resident), _gib(p.peak),
-                            f"{p.peak / self.hbm_per_device:.0%}", f"{p.flops:.3g}", f"{_secs(p.seconds)}",
+                            f"{self.share(p):.0%}", f"{p.flops:.3g}", secs,
                             f"{status} (compiler: {_gib(p.oom_required or 0)} needed, "
                             f"{_gib(p.oom_available or 0)} available)"])
                 continue
             out.append([p.name, _gib(p.argument), _gib(p.temp), _gib(p.output), _gib(p.alias), _gib(p.resident),
-                        _gib(p.peak), f"{p.peak / self.hbm_per_device:.0%}", f"{p.flops:.3g}",
-                        _secs(p.seconds), status])
+                        _gib(p.peak), f"{self.share(p):.0%}", f"{p.flops:.3g}", secs, status])
         return out
 
-    HEADERS = ("program", "arguments", "temporaries", "outputs", "aliased", "resident", "peak", "of HBM",
-               "FLOPs", "est. time", "status")
+    def headers(self) -> tuple[str, ...]:
+        return ("program", "arguments", "temporaries", "outputs", "aliased", "resident", "peak",
+                f"of {self.hbm_basis}", "FLOPs", "est. time", "status")
 
     def summary_line(self) -> str:
         t = self.target
+        why = self.not_applicable()
+        if why is not None:
+            return (f"one RL step: {self.model_flops:.3g} model FLOPs; est. time — and MFU — (not applicable: {why}; "
+                    "no estimate for a configuration that cannot run)")
         return (f"one RL step: {self.model_flops:.3g} model FLOPs in ~{_secs(self.step_seconds)} (estimated) = "
                 f"MFU ~{self.mfu:.1%} of {t.chips} chips x {t.peak_flops_per_chip / 1e12:g} TFLOP/s")
 
     def notes(self) -> list[str]:
         hbm = _gib(self.target.hbm_bytes_per_chip)
+        if self.hbm_limit == self.hbm_usable:
+            basis = (f"Every share is of the {self.hbm_basis} per {self.unit.split()[0]}: the limit libtpu's "
+                     f"compiler enforces for this target (probed), below the chip's nominal {hbm} as libtpu keeps "
+                     "part of it; a program beyond it fails to compile and its figure is the compiler's.")
+        else:
+            basis = (f"Every share is of the {self.hbm_basis} per {self.unit.split()[0]}: the TPU catalog's figure "
+                     "(libtpu's own usable limit was not known or is larger).")
         notes = [
             f"Memory is per {self.unit}: peak = arguments + outputs - aliased + temporaries + code + resident "
-            "(state the loop keeps in HBM outside the program). "
-            f"HBM is the catalog's {hbm} per chip; libtpu keeps part of it for itself (on v6e it offers 31.25 of "
-            "the 32 GiB), so a program beyond that fails to compile and its figure is the compiler's.",
+            "(state the loop keeps in HBM outside the program). " + basis,
             "FLOPs are analytic, every loop iteration counted (XLA's cost analysis counts each loop body once: "
             "compiler figures " + ", ".join(
                 f"{p.name} {p.compiler_flops:.3g} FLOPs / "
@@ -195,7 +263,13 @@ class FitReport:
             "est. time: ref_logprobs and update scale the compiler's optimal_seconds to every iteration (at peak "
             "FLOP/s where the compiler gave no usable time: optimistic); sample is prefill + max_new_tokens decode "
             "steps on a FLOPs / HBM-bandwidth roofline (decode is bandwidth-bound). Estimates, not measurements.",
+            "Savings next to a suggestion are estimates (trainer/fit_estimate.py): the tensors the setting scales, "
+            "calibrated on this compile; `fit --search` compiles to check.",
         ]
+        reused = [p.name for p in self.programs if p.reused]
+        if reused:
+            notes.append(f"{', '.join(reused)}: the same program was compiled earlier in this run; its figures are "
+                         "reused.")
         for p in self.programs:
             if p.resident:
                 notes.append(f"{p.name} resident: {p.resident_what}.")
@@ -203,32 +277,34 @@ class FitReport:
 
     def warnings(self) -> list[str]:
         out = []
+        per = self.unit.split()[0]
         for p in self.programs:
             if self.status(p) == "tight":
-                out.append(f"{p.name} uses {p.peak / self.hbm_per_device:.0%} of HBM per {self.unit.split()[0]} "
-                           f"({_gib(p.peak)} of {_gib(self.hbm_per_device)}): it fits, with little room for "
-                           "fragmentation. To reduce it: " + "; ".join(self.suggestions.get(p.name, [])[:3]))
+                out.append(f"{p.name} uses {self.share(p):.0%} of the {self.hbm_basis} per {per} ({_gib(p.peak)}): "
+                           "it fits, with little room for fragmentation. To reduce it: "
+                           + "; ".join(s.line(per) for s in self.suggestions.get(p.name, [])[:3]))
         return out
 
     def errors(self) -> list[str]:
         out = []
+        per = self.unit.split()[0]
         for p in self.failures:
-            avail = p.oom_available if p.oom_available is not None else self.hbm_per_device
-            src = "the compiler ran out of HBM" if p.oom_message is not None else "peak exceeds HBM"
+            libtpu = p.oom_available is not None and p.oom_available != self.hbm_limit
+            avail = f"{_gib(p.oom_available)} available (libtpu)" if libtpu else self.hbm_basis  # type: ignore[arg-type]
+            src = "the compiler ran out of HBM" if p.oom_message is not None else "peak exceeds it"
             unparsed = p.oom_message is not None and p.oom_required is None
-            need = f"more than {_gib(avail)}" if unparsed else _gib(p.peak)
-            out.append(f"{p.name} does not fit: needs {need} per {self.unit.split()[0]}, "
-                       f"{_gib(avail)} available ({src}"
+            need = f"more than {_gib(p.oom_available or self.hbm_limit)}" if unparsed else _gib(p.peak)
+            out.append(f"{p.name} does not fit: needs {need} per {per}, {avail} ({src}"
                        + (f", including {_gib(p.resident)} resident: {p.resident_what}" if p.resident else "")
                        + ")")
             for s in self.suggestions.get(p.name, []):
-                out.append(f"  - {s}")
+                out.append(f"  - {s.line(per)}")
         return out
 
     def text(self) -> str:
         """Plain text (the CLI renders the same content with rich)."""
         lines = [f"fit: {self.title}", *self.headline(), ""]
-        lines += _plain_table(self.HEADERS, self.rows())
+        lines += _plain_table(self.headers(), self.rows())
         lines += ["", self.summary_line()]
         lines += [f"warning: {w}" for w in self.warnings()]
         lines += [f"error: {e}" if not e.startswith("  ") else e for e in self.errors()]
@@ -238,7 +314,8 @@ class FitReport:
     def markdown(self, heading: str = "###") -> str:
         lines = [f"{heading} gke-tpu-rl fit: {self.title}", ""]
         lines += [f"- {h}" for h in self.headline()]
-        lines += ["", "| " + " | ".join(self.HEADERS) + " |", "|" + "---|" * len(self.HEADERS)]
+        headers = self.headers()
+        lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.rows()]
         lines += ["", f"**{self.summary_line()}**", ""]
         lines += [f"> **Warning:** {w}" for w in self.warnings()]
@@ -252,15 +329,26 @@ class FitReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
+        why = self.not_applicable()
+        programs = []
+        for p in self.programs:
+            doc = asdict(p) | {"peak": p.peak, "status": self.status(p), "share": self.share(p)}
+            if self.status(p) == "does not fit":
+                doc["seconds"] = None  # no time for a program that cannot run
+            programs.append(doc)
         return {
             "title": self.title, "fits": self.fits, "target": asdict(self.target) | {"chips": self.target.chips},
             "model": self.model, "params": self.params, "param_dtype": self.param_dtype,
             "compute_dtype": self.compute_dtype, "mesh": self.mesh, "batch": self.batch,
             "prompt_len": self.prompt_len, "new_tokens": self.new_tokens, "devices": self.devices,
-            "hbm_per_device": self.hbm_per_device,
-            "programs": [asdict(p) | {"peak": p.peak, "status": self.status(p)} for p in self.programs],
-            "step_seconds": self.step_seconds, "model_flops": self.model_flops, "mfu": self.mfu,
-            "suggestions": self.suggestions, "warnings": self.warnings(), "errors": self.errors(),
+            "hbm_per_device": self.hbm_per_device, "hbm_usable": self.hbm_usable, "hbm_limit": self.hbm_limit,
+            "share_of": f"{self.hbm_basis} per {self.unit.split()[0]}",
+            "programs": programs,
+            "step_seconds": None if why else self.step_seconds, "model_flops": self.model_flops,
+            "mfu": None if why else self.mfu, "not_applicable": why,
+            "suggestions": {k: [asdict(s) | {"saves_is": "estimate" if s.saves is not None else None} for s in v]
+                            for k, v in self.suggestions.items()},
+            "warnings": self.warnings(), "errors": self.errors(),
         }
 
     def json(self) -> str:
@@ -269,6 +357,11 @@ class FitReport:
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+def size(n: float) -> str:
+    """GiB as the report writes them, MiB below a tenth of one (an estimated saving of a small model)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _count(n: int) -> str:

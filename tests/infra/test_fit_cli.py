@@ -88,13 +88,54 @@ def test_an_oversized_config_is_refused_naming_the_program_and_the_fix(
     assert cli.main(["fit", "--config", str(run), "--tpu", "v5e:2x2", "--format", "json"]) == cli.EXIT_NO_FIT
     out, err = capsys.readouterr()
     assert json.loads(out)["fits"] is False
-    assert "error: update does not fit: needs" in err and "per chip" in err and "available" in err
+    assert "error: update does not fit: needs" in err and "per chip, 15.75 GiB usable (libtpu)" in err
     assert "compute.remat=full" in err and "compute.param_dtype=bfloat16" in err and "more chips" in err
+    # Every suggestion carries its estimated saving; the step gets no MFU.
+    advice = [line for line in err.splitlines() if line.startswith("  - ")]
+    assert advice and all("estimated" in line for line in advice) and "saves ~" in err
     # The text report carries the same errors; stderr then only names the programs.
     assert cli.main(["fit", "--config", str(run), "--tpu", "v5e:2x2"]) == cli.EXIT_NO_FIT
     out, err = capsys.readouterr()
     assert "error: update does not fit: needs" in out and "- compute.remat=full" in out
-    assert err.splitlines()[-1].startswith("error: does not fit on 1 x v5e 2x2: ") and "update" in err
+    assert err.splitlines()[-2].startswith("error: does not fit on 1 x v5e 2x2: ") and "update" in err
+    assert err.splitlines()[-1].startswith("hint: `gke-tpu-rl fit ... --search` compiles candidate settings")
+
+
+def test_fit_search_prints_settings_that_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import dataclasses
+
+    from infra import fit as infra_fit
+
+    # An 11 MiB chip: the 256-token update of this small model needs ~19 MiB per chip as given, so the search has
+    # something to solve at compiles of seconds. Everything else is the real CLI, catalog and libtpu.
+    real_target = infra_fit.target
+    monkeypatch.setattr(infra_fit, "target", lambda shape, slices: dataclasses.replace(
+        real_target(shape, slices), hbm_bytes_per_chip=11 << 20))
+    run = _run_yaml(tmp_path / "run.yaml", {"d_model": 64, "head_dim": 16, "d_ff": 128, "max_seq_len": 512},
+                    rl={"group_size": 8, "prompts_per_step": 8},
+                    sampling={"max_new_tokens": 128, "max_prompt_len": 128})
+    args = ["fit", "--config", str(run), "--tpu", "v5e:2x2"]
+    assert cli.main([*args, "--search", "--budget", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert "search: found settings that fit in " in out and "(budget 6)" in out
+    flags = next(line.split() for line in out.splitlines() if line.startswith("  --set "))
+    assert flags[::2] == ["--set"] * (len(flags) // 2)
+    assert f"fit: {run} on 1 x v5e 2x2, with {' '.join(flags[1::2])}" in out  # the report is the fitting config's
+    assert "MFU ~" in out and "0.01 GiB HBM (catalog)" in out
+    assert sum(line.startswith("compiling ") for line in err.splitlines()) <= 6
+    # Fed back to fit, those flags fit.
+    assert cli.main([*args, *flags, "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] and doc["mfu"] > 0 and doc["share_of"] == "0.01 GiB HBM (catalog) per chip"
+
+    # Nothing fits in one compile: exit 3, saying what was tried, with the config as given reported.
+    assert cli.main([*args, "--search", "--budget", "1", "--format", "json"]) == cli.EXIT_NO_FIT
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["fits"] is False and doc["mfu"] is None and doc["search"]["found"] is False
+    assert doc["search"]["compiles"] == 1 and doc["search"]["reason"] == "the budget of 1 compiles is spent"
+    assert "error: search: nothing found that fits in 1 compile (budget 1)" in err
 
 
 BAD = [
@@ -110,6 +151,8 @@ BAD = [
     (["nope"], "no stack config for environment 'nope'"),
     (["dev", "--model", "gpt-5"], "--model 'gpt-5': not a bundled model; choose one of: Llama-3.1-70B, "),
     (["--config", "absent.yaml", "--tpu", "v6e:2x2"], "cannot read config absent.yaml"),
+    (["--config", "run.yaml", "--tpu", "v6e:2x2", "--budget", "4"], "--budget goes with --search"),
+    (["--config", "run.yaml", "--tpu", "v6e:2x2", "--search", "--budget", "0"], "--budget 0: must be 1 or more"),
     (["--config", "run.yaml", "--tpu", "v6e:2x2", "--set", "mesh.tensor=3"],
      "mesh.fsdp=-1 cannot be inferred: 4 devices are not divisible by the other axes' product 3"),
 ]

@@ -99,11 +99,13 @@ def test_memory_figures_are_consistent(once: F.FitReport) -> None:
     assert p["ref_logprobs"].resident == pytest.approx(3 * params_per_chip, rel=0.05)
     assert p["update"].resident == pytest.approx(params_per_chip, rel=0.05)
     for prog in once.programs:
-        assert 0 < prog.peak <= once.hbm_per_device
+        assert 0 < prog.peak <= once.hbm_limit
         assert prog.peak == prog.argument + prog.output - prog.alias + prog.temp + prog.code + prog.resident
         assert once.status(prog) == "fits"
     assert once.fits and not once.errors() and not once.warnings()
     assert once.hbm_per_device == 32 * GiB
+    # Shares are of what libtpu lets a program use (probed from its own RESOURCE_EXHAUSTED), not the nominal 32.
+    assert once.hbm_usable == once.hbm_limit == int(31.25 * GiB)
 
 
 def test_update_flops_scale_like_6_params_tokens_mu(deep: F.FitReport) -> None:
@@ -129,6 +131,27 @@ def test_renderings_carry_the_same_figures(deep: F.FitReport) -> None:
     assert doc["fits"] is True and doc["mesh"] == {"slices": 1, "fsdp": 4, "tensor": 1}
     assert [p["name"] for p in doc["programs"]] == ["sample", "ref_logprobs", "update"]
     assert doc["programs"][2]["peak"] == _by_name(deep)["update"].peak
+    # One basis for every share, named wherever a share is shown.
+    assert "of 31.25 GiB usable (libtpu)" in text and "| of 31.25 GiB usable (libtpu) |" in md
+    assert "(31.25 GiB usable (libtpu) per chip)" in text.splitlines()[1]
+    assert doc["share_of"] == "31.25 GiB usable (libtpu) per chip" and doc["hbm_limit"] == int(31.25 * GiB)
+    assert doc["programs"][2]["share"] == pytest.approx(doc["programs"][2]["peak"] / doc["hbm_limit"])
+
+
+def test_every_suggestion_carries_an_estimated_saving(deep: F.FitReport) -> None:
+    update = deep.suggestions["update"]
+    by_setting = {s.setting: s for s in update}
+    # Recomputing every layer keeps less than keeping every activation; half the micro-batch rows, less again.
+    assert by_setting["compute.train_micro_batch_size=4"].saves > 0
+    assert by_setting["compute.param_dtype=bfloat16"].saves > 0  # float32 weights and Adam state halve
+    assert update[-1].setting is None and update[-1].saves > 0 and "twice the chips" in update[-1].estimate_note
+    assert all(isinstance(s.saves, int) for s in update)
+    line = by_setting["compute.param_dtype=bfloat16"].line("chip")
+    assert line.startswith("compute.param_dtype=bfloat16: halves") and line.endswith(" per chip, estimated]")
+    doc = json.loads(deep.json())
+    first = doc["suggestions"]["update"][0]
+    assert first["setting"] == update[0].setting and first["saves"] == update[0].saves
+    assert first["saves_is"] == "estimate"
 
 
 def test_above_90_percent_warns_and_above_hbm_refuses(deep: F.FitReport) -> None:
@@ -136,22 +159,29 @@ def test_above_90_percent_warns_and_above_hbm_refuses(deep: F.FitReport) -> None
 
     report = copy.deepcopy(deep)
     update = _by_name(report)["update"]
-    hbm = report.hbm_per_device
+    hbm = report.hbm_limit  # libtpu's 31.25 GiB: a program between it and the nominal 32 GiB does not fit
     update.temp += int(0.93 * hbm) - update.peak
     assert report.status(update) == "tight" and report.fits
-    assert report.warnings()[0].startswith("update uses 93% of HBM per chip")
+    assert report.warnings()[0].startswith("update uses 93% of the 31.25 GiB usable (libtpu) per chip")
     assert "compute.train_micro_batch_size=4 (now 8)" in report.warnings()[0]
     update.temp += int(0.1 * hbm)
     assert report.status(update) == "does not fit" and not report.fits
     errors = report.errors()
-    assert errors[0].startswith("update does not fit: needs 32.96 GiB per chip, 32.00 GiB available (peak exceeds")
+    assert errors[0].startswith("update does not fit: needs 32.19 GiB per chip, 31.25 GiB usable (libtpu) (peak "
+                                "exceeds it")
     assert any(e.startswith("  - compute.train_micro_batch_size=4 (now 8)") for e in errors)
     assert errors[-1].startswith("  - more chips")
+    # No step time or MFU for a config that cannot run: "—" and the reason, in every rendering.
+    assert "est. time — and MFU — (not applicable: update does not fit" in report.summary_line()
+    assert report.rows()[2][-2] == "—" and "MFU ~" not in report.text() and "MFU ~" not in report.markdown()
+    doc = json.loads(report.json())
+    assert doc["mfu"] is None and doc["step_seconds"] is None and doc["not_applicable"] == "update does not fit"
+    assert doc["programs"][2]["seconds"] is None and doc["programs"][0]["seconds"] > 0
     # A program the compiler refused: its message's figures stand in for the memory analysis.
     update.oom_message = "RESOURCE_EXHAUSTED: ... (40.00G) exceeds available HBM (31.25G)"
     update.oom_required, update.oom_available = 40 * GiB, int(31.25 * GiB)
     assert update.peak == 40 * GiB + update.resident
-    assert "31.25 GiB available (the compiler ran out of HBM" in report.errors()[0]
+    assert "31.25 GiB usable (libtpu) (the compiler ran out of HBM" in report.errors()[0]
 
 
 def test_oom_messages_are_parsed() -> None:
@@ -171,11 +201,12 @@ def test_suggested_settings_pass_the_configs_own_checks(program: str) -> None:
                             sampling={"max_new_tokens": 512, "max_prompt_len": 256},
                             model={"max_seq_len": 1024}), 8, exact=True)
     found = F.suggestions(program, cfg)
-    assert found[-1].startswith("more chips")
+    assert found[-1].text.startswith("more chips") and found[-1].setting is None
     for s in found[:-1]:
-        setting = s.split(" ", 1)[0].rstrip(":")
+        setting = s.setting
+        assert s.text.startswith(setting)
         # The JobSet passes mesh.fsdp=-1, so a mesh.tensor suggestion re-derives fsdp.
-        data = apply_overrides(cfg.model_dump(by_alias=True), [setting, "mesh.fsdp=-1"])
+        data = apply_overrides(cfg.model_dump(by_alias=True), [str(setting), "mesh.fsdp=-1"])
         resolve_mesh(config_from_dict(data), 8, exact=True)  # raises if the suggestion is not a valid config
 
 
