@@ -411,15 +411,17 @@ def test_readme_make_targets(clone: Path) -> None:
     """`make demo` and `make test` need the registries to install; their steps are the documented commands."""
     ledger = Ledger("test_readme_make_targets", README)
     venv = VENV_BIN.parent
+    # Under `make test` (CI) this runs inside make: MAKELEVEL/MAKEFLAGS would make the child print its directory.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     for command, argv in commands_of(README, ledger):
         dry = subprocess.run(["make", "-n", "-o", f"{venv}/.installed-stamp", f"VENV={venv}", *argv[1:]], cwd=clone,
-                             check=True, capture_output=True, text=True).stdout.splitlines()
+                             check=True, capture_output=True, text=True, env=env).stdout.splitlines()
         steps = [line.removeprefix(f"{venv}/bin/") for line in dry]
         if argv[1] == "demo":
             assert steps == ["gke-tpu-rl plan --all", "gke-tpu-rl train --local-processes 2 --devices-per-process 4"]
             assert all(RUN.get(s) for s in steps)  # each of them is run by a test here
             fresh = subprocess.run(["make", "-n", f"VENV={clone}/fresh-venv", "demo"], cwd=clone, check=True,
-                                   capture_output=True, text=True).stdout
+                                   capture_output=True, text=True, env=env).stdout
             assert f"python3 -m venv {clone}/fresh-venv" in fresh and "pip install -q -e '.[dev]'" in fresh
         else:
             assert steps == ["ruff check .", "pytest -q"]
