@@ -8,10 +8,10 @@ is initialised.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
 
 from trainer import yamlfile
 
@@ -213,6 +213,41 @@ class OptimConfig(_Strict):
     clip_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
 
 
+# Hugging Face module names of the projections a LoRA adapter can target (PEFT's target_modules).
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+LORA_LINEAR_TARGETS: tuple[LoraTarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj")
+
+
+class LoraConfig(_Strict):
+    """LoRA: the base weights stay frozen (no gradient, no optimizer state) and each target projection W gains
+    scale x A B, with A [in, rank], B [rank, out] (B starts at zero) and scale alpha / rank (alpha / sqrt(rank) with
+    rslora), as PEFT computes it. `slots` adapters are stacked on the one base model; each batch row picks its own."""
+
+    rank: int = Field(8, gt=0, description="the adapters' rank r (PEFT's r)")
+    alpha: float = Field(8.0, gt=0, description="the update is scaled by alpha / rank (PEFT's lora_alpha)")
+    # Written as a list, kept as a tuple: the section stays hashable (jitted programs are cached on it).
+    targets: Annotated[list[LoraTarget], AfterValidator(tuple), PlainSerializer(list)] = Field(
+        default_factory=lambda: list(LORA_LINEAR_TARGETS), min_length=1, validate_default=True,
+        description="projections that get an adapter, by their Hugging Face module name (PEFT's target_modules); "
+        "lm_head is the unembedding")
+    rslora: bool = Field(False, description="rank-stabilised LoRA: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
+    # Adapters stacked on the one base model: rows of a batch each pick a slot (a task example's `lora_slot` field,
+    # else 0; -1 = the base model alone), so many users' rows share one forward and backward pass.
+    slots: int = Field(1, gt=0, description="adapters stacked on the base model; each prompt trains the slot its "
+                       "example's lora_slot field names (default 0; -1: none, the base model alone)")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraConfig:
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets: {list(self.targets)} names a module twice")
+        return self
+
+
 class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0, description="save every N steps; 0: only at the end and on SIGTERM")
     keep: int = Field(3, gt=0, description="checkpoints kept")
@@ -246,6 +281,8 @@ class TrainConfig(_Strict):
     run_dir: str = Field("runs/default", min_length=1, description="where metrics.jsonl, config.yaml and (by "
                          "default) checkpoints go; the --run-dir flag overrides it")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="saving and resuming")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on frozen base weights (`lora: {}` for the "
+                                    "defaults); unset: train every weight")
     log_every: int = Field(1, gt=0, description="print a metrics line every N steps (when there is no progress "
                            "bar)")
     progress: bool = Field(True, description="a progress bar on process 0 when stdout is a terminal")

@@ -4,7 +4,8 @@ optional q/k/v biases (Qwen2) and QK-norm (Qwen3).
 Layers are stacked on a leading L axis and run with `lax.scan` (optionally rematerialised). Shape suffixes: B batch,
 T query length, S key length (cache slots), D d_model, H query heads, K kv heads, G = H/K, E head_dim, F d_ff,
 V vocab, L layers. Matmuls run in the compute dtype (`ComputeConfig.dtype`); norms, softmax, logits and log-probs
-are fp32 whatever the parameter or compute dtype.
+are fp32 whatever the parameter or compute dtype. LoRA adapters (trainer/lora.py) ride along as an `Adapter`: each
+batch row adds its own slot's low-rank update to the targeted projections.
 """
 
 from __future__ import annotations
@@ -25,6 +26,37 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+class Adapter(NamedTuple):
+    """LoRA adapters for one pass (see trainer/lora.py for the layout): per target {"a": [(L,) S, *in, r],
+    "b": [(L,) S, r, *out]}, and each row's gate [B, S], one-hot of its slot times the scale (all zero: the base model
+    alone)."""
+
+    weights: Params
+    gate_BS: jax.Array
+
+
+# einsum letters of the input and output dims of each projection an adapter can target (d_model, heads x head_dim,
+# kv heads x head_dim, d_ff, vocab).
+LORA_DIMS: dict[str, tuple[str, str]] = {
+    "wq": ("d", "he"), "wk": ("d", "ke"), "wv": ("d", "ke"), "wo": ("he", "d"),
+    "w_gate": ("d", "f"), "w_up": ("d", "f"), "w_down": ("f", "d"), "lm_head": ("d", "v"),
+}
+
+
+def lora_delta(x: jax.Array, ab: Params, gate_BS: jax.Array, key: str) -> jax.Array:
+    """Every row's own adapter applied to x: scale x (x A_s) B_s for its slot s, as two dense matmuls over all slots.
+
+    The low-rank activations [B, T, S, r] are computed for every slot and masked to the row's own (gate_BS) before the
+    up-projection: one LoRA of rank S x r in which each row sees only its slot's columns. No gather or scatter, in the
+    forward or the backward pass (the gradients of A and B are masked alike), which is what XLA runs well; the cost is
+    S x r x (in + out) FLOPs per token, small next to the base's in x out while S x r << d_model.
+    """
+    ins, outs = LORA_DIMS[key]
+    h = jnp.einsum(f"bt{ins},s{ins}r->btsr", x, ab["a"].astype(x.dtype))
+    h = constrain(h, ("batch", "seq", None, None)) * gate_BS[:, None, :, None].astype(x.dtype)
+    return jnp.einsum(f"btsr,sr{outs}->bt{outs}", h, ab["b"].astype(x.dtype))
 
 
 class KVCache(NamedTuple):
@@ -202,11 +234,19 @@ def _layer(
     mask_BTS: jax.Array,
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | int,
+    lora: Params | None = None,
+    gate_BS: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    def proj(spec: str, x: jax.Array, key: str) -> jax.Array:
+        y = jnp.einsum(spec, x, p[key])
+        if lora is not None and key in lora:
+            y = y + lora_delta(x, lora[key], gate_BS, key)  # type: ignore[arg-type]
+        return y
+
     h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-    q = jnp.einsum("btd,dhe->bthe", h, p["wq"])
-    k = jnp.einsum("btd,dke->btke", h, p["wk"])
-    v = jnp.einsum("btd,dke->btke", h, p["wv"])
+    q = proj("btd,dhe->bthe", h, "wq")
+    k = proj("btd,dke->btke", h, "wk")
+    v = proj("btd,dke->btke", h, "wv")
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = constrain(q, ("batch", "seq", "q_heads", None))
@@ -221,13 +261,13 @@ def _layer(
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), index, axis=1)
         kv = (k, v)
     attn = attention(q, k, v, mask_BTS)
-    x_BTD = x_BTD + jnp.einsum("bthe,hed->btd", attn, p["wo"])
+    x_BTD = x_BTD + proj("bthe,hed->btd", attn, "wo")
     x_BTD = constrain(x_BTD, ("batch", "seq", None))
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
-    up = jnp.einsum("btd,df->btf", h, p["w_up"])
+    gate = proj("btd,df->btf", h, "w_gate")
+    up = proj("btd,df->btf", h, "w_up")
     ff = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    x_BTD = x_BTD + jnp.einsum("btf,fd->btd", ff, p["w_down"])
+    x_BTD = x_BTD + proj("btf,fd->btd", ff, "w_down")
     return constrain(x_BTD, ("batch", "seq", None)), kv
 
 
@@ -246,11 +286,13 @@ def forward(
     cache: KVCache | None = None,
     index: jax.Array | int = 0,
     cc: ComputeConfig = DEFAULT_COMPUTE,
+    adapter: Adapter | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Final-normed hidden states [B, T, D] in the compute dtype (see `logits`) and the updated cache.
 
     Without a cache, keys are the T inputs (causal, pad keys masked). With a cache, the T new tokens are
-    written at slots [index, index + T) and attend to every valid slot up to their own.
+    written at slots [index, index + T) and attend to every valid slot up to their own. With an adapter, each row
+    adds its own slot's LoRA updates to the targeted projections.
     """
     B, T = tokens_BT.shape
     dt = compute_dtype(cfg, cc)
@@ -268,9 +310,13 @@ def forward(
         S = valid_BS.shape[1]
         mask_BTS = valid_BS[:, None, :] & (jnp.arange(S)[None, :] <= q_slot_T[:, None])[None]
 
-    def body(x: jax.Array, xs: tuple[Params, Any]) -> tuple[jax.Array, Any]:
-        p, kv = xs
-        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, mask_BTS, kv, index)
+    lora_layers = (adapter.weights.get("layers") or None) if adapter is not None else None
+    gate_BS = adapter.gate_BS if adapter is not None else None
+
+    def body(x: jax.Array, xs: tuple[Params, Params | None, Any]) -> tuple[jax.Array, Any]:
+        p, lp, kv = xs
+        lp = None if lp is None else cast_weights(lp, dt)
+        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, mask_BTS, kv, index, lp, gate_BS)
         return x, kv
 
     if cc.remat != "none":
@@ -278,7 +324,8 @@ def forward(
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cc.remat], prevent_cse=False)
 
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
-    x_BTD, kv_out = jax.lax.scan(body, x_BTD, (params["layers"], kv_in), unroll=1 if cc.scan_layers else True)
+    x_BTD, kv_out = jax.lax.scan(body, x_BTD, (params["layers"], lora_layers, kv_in),
+                                 unroll=1 if cc.scan_layers else True)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
     new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)
     return x_BTD, new_cache
@@ -289,15 +336,25 @@ def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
     return params["embed"] if cfg.tie_embeddings else params["lm_head"]
 
 
-def logits_from_head(w: jax.Array, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
-    """fp32 logits [B, T, V], vocab-sharded like the head; the matmul runs in x's (compute) dtype."""
+def logits_from_head(w: jax.Array, cfg: ModelConfig, x_BTD: jax.Array, head_lora: Params | None = None,
+                     gate_BS: jax.Array | None = None) -> jax.Array:
+    """fp32 logits [B, T, V], vocab-sharded like the head; the matmul runs in x's (compute) dtype. `head_lora`: an
+    lm_head adapter stack, each row using its gate_BS slot."""
     spec = "btd,vd->btv" if cfg.tie_embeddings else "btd,dv->btv"
     out = jnp.einsum(spec, x_BTD, w.astype(x_BTD.dtype), preferred_element_type=f32)
+    if head_lora is not None:
+        out = out + lora_delta(x_BTD, head_lora, gate_BS, "lm_head").astype(f32)  # type: ignore[arg-type]
     return constrain(out, ("batch", "seq", "vocab"))
 
 
-def logits(params: Params, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
-    return logits_from_head(head_weight(params, cfg), cfg, x_BTD)
+def _head_lora(adapter: Adapter | None) -> tuple[Params | None, jax.Array | None]:
+    if adapter is None:
+        return None, None
+    return adapter.weights.get("lm_head"), adapter.gate_BS
+
+
+def logits(params: Params, cfg: ModelConfig, x_BTD: jax.Array, adapter: Adapter | None = None) -> jax.Array:
+    return logits_from_head(head_weight(params, cfg), cfg, x_BTD, *_head_lora(adapter))
 
 
 def logprobs_and_entropy(
@@ -324,6 +381,7 @@ def chunked_logprobs(
     targets_BN: jax.Array,
     temperature: float,
     chunk: int,
+    adapter: Adapter | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`logprobs_and_entropy(logits(x))` over N in chunks of `chunk` tokens.
 
@@ -340,12 +398,14 @@ def chunked_logprobs(
     t_nBC = targets_BN.reshape(B, n, C).swapaxes(0, 1)
 
     @jax.checkpoint
-    def one(w: jax.Array, x_BCD: jax.Array, t_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def one(w: jax.Array, head: Params | None, gate_BS: jax.Array | None, x_BCD: jax.Array, t_BC: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
         x_BCD = constrain(x_BCD, ("batch", None, None))
-        return logprobs_and_entropy(logits_from_head(w, cfg, x_BCD), t_BC, temperature)
+        return logprobs_and_entropy(logits_from_head(w, cfg, x_BCD, head, gate_BS), t_BC, temperature)
 
     w = head_weight(params, cfg)
-    _, (logp_nBC, ent_nBC) = jax.lax.scan(lambda _, xs: (None, one(w, *xs)), None, (x_nBCD, t_nBC))
+    head, gate_BS = _head_lora(adapter)
+    _, (logp_nBC, ent_nBC) = jax.lax.scan(lambda _, xs: (None, one(w, head, gate_BS, *xs)), None, (x_nBCD, t_nBC))
     logp_BN = logp_nBC.swapaxes(0, 1).reshape(B, n * C)[:, :N]
     ent_BN = ent_nBC.swapaxes(0, 1).reshape(B, n * C)[:, :N]
     return logp_BN, ent_BN
@@ -360,11 +420,12 @@ def completion_logprobs(
     completion_mask_BN: jax.Array,
     temperature: float = 1.0,
     cc: ComputeConfig = DEFAULT_COMPUTE,
+    adapter: Adapter | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs [B, N] (and entropies) of `completion` given the (any-padded) prompt."""
     tokens = jnp.concatenate([prompt_BP, completion_BN], axis=1)
     valid = jnp.concatenate([prompt_valid_BP, completion_mask_BN], axis=1).astype(bool)
-    x_BTD, _ = forward(params, cfg, tokens, valid, cc=cc)
+    x_BTD, _ = forward(params, cfg, tokens, valid, cc=cc, adapter=adapter)
     P = prompt_BP.shape[1]
     N = completion_BN.shape[1]
     # Hidden state at t predicts token t + 1, except that the first completion token is predicted by the
@@ -373,4 +434,4 @@ def completion_logprobs(
     n_N = jnp.arange(N)[None, :]
     pred_idx_BN = jnp.where(n_N == 0, last_valid_B[:, None], P - 1 + n_N)
     x_BND = jnp.take_along_axis(x_BTD, pred_idx_BN[..., None], axis=1)
-    return chunked_logprobs(params, cfg, x_BND, completion_BN, temperature, cc.logprob_chunk)
+    return chunked_logprobs(params, cfg, x_BND, completion_BN, temperature, cc.logprob_chunk, adapter)

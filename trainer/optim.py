@@ -20,7 +20,9 @@ def make_schedule(cfg: OptimConfig, total_updates: int, updates_per_step: int = 
     )
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, updates_per_step: int = 1) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_steps: int, updates_per_step: int = 1,
+                   clip: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
+    """The optimizer after a gradient clip: `clip`, by default the global-norm clip to cfg.clip_norm."""
     schedule = make_schedule(cfg, total_steps * updates_per_step, updates_per_step)
     if cfg.name == "adafactor":
         # clipping_threshold=None: the global-norm clip below is the one clip, as for AdamW.
@@ -28,4 +30,4 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, updates_per_step: int = 1
                                 momentum=None, weight_decay_rate=cfg.weight_decay or None)
     else:
         inner = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner)
+    return optax.chain(clip or optax.clip_by_global_norm(cfg.clip_norm), inner)

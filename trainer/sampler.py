@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.config import ComputeConfig, ModelConfig
-from trainer.model import DEFAULT_COMPUTE, KVCache, Params, forward, init_cache, logits, logprobs_and_entropy
+from trainer.model import DEFAULT_COMPUTE, Adapter, KVCache, Params, forward, init_cache, logits, logprobs_and_entropy
 from trainer.sharding import join_strided, split_strided
 
 
@@ -86,28 +86,34 @@ def sample(
     top_p: float = 1.0,
     cc: ComputeConfig = DEFAULT_COMPUTE,
     max_num_sequences: int | None = None,
+    adapter: Adapter | None = None,
 ) -> Samples:
     """Sample `max_new_tokens` per row (stopping a row at EOS, and the loop once every row stopped).
 
     With `max_num_sequences` < B the rows are generated in B / max_num_sequences sequential chunks, so the KV
     cache holds one chunk. Chunk k takes rows k, k + n, k + 2n, ... (n chunks): with the batch sharded in
-    contiguous blocks over the data devices, every chunk is spread over all of them.
+    contiguous blocks over the data devices, every chunk is spread over all of them. With an adapter, each row
+    decodes with its own LoRA slot (its gate row travels with it into its chunk).
     """
     B, P = prompt_BP.shape
     kw = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k,
               top_p=top_p, cc=cc)
     rows_B = jnp.arange(B, dtype=jnp.int32)
     c = min(max_num_sequences or B, B)
+    gate_BS = None if adapter is None else adapter.gate_BS
     if c == B:
-        return _sample_rows(params, cfg, prompt_BP, prompt_valid_BP, rows_B, key, **kw)  # type: ignore[arg-type]
+        return _sample_rows(params, cfg, prompt_BP, prompt_valid_BP, rows_B, key, adapter, **kw)  # type: ignore[arg-type]
     if B % c:
         raise ValueError(f"max_num_sequences={c} must divide the batch of {B} rows")
     n = B // c
 
-    def one(xs: tuple[jax.Array, jax.Array, jax.Array]) -> Samples:
-        return _sample_rows(params, cfg, *xs, key, **kw)  # type: ignore[arg-type]
+    def one(xs: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]) -> Samples:
+        prompt, valid, rows, gate = xs
+        chunk_adapter = None if adapter is None else Adapter(adapter.weights, gate)  # type: ignore[arg-type]
+        return _sample_rows(params, cfg, prompt, valid, rows, key, chunk_adapter, **kw)  # type: ignore[arg-type]
 
-    out = jax.lax.map(one, tuple(split_strided(x, n) for x in (prompt_BP, prompt_valid_BP, rows_B)))
+    gate_n = None if gate_BS is None else split_strided(gate_BS, n)
+    out = jax.lax.map(one, (*(split_strided(x, n) for x in (prompt_BP, prompt_valid_BP, rows_B)), gate_n))
     return Samples(*(join_strided(x) for x in out))
 
 
@@ -118,6 +124,7 @@ def _sample_rows(
     prompt_valid_BP: jax.Array,
     rows_B: jax.Array,
     key: jax.Array,
+    adapter: Adapter | None,
     *,
     max_new_tokens: int,
     eos_id: int,
@@ -134,8 +141,8 @@ def _sample_rows(
     n_prompt_B = jnp.sum(valid_BP.astype(jnp.int32), axis=1)
     row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
     cache = init_cache(cfg, B, P + N, cc)
-    x_BPD, cache = forward(params, cfg, prompt_BP, valid_BP, cache=cache, index=0, cc=cc)
-    logits_BV = logits(params, cfg, x_BPD[:, -1:])[:, 0]
+    x_BPD, cache = forward(params, cfg, prompt_BP, valid_BP, cache=cache, index=0, cc=cc, adapter=adapter)
+    logits_BV = logits(params, cfg, x_BPD[:, -1:], adapter)[:, 0]
 
     def cond(c: _Carry) -> jax.Array:
         return (c.i < N) & ~jnp.all(c.done_B)
@@ -153,9 +160,9 @@ def _sample_rows(
         # Feed the token back; a finished row's pad is marked invalid so nothing attends to it.
         x_B1D, cache = forward(
             params, cfg, tok_B[:, None], live_B[:, None], (n_prompt_B + c.i)[:, None], cache=c.cache, index=P + c.i,
-            cc=cc,
+            cc=cc, adapter=adapter,
         )
-        next_logits = logits(params, cfg, x_B1D)[:, 0]
+        next_logits = logits(params, cfg, x_B1D, adapter)[:, 0]
         return _Carry(c.i + 1, next_logits, cache, done_B, tokens_BN, logprobs_BN, mask_BN)
 
     init = _Carry(

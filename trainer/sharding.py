@@ -35,6 +35,10 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("head_dim", None),
     ("seq", None),
     ("cache_seq", None),
+    # LoRA adapters (trainer/lora.py): their in/out dims take the base weight's names, so they shard like it; the
+    # slot stack and the rank are small and replicated.
+    ("lora_slots", None),
+    ("lora_rank", None),
 )
 # `mesh.fsdp_across_slices`: parameters (and so optimizer state) also shard over the slice axis, ZeRO-3 style
 # over DCN. Halves per-chip state on 2 slices; costs a DCN all-gather of the weights every forward and backward.

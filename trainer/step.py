@@ -8,6 +8,10 @@ The update, top to bottom: advantages over the whole batch; then `mu_iterations`
 optimizer step per minibatch (`rl.minibatches`); each minibatch's gradient is summed over micro-batches
 (`compute.train_micro_batch_size`) whose losses are normalised by the minibatch's token and sequence counts, so
 accumulation equals one pass over the minibatch up to float rounding.
+
+With `lora`, the programs' params are {"base": frozen weights, "lora": the adapter stack (trainer/lora.py)}: gradients,
+optimizer state and updates cover the adapters alone, and the base passes through the update untouched. Each batch row
+picks its adapter slot (`slot`, int32 [B]; -1 = the base model alone); the reference policy is the base model.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from trainer import lora as L
 from trainer import model as M
-from trainer.config import ComputeConfig, ModelConfig, OptimConfig, RLConfig, SamplingConfig, TrainConfig
+from trainer.config import ComputeConfig, LoraConfig, ModelConfig, OptimConfig, RLConfig, SamplingConfig, TrainConfig
 from trainer.losses import Norm, group_advantages, policy_loss
 from trainer.optim import make_optimizer
 from trainer.sampler import Samples, sample
@@ -38,8 +43,8 @@ from trainer.sharding import (
     split_strided,
 )
 
-# Folded into the base key so parameter init and per-step sampling never share a stream.
-INIT_STREAM, STEP_STREAM = 0, 1
+# Folded into the base key so parameter init, adapter init and per-step sampling never share a stream.
+INIT_STREAM, STEP_STREAM, LORA_STREAM = 0, 1, 2
 BATCH_KEYS = ("prompt", "prompt_valid", "completion", "mask", "old_logp", "rewards")
 Batch = dict[str, jax.Array]
 
@@ -57,13 +62,15 @@ class Programs:
     sample: Any
     ref_logprobs: Any
     update: Any
+    lora: LoraConfig | None = None
+    init_lora: Any = None  # key -> a fresh adapter stack (lora only; for a base imported from Hugging Face)
 
 
 def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
     """The programs for a resolved config (mesh axes known) on `mesh`."""
     rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
     return _build(cfg.model_cfg, cfg.compute, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, cfg.micro_batch_rows,
-                  mesh, rules, pad_id, eos_id)
+                  mesh, rules, pad_id, eos_id, cfg.lora)
 
 
 def split_rows(x: jax.Array, n_outer: int, n_inner: int) -> jax.Array:
@@ -76,17 +83,40 @@ def split_rows(x: jax.Array, n_outer: int, n_inner: int) -> jax.Array:
 
 @functools.lru_cache(maxsize=4)
 def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfig, optim: OptimConfig, steps: int,
-           micro_rows: int, mesh: Mesh, rules: tuple, pad_id: int, eos_id: int) -> Programs:
+           micro_rows: int, mesh: Mesh, rules: tuple, pad_id: int, eos_id: int, lcfg: LoraConfig | None = None
+           ) -> Programs:
     """Cached on the (frozen, hashable) config sections, so a resumed or repeated run in the same process
     reuses the compiled programs."""
     n_mb = rl.minibatches
-    optimizer = make_optimizer(optim, steps, rl.mu_iterations * n_mb)
-    param_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), rules)
-    opt_sh = opt_state_shardings(mesh, optimizer, param_sh, M.abstract_params(mcfg))
-    b2 = batch_sharding(mesh, 2)
+    base_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), rules)
+    if lcfg is None:
+        optimizer = make_optimizer(optim, steps, rl.mu_iterations * n_mb)
+        train_sh = param_sh = base_sh
+        abstract_train = M.abstract_params(mcfg)
+    else:
+        # Each slot clipped on its own: one adapter's large gradient must not shrink another's update.
+        optimizer = make_optimizer(optim, steps, rl.mu_iterations * n_mb, clip=L.clip_by_slot_norm(optim.clip_norm))
+        abstract_train = L.abstract_lora(mcfg, lcfg)
+        train_sh = named_shardings(mesh, L.lora_axes(mcfg, lcfg), abstract_train, rules)
+        param_sh = {"base": base_sh, "lora": train_sh}
+    opt_sh = opt_state_shardings(mesh, optimizer, train_sh, abstract_train)
+    b1, b2 = batch_sharding(mesh, 1), batch_sharding(mesh, 2)
     rep = replicated(mesh)
     gathered_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), RULES_GATHERED)
     compute_dt = M.compute_dtype(mcfg, cc)
+
+    def base_of(params: M.Params) -> M.Params:
+        return params if lcfg is None else params["base"]
+
+    def trainable(params: M.Params) -> M.Params:
+        """What the optimizer updates: every weight, or with lora the adapters alone."""
+        return params if lcfg is None else params["lora"]
+
+    def with_trainable(params: M.Params, t: M.Params) -> M.Params:
+        return t if lcfg is None else {"base": params["base"], "lora": t}
+
+    def adapter_of(params: M.Params, slot_B: jax.Array | None) -> M.Adapter | None:
+        return None if lcfg is None or slot_B is None else L.adapter(params["lora"], slot_B, lcfg)
 
     def sampler_weights(params: M.Params) -> M.Params:
         """The weights as the sampler reads them: with sampling.gather_weights, one compute-dtype copy gathered
@@ -95,20 +125,21 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
             return params
         return jax.lax.with_sharding_constraint(M.cast_weights(params, compute_dt), gathered_sh)
 
-    def sample_fn(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array
-                  ) -> Samples:
+    def sample_fn(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array,
+                  slot: jax.Array | None = None) -> Samples:
         key = jax.random.fold_in(jax.random.fold_in(base_key, STEP_STREAM), step)
-        params = sampler_weights(params)
-        return sample(params, mcfg, prompt, valid, key, max_new_tokens=sc.max_new_tokens, eos_id=eos_id,
-                      pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, cc=cc,
-                      max_num_sequences=sc.max_num_sequences)
+        return sample(sampler_weights(base_of(params)), mcfg, prompt, valid, key, max_new_tokens=sc.max_new_tokens,
+                      eos_id=eos_id, pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, cc=cc,
+                      max_num_sequences=sc.max_num_sequences, adapter=adapter_of(params, slot))
 
-    def logprobs(params: M.Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return M.completion_logprobs(params, mcfg, batch["prompt"], batch["prompt_valid"], batch["completion"],
-                                     batch["mask"], sc.temperature, cc)
+    def logprobs(params: M.Params, batch: Batch, with_adapter: bool = True) -> tuple[jax.Array, jax.Array]:
+        adapter = adapter_of(params, batch.get("slot")) if with_adapter else None
+        return M.completion_logprobs(base_of(params), mcfg, batch["prompt"], batch["prompt_valid"],
+                                     batch["completion"], batch["mask"], sc.temperature, cc, adapter)
 
-    def loss_fn(p: M.Params, rows: Batch, norm: Norm) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logp, entropy = logprobs(p, rows)
+    def loss_fn(t: M.Params, p: M.Params, rows: Batch, norm: Norm) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The loss as a function of the trainable part `t` of the params `p` (so only it gets gradients)."""
+        logp, entropy = logprobs(with_trainable(p, t), rows)
         mask = rows["mask"].astype(jnp.float32)
         loss, m = policy_loss(logp, rows["old_logp"], rows["adv"], mask, rl, ref_logp_BN=rows.get("ref_logp"),
                               max_len=sc.max_new_tokens, norm=norm)
@@ -120,28 +151,30 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         n_micro = micro["mask"].shape[0]
         norm = Norm.of(micro["mask"].reshape(-1, micro["mask"].shape[-1]))  # the whole minibatch's counts
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        t = trainable(p)
         if n_micro == 1:
-            (_, m), g = grad_fn(p, jax.tree.map(lambda x: x[0], micro), norm)
+            (_, m), g = grad_fn(t, p, jax.tree.map(lambda x: x[0], micro), norm)
             return g, m
 
         acc_dt = jnp.dtype(cc.grad_accum_dtype)
 
         def accumulate(acc: Any, xs: Batch) -> tuple[Any, None]:
-            (_, m), g = grad_fn(p, xs, norm)
-            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(acc_dt), g), param_sh)
+            (_, m), g = grad_fn(t, p, xs, norm)
+            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(acc_dt), g), train_sh)
             return jax.tree.map(jnp.add, acc, (g, m)), None
 
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dt), p)
-        m0 = jax.eval_shape(lambda: grad_fn(p, jax.tree.map(lambda x: x[0], micro), norm)[0][1])
-        acc0 = (jax.lax.with_sharding_constraint(zeros, param_sh), jax.tree.map(lambda s: jnp.zeros(s.shape), m0))
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dt), t)
+        m0 = jax.eval_shape(lambda: grad_fn(t, p, jax.tree.map(lambda x: x[0], micro), norm)[0][1])
+        acc0 = (jax.lax.with_sharding_constraint(zeros, train_sh), jax.tree.map(lambda s: jnp.zeros(s.shape), m0))
         (g, m), _ = jax.lax.scan(accumulate, acc0, micro)
-        return jax.tree.map(lambda x, q: x.astype(q.dtype), g, p), m
+        return jax.tree.map(lambda x, q: x.astype(q.dtype), g, t), m
 
     def update_fn(params: M.Params, opt_state: Any, batch: Batch, ref_logp: jax.Array | None) -> Any:
         rewards_BR = batch["rewards"]
         total_B = jnp.sum(rewards_BR, axis=1)
         adv_B = group_advantages(total_B, rl.group_size, normalize_std=rl.algo != "dr_grpo", eps=rl.adv_eps)
-        rows: Batch = {k: batch[k] for k in ("prompt", "prompt_valid", "completion", "mask", "old_logp")}
+        rows: Batch = {k: batch[k] for k in ("prompt", "prompt_valid", "completion", "mask", "old_logp", "slot")
+                       if k in batch}
         rows["adv"] = adv_B
         if ref_logp is not None:
             rows["ref_logp"] = ref_logp
@@ -152,9 +185,13 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         def optimizer_step(carry: tuple[M.Params, Any], micro: Batch) -> tuple[tuple[M.Params, Any], Any]:
             p, s = carry
             grads, m = minibatch_grads(p, micro)
-            updates, s = optimizer.update(grads, s, p)
+            t = trainable(p)
+            updates, s = optimizer.update(grads, s, t)
             m["grad_norm"] = optax.global_norm(grads)
-            return (optax.apply_updates(p, updates), s), m
+            new_t = optax.apply_updates(t, updates)
+            if lcfg is not None:  # an adapter no row of this minibatch used stays as it was
+                new_t = L.keep_idle_slots(new_t, t, L.active_slots(micro["slot"], lcfg.slots))
+            return (with_trainable(p, new_t), s), m
 
         def one_pass(carry: tuple[M.Params, Any], _: None) -> tuple[tuple[M.Params, Any], Any]:
             return jax.lax.scan(optimizer_step, carry, pieces)
@@ -170,15 +207,28 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         metrics["tokens"] = jnp.sum(batch["mask"])
         return params, opt_state, metrics
 
-    batch_sh = {k: b2 for k in BATCH_KEYS}
-    sample_jit = jax.jit(sample_fn, in_shardings=(param_sh, b2, b2, rep, rep), out_shardings=Samples(b2, b2, b2))
-    ref_jit = jax.jit(lambda p, b: logprobs(p, b)[0], in_shardings=(param_sh, batch_sh), out_shardings=b2)
+    batch_sh = {k: b2 for k in BATCH_KEYS} | ({"slot": b1} if lcfg is not None else {})
+    sample_in = (param_sh, b2, b2, rep, rep) + ((b1,) if lcfg is not None else ())
+    sample_jit = jax.jit(sample_fn, in_shardings=sample_in, out_shardings=Samples(b2, b2, b2))
+    # The reference policy: the initial weights, which with lora are the base model alone (fresh adapters are 0).
+    ref_jit = jax.jit(lambda p, b: logprobs(p, b, with_adapter=False)[0], in_shardings=(param_sh, batch_sh),
+                      out_shardings=b2)
+    # With lora the frozen base is donated and passed through: its output aliases its input, nothing is copied.
     update_jit = jax.jit(update_fn, in_shardings=(param_sh, opt_sh, batch_sh, b2 if rl.kl_beta > 0 else None),
                          out_shardings=(param_sh, opt_sh, rep), donate_argnums=(0, 1))
-    init_params = jax.jit(lambda key: M.init_params(mcfg, jax.random.fold_in(key, INIT_STREAM)),
-                          in_shardings=(rep,), out_shardings=param_sh)
-    init_opt = jax.jit(optimizer.init, in_shardings=(param_sh,), out_shardings=opt_sh)
-    return Programs(mesh, param_sh, opt_sh, optimizer, init_params, init_opt, sample_jit, ref_jit, update_jit)
+
+    def fresh_lora(key: jax.Array) -> M.Params:
+        return L.init_lora(mcfg, lcfg, jax.random.fold_in(key, LORA_STREAM))  # type: ignore[arg-type]
+
+    def fresh(key: jax.Array) -> M.Params:
+        base = M.init_params(mcfg, jax.random.fold_in(key, INIT_STREAM))
+        return base if lcfg is None else {"base": base, "lora": fresh_lora(key)}
+
+    init_params = jax.jit(fresh, in_shardings=(rep,), out_shardings=param_sh)
+    init_lora = None if lcfg is None else jax.jit(fresh_lora, in_shardings=(rep,), out_shardings=train_sh)
+    init_opt = jax.jit(lambda p: optimizer.init(trainable(p)), in_shardings=(param_sh,), out_shardings=opt_sh)
+    return Programs(mesh, param_sh, opt_sh, optimizer, init_params, init_opt, sample_jit, ref_jit, update_jit, lcfg,
+                    init_lora)
 
 
 def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[str, tuple[Any, ...]]:
@@ -191,8 +241,13 @@ def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[
     def sds(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
-    params = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), M.abstract_params(mcfg), programs.param_sh)
-    opt_shape = jax.eval_shape(programs.optimizer.init, M.abstract_params(mcfg))
+    lcfg = programs.lora
+    abstract = M.abstract_params(mcfg)
+    train = abstract if lcfg is None else L.abstract_lora(mcfg, lcfg)
+    if lcfg is not None:
+        abstract = {"base": abstract, "lora": train}
+    params = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, programs.param_sh)
+    opt_shape = jax.eval_shape(programs.optimizer.init, train)
     opt = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), opt_shape, programs.opt_sh)
     batch = {
         "prompt": sds((B, P), jnp.int32, b2),
@@ -202,10 +257,14 @@ def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[
         "old_logp": sds((B, N), jnp.float32, b2),
         "rewards": sds((B, n_rewards), jnp.float32, b2),
     }
+    slot: tuple[jax.ShapeDtypeStruct, ...] = ()
+    if lcfg is not None:
+        batch["slot"] = sds((B,), jnp.int32, batch_sharding(programs.mesh, 1))
+        slot = (batch["slot"],)
     ref = sds((B, N), jnp.float32, b2) if cfg.rl.kl_beta > 0 else None
     key = sds((2,), jnp.uint32, rep)
     return {
-        "sample": (params, batch["prompt"], batch["prompt_valid"], key, sds((), jnp.int32, rep)),
+        "sample": (params, batch["prompt"], batch["prompt_valid"], key, sds((), jnp.int32, rep), *slot),
         "ref_logprobs": (params, batch),
         "update": (params, opt, batch, ref),
     }

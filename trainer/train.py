@@ -3,6 +3,10 @@
 All randomness comes from one base key folded with the step, and step s reads examples
 [s * prompts_per_step, (s + 1) * prompts_per_step), so a run is deterministic given the seed and a resumed run
 continues exactly. Every process runs this same code on its share of the global batch.
+
+With `lora`, the base weights are frozen and rebuilt at start (from the seed or init.path), so a checkpoint holds the
+adapters, their optimizer state and the base's checksums (a resume onto other base weights is refused); a finished
+run writes each adapter slot in PEFT format to <run_dir>/adapters/slot-<i>.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ import yaml
 
 from trainer import model as M
 from trainer.batch import from_rows, process_rows, read_local_rows, replicate
-from trainer.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like
-from trainer.config import ConfigError, TrainConfig, resolve_mesh, with_model
+from trainer.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
+from trainer.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
 from trainer.distributed import ENV_CHECKPOINT_DIR
 from trainer.metrics import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics, truncate_metrics
 from trainer.sampler import Samples
-from trainer.sharding import make_mesh
+from trainer.sharding import make_mesh, replicated
 from trainer.step import build_programs
 from trainer.task_data import TaskData, load_task_data
 
@@ -76,6 +80,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     every process after each step (and its checkpoint save, if due) with that step's record.
     """
     hf_params = None
+    lcfg = cfg.lora
     if cfg.init.from_ == "hf":
         from trainer.hf import import_hf, init_path_errors
 
@@ -101,22 +106,37 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     param_sh, opt_sh = programs.param_sh, programs.opt_sh
 
     base_key = jax.random.PRNGKey(cfg.seed)
+    key_rep = replicate(mesh, np.asarray(jax.random.key_data(base_key)))
     with jax.set_mesh(mesh):
         if hf_params is None:
-            params = programs.init_params(replicate(mesh, np.asarray(jax.random.key_data(base_key))))
-        else:
+            params = programs.init_params(key_rep)
+        elif lcfg is None:
             params = _host_params(hf_params, param_sh)
-        ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 else None  # params get donated
+        else:
+            params = {"base": _host_params(hf_params, param_sh["base"]), "lora": programs.init_lora(key_rep)}
+        # params get donated; with lora the reference is the frozen base inside them (see step.py)
+        ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 and lcfg is None else None
         opt_state = programs.init_opt(params)
 
     ckpt = Checkpointer(_checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     start = 0
     key_data = np.asarray(jax.random.key_data(base_key), np.uint32)
-    state_sh = {"params": param_sh, "opt_state": opt_sh}
+    base_sums = None if lcfg is None else replicate(mesh, np.asarray(checksums(params["base"]), np.uint32))
+
+    def train_state(params: M.Params, opt_state: Any) -> dict[str, Any]:
+        """What a checkpoint holds: everything trained; with lora, not the (frozen, rebuilt) base."""
+        if lcfg is None:
+            return {"params": params, "opt_state": opt_state}
+        return {"lora": params["lora"], "opt_state": opt_state, "base_checksums": base_sums}
+
+    if lcfg is None:
+        state_sh = {"params": param_sh, "opt_state": opt_sh}
+    else:
+        state_sh = {"lora": param_sh["lora"], "opt_state": opt_sh, "base_checksums": replicated(mesh)}
     # Raises NoUsableCheckpoint (a ConfigError) if every step is damaged: never silently start over.
     try:
-        found = ckpt.resume(abstract_like({"params": params, "opt_state": opt_state}, state_sh))
+        found = ckpt.resume(abstract_like(train_state(params, opt_state), state_sh))
     except BaseException:
         ckpt.close()
         raise
@@ -124,7 +144,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         state, meta, set_aside = found
         if primary:
             _report_resume(ckpt.directory, meta.step, set_aside)
-        params, opt_state, start = state["params"], state["opt_state"], meta.step
+        if lcfg is None:
+            params = state["params"]
+        else:
+            if not np.array_equal(np.asarray(state["base_checksums"]), np.asarray(base_sums)):
+                ckpt.close()
+                raise ConfigError(f"checkpoint step {meta.step} in {ckpt.directory} trained LoRA adapters on other "
+                                  "base weights than this run's (init, seed or compute.param_dtype changed)")
+            params = {"base": params["base"], "lora": state["lora"]}
+        opt_state, start = state["opt_state"], meta.step
         key_data = np.asarray(meta.rng, np.uint32)
         if meta.data_position != start * cfg.rl.prompts_per_step:
             raise ConfigError(
@@ -152,16 +180,22 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             prompt_np, valid_np = data.prompts(examples, rows)
             prompt = from_rows(mesh, rows, prompt_np, (B, P))
             prompt_valid = from_rows(mesh, rows, valid_np, (B, P))
+            G = cfg.rl.group_size
+            slot = () if lcfg is None else (from_rows(mesh, rows, _slots(examples, rows, G, lcfg.slots), (B,)),)
             with jax.set_mesh(mesh):
-                samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)))
+                samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)),
+                                          *slot)
             scores, completions = _score(data, examples, samples, rows)
             rewards = from_rows(mesh, rows, scores, (B, R))
-            G = cfg.rl.group_size
             preview = [(examples[r // G].prompt, c) for r, c in zip(rows[::G], completions[::G], strict=True)][:4]
             batch = {"prompt": prompt, "prompt_valid": prompt_valid, "completion": samples.tokens_BN,
                      "mask": samples.mask_BN, "old_logp": samples.logprobs_BN, "rewards": rewards}
+            if lcfg is not None:
+                batch["slot"] = slot[0]
             with jax.set_mesh(mesh):
-                ref_logp = programs.ref_logprobs(ref_params, batch) if ref_params is not None else None
+                ref_logp = None
+                if cfg.rl.kl_beta > 0:
+                    ref_logp = programs.ref_logprobs(params if lcfg is not None else ref_params, batch)
                 params, opt_state, m = programs.update(params, opt_state, batch, ref_logp)
             m = jax.device_get(m)
             dt = time.perf_counter() - t0
@@ -172,7 +206,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             meta = Meta(step, step * cfg.rl.prompts_per_step, [int(x) for x in key_data])
             leaving = stop.agreed() or (stop_after is not None and step >= stop_after)
             if leaving or step == cfg.steps or ckpt.due(step):
-                ckpt.save({"params": params, "opt_state": opt_state}, meta)
+                ckpt.save(train_state(params, opt_state), meta)
             if on_step is not None:
                 on_step(record)
             if leaving and step < cfg.steps:
@@ -183,9 +217,36 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         ckpt.close()
         if own_stop:
             stop.uninstall()
+    if lcfg is not None and not stopped:
+        _export_adapters(run_dir / "adapters", params["lora"], lcfg, cfg.init.path if cfg.init.from_ == "hf" else None)
     if primary:
         _finish(run_dir, stopped, step, preview)
     return TrainResult(run_dir, step, stopped, params, records)
+
+
+def _slots(examples: dict[int, Any], rows: list[int], group_size: int, slots: int) -> np.ndarray:
+    """Each row's adapter slot: its example's `lora_slot` field, else 0; -1 is the base model alone."""
+    out = []
+    for r in rows:
+        slot = examples[r // group_size].fields.get("lora_slot", 0)
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not -1 <= slot < slots:
+            raise ConfigError(f"example {r // group_size}: lora_slot={slot!r} is not an adapter slot (an integer in "
+                              f"[-1, lora.slots = {slots}))")
+        out.append(int(slot))
+    return np.asarray(out, np.int32)
+
+
+def _export_adapters(out: Path, lora: M.Params, lcfg: LoraConfig, base: str | None) -> None:
+    """Every slot as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    from jax.experimental import multihost_utils
+
+    from trainer.lora import export_peft
+
+    host = multihost_utils.process_allgather(lora, tiled=True)  # every process holds the full (small) stack
+    if jax.process_index() != 0:
+        return
+    for slot in range(lcfg.slots):
+        export_peft(host, lcfg, out / f"slot-{slot}", slot=slot, base_model_name_or_path=base)
 
 
 def _report_resume(directory: Path, step: int, set_aside: list[SetAside]) -> None:
