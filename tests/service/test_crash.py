@@ -47,7 +47,8 @@ def test_sigkill_mid_flight_loses_nothing(db_url: str) -> None:
         assert auth.authenticate(store, state["key"]) == owner
         assert store.get_session(owner, state["session"]).user_metadata == {"run": "1"}
         assert store.get_model(owner, state["model"]).lora_config == {"rank": 8}
-        assert [c.tinker_path for c in store.list_checkpoints(owner, state["model"]).items] == state["checkpoints"]
+        listed = store.list_checkpoints(owner, state["model"]).items  # newest first
+        assert [c.tinker_path for c in listed] == state["checkpoints"][::-1]
         assert store.get_sampling_session(owner, state["sampler"]).model_path == state["checkpoints"][1]
         for rid in state["done"]:
             assert store.get_request(owner, rid).status == DONE

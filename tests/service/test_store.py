@@ -321,6 +321,8 @@ def test_checkpoints(store: Store, owners: tuple[str, str]) -> None:
     assert store.expired_checkpoints(dt.datetime(2000, 1, 1, tzinfo=dt.UTC)) == []
     listed = store.list_checkpoints(alice, model.id)
     assert listed.total == 2 and {c.kind for c in listed.items} == {"training", "sampler"}
+    assert [c.tinker_path for c in listed.items] == [sampler.tinker_path, again.tinker_path]  # newest first
+    assert [c.tinker_path for c in store.list_checkpoints(alice, model.id, limit=1).items] == [sampler.tinker_path]
     assert store.delete_checkpoint(alice, sampler.tinker_path).storage_path == "/ckpt/s"
     with pytest.raises(NotFound):
         store.get_checkpoint(alice, sampler.tinker_path)

@@ -931,7 +931,8 @@ class Store:
             if model_id is not None:
                 self._owned(s, Model, owner_id, model_id, "model")
                 q = q.where(Checkpoint.model_id == model_id)
-            return self._page(s, q, (Checkpoint.created_at, Checkpoint.id), limit, offset)
+            # Newest first, as the SDK documents its listings (rest_client.py list_user_checkpoints).
+            return self._page(s, q, (Checkpoint.created_at.desc(), Checkpoint.id.desc()), limit, offset)
 
     def delete_checkpoint(self, owner_id: str, path: str) -> Checkpoint:
         """Remove the row and return it, so the caller deletes its files (storage_path)."""
