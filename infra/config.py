@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from pathlib import Path
 from typing import Any, Literal
 
 from pulumi.errors import RunError
@@ -413,7 +412,7 @@ class TrainerSpec(_Model):
     def config_in_code(self) -> bool:
         """trainer.config names a file inside trainer.code (which wins over a bundled config of the same name)."""
         v = self.config
-        return (v is not None and self.code is not None and not Path(v).is_absolute() and ".." not in Path(v).parts
+        return (v is not None and self.code is not None and user_code.within_repo(v)
                 and (user_code.REPO_ROOT / self.code / v).is_file())
 
     @field_validator("name")

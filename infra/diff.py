@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from infra import cost
+from infra.digests import tree_digest
 from infra.mockrun import IMAGE_TYPE, PlanResult
 from infra.plan import PlanError, is_kubernetes_type
 
@@ -122,18 +123,10 @@ def _may_keep_below(folder: str, rules: list[tuple[bool, str]]) -> bool:
 def context_digest(tree: Path) -> str:
     """A digest of the files the image build sees (the tree's .dockerignore applied): what decides whether
     pulumi-docker-build rebuilds, and so whether the training job gets a new image digest."""
-    rules, digest = _dockerignore(tree), hashlib.sha256()
-    for folder, dirs, files in os.walk(tree):
-        rel_folder = Path(folder).relative_to(tree).as_posix()
-        rel_folder = "" if rel_folder == "." else rel_folder + "/"
-        # An ignored folder is skipped unless a '!' pattern could keep something inside it (not .venv's 10^5 files).
-        dirs[:] = sorted(d for d in dirs if not _ignored(rel_folder + d, rules)
-                         or _may_keep_below(rel_folder + d, rules))
-        for name in sorted(files):
-            rel = rel_folder + name
-            if not _ignored(rel, rules):
-                digest.update(rel.encode() + b"\0" + (Path(folder) / name).read_bytes() + b"\0")
-    return digest.hexdigest()
+    rules = _dockerignore(tree)
+    # An ignored folder is skipped unless a '!' pattern could keep something inside it (not .venv's 10^5 files).
+    return tree_digest(tree, lambda rel: not _ignored(rel, rules) or _may_keep_below(rel, rules),
+                       lambda rel: not _ignored(rel, rules))
 
 
 def _built_image(resources: dict[str, dict[str, Any]], outputs: dict[str, Any], tree: Path

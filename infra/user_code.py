@@ -14,10 +14,10 @@ level. The trainer's preflight imports and tries them in the image (trainer/task
 from __future__ import annotations
 
 import ast
-import hashlib
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from infra.digests import tree_digest
 
 if TYPE_CHECKING:
     from infra.config import EnvironmentSpec
@@ -29,11 +29,16 @@ SKIPPED_DIRS = frozenset({"__pycache__", ".git", ".venv", ".pytest_cache", ".ruf
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 
 
+def within_repo(value: str) -> bool:
+    """A relative path that cannot leave the folder it is resolved in (no '..')."""
+    path = Path(value)
+    return not path.is_absolute() and ".." not in path.parts
+
+
 def repo_folder(value: str) -> str:
     """A relative path inside the repository, without '..': what the image build and `plan --diff` of another
     revision both resolve against the repository they run in. Returns it as given; raises ValueError."""
-    path = Path(value)
-    if path.is_absolute() or ".." in path.parts or value.strip() in ("", "."):
+    if not within_repo(value) or value.strip() in ("", "."):
         raise ValueError(f"{value!r} must be a path inside this repository, relative to Pulumi.yaml, without '..' "
                          "(so the code is versioned with the environment)")
     return value
@@ -55,15 +60,8 @@ def local_config(spec: EnvironmentSpec, pod_config: str | None) -> str | None:
 
 def digest(path: Path) -> str:
     """sha256 over the folder's files (relative names and contents), caches left out."""
-    h = hashlib.sha256()
-    for here, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS)
-        for name in sorted(files):
-            if name.endswith(SKIPPED_SUFFIXES):
-                continue
-            rel = (Path(here) / name).relative_to(path).as_posix()
-            h.update(rel.encode() + b"\0" + (Path(here) / name).read_bytes() + b"\0")
-    return h.hexdigest()
+    return tree_digest(path, lambda rel: rel.rsplit("/", 1)[-1] not in SKIPPED_DIRS,
+                       lambda rel: not rel.endswith(SKIPPED_SUFFIXES))
 
 
 def references(cfg: TrainConfig) -> list[tuple[str, str]]:
