@@ -581,24 +581,25 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
-    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
-    def list_checkpoints(
-        model_id: str, owner: Owner, limit: Annotated[int, Query(ge=0)] = LIST_LIMIT_MAX,
-        offset: Annotated[int, Query(ge=0)] = 0,
-    ) -> dict[str, Any]:
+    def checkpoints_page(owner: str, model_id: str | None, limit: int, offset: int) -> dict[str, Any]:
+        """A model's checkpoints, or (model_id None) all of the owner's, as the SDK's CheckpointsListResponse."""
         page = store.list_checkpoints(owner, model_id, limit=min(limit, LIST_LIMIT_MAX), offset=offset)
         return types.CheckpointsListResponse(
             checkpoints=[_checkpoint(c) for c in page.items], cursor=_cursor(page)
         ).model_dump(mode="json", exclude_none=True)
 
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    def list_checkpoints(
+        model_id: str, owner: Owner, limit: Annotated[int, Query(ge=0)] = LIST_LIMIT_MAX,
+        offset: Annotated[int, Query(ge=0)] = 0,
+    ) -> dict[str, Any]:
+        return checkpoints_page(owner, model_id, limit, offset)
+
     @app.get("/api/v1/checkpoints")
     def list_user_checkpoints(
         owner: Owner, limit: Annotated[int, Query(ge=0)] = 100, offset: Annotated[int, Query(ge=0)] = 0
     ) -> dict[str, Any]:
-        page = store.list_checkpoints(owner, limit=min(limit, LIST_LIMIT_MAX), offset=offset)
-        return types.CheckpointsListResponse(
-            checkpoints=[_checkpoint(c) for c in page.items], cursor=_cursor(page)
-        ).model_dump(mode="json", exclude_none=True)
+        return checkpoints_page(owner, None, limit, offset)
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{segment}/{name}", status_code=204)
     def delete_checkpoint(model_id: str, segment: str, name: str, owner: Owner) -> Response:
