@@ -248,6 +248,26 @@ class LoraConfig(_Strict):
         return self
 
 
+class ServiceConfig(_Strict):
+    """The Tinker-compatible service's engine (trainer/service/engine.py): one base model, `lora.slots` adapters of
+    rank up to `lora.rank` on it (each client's model, and each sampler checkpoint in use, holds a slot), and how
+    requests are batched. The rest of the config (model or init, mesh, compute) is the trainer's own."""
+
+    base_model: str = Field(min_length=1, description="the name clients pass as base_model (e.g. Qwen/Qwen3-8B); "
+                            "with init.from hf and no init.path the weights are read from the Hugging Face cache "
+                            "under this name (offline)")
+    max_batch_tokens: int = Field(8192, gt=0, description="tokens (rows x bucketed length) in one forward/backward "
+                                  "pass; the requests claimed together beyond that run in further passes")
+    min_bucket: int = Field(32, gt=0, description="shortest sequence bucket: lengths are padded up to this times a "
+                            "power of two (one compiled program per bucket)")
+    sample_max_sequences: int = Field(64, gt=0, description="sequences decoded at once; a request for more samples "
+                                      "runs in chunks")
+    idle_unload_s: float = Field(900.0, gt=0, description="a model whose session sent no heartbeat for this long "
+                                 "gives its adapter slot back (its saved checkpoints stay)")
+    storage_dir: str | None = Field(None, description="where checkpoints are written; unset: checkpoints/ beside "
+                                    "the service database ($GKE_TPU_RL_SERVICE_HOME)")
+
+
 class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0, description="save every N steps; 0: only at the end and on SIGTERM")
     keep: int = Field(3, gt=0, description="checkpoints kept")
@@ -283,6 +303,8 @@ class TrainConfig(_Strict):
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="saving and resuming")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on frozen base weights (`lora: {}` for the "
                                     "defaults); unset: train every weight")
+    service: ServiceConfig | None = Field(None, description="run as the Tinker-compatible service's engine "
+                                          "(trainer/service); needs lora (the adapter slots)")
     log_every: int = Field(1, gt=0, description="print a metrics line every N steps (when there is no progress "
                            "bar)")
     progress: bool = Field(True, description="a progress bar on process 0 when stdout is a terminal")
@@ -337,8 +359,10 @@ class TrainConfig(_Strict):
                              "(rl.prompts_per_step * rl.group_size)")
         if self.init.from_ == "random" and self.model is None:
             raise ValueError("model: required when init.from is random")
+        if self.service is not None and self.lora is None:
+            raise ValueError("service: needs a lora section (lora.slots adapters of rank up to lora.rank)")
         if self.init.from_ == "hf":
-            if not self.init.path:
+            if not self.init.path and self.service is None:
                 raise ValueError("init.path: required when init.from is hf (a local Hugging Face directory)")
             if self.model is not None:
                 raise ValueError("model: must be omitted when init.from is hf (the checkpoint's config.json is used)")

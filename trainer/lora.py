@@ -316,8 +316,13 @@ def import_peft(path: str | Path, cfg: ModelConfig) -> tuple[Params, LoraConfig]
     root = Path(path)
     data = json.loads((root / ADAPTER_CONFIG).read_text())
     lcfg = _config_from_peft(data, root / ADAPTER_CONFIG)
-    tensors = hf.read_safetensors(root / ADAPTER_WEIGHTS)
-    shapes = lora_shapes(cfg, lcfg)
+    return adapter_from_tensors(hf.read_safetensors(root / ADAPTER_WEIGHTS), cfg, lcfg, root / ADAPTER_WEIGHTS), lcfg
+
+
+def adapter_from_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, lcfg: LoraConfig,
+                         where: str | Path = "adapter") -> Params:
+    """Tensors under PEFT's names (`peft_tensors`' inverse) as a one-slot stack, checked against cfg and lcfg."""
+    shapes = lora_shapes(cfg, lcfg.model_copy(update={"slots": 1}))
     expected: dict[str, tuple[int, ...]] = {}
     for key, ab in shapes.get("layers", {}).items():
         L, _, *rest = ab["a"]
@@ -330,13 +335,13 @@ def import_peft(path: str | Path, cfg: ModelConfig) -> tuple[Params, LoraConfig]
         expected[f"{_module_name(HEAD, None)}.lora_B.weight"] = (cfg.vocab_size, lcfg.rank)
     for name, shape in expected.items():
         if name not in tensors:
-            raise ValueError(f"{root / ADAPTER_WEIGHTS}: no tensor {name!r}")
+            raise ValueError(f"{where}: no tensor {name!r}")
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{root / ADAPTER_WEIGHTS}: {name!r} has shape {tuple(tensors[name].shape)}, the model "
+            raise ValueError(f"{where}: {name!r} has shape {tuple(tensors[name].shape)}, the model "
                              f"and adapter_config.json imply {shape}")
     extra = sorted(set(tensors) - set(expected))
     if extra:
-        raise ValueError(f"{root / ADAPTER_WEIGHTS}: tensors this model has no place for: {extra[:5]}")
+        raise ValueError(f"{where}: tensors this model has no place for: {extra[:5]}")
 
     weights: Params = {}
     layers = {}
@@ -350,7 +355,7 @@ def import_peft(path: str | Path, cfg: ModelConfig) -> tuple[Params, LoraConfig]
     if HEAD in shapes:
         weights[HEAD] = {"a": np.asarray(tensors[f"{_module_name(HEAD, None)}.lora_A.weight"]).T[None],
                          "b": np.asarray(tensors[f"{_module_name(HEAD, None)}.lora_B.weight"]).T[None]}
-    return weights, lcfg
+    return weights
 
 
 def put_slot(stack: Params, lcfg: LoraConfig, slot: int, single: Params, single_cfg: LoraConfig) -> Params:

@@ -79,7 +79,7 @@ def sample(
     key: jax.Array,
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | tuple[int, ...],
     pad_id: int,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -88,7 +88,8 @@ def sample(
     max_num_sequences: int | None = None,
     adapter: Adapter | None = None,
 ) -> Samples:
-    """Sample `max_new_tokens` per row (stopping a row at EOS, and the loop once every row stopped).
+    """Sample `max_new_tokens` per row (stopping a row at EOS, or any of several stop ids given as a tuple, and the
+    loop once every row stopped).
 
     With `max_num_sequences` < B the rows are generated in B / max_num_sequences sequential chunks, so the KV
     cache holds one chunk. Chunk k takes rows k, k + n, k + 2n, ... (n chunks): with the batch sharded in
@@ -127,7 +128,7 @@ def _sample_rows(
     adapter: Adapter | None,
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | tuple[int, ...],
     pad_id: int,
     temperature: float,
     top_k: int,
@@ -156,7 +157,7 @@ def _sample_rows(
         tokens_BN = c.tokens_BN.at[:, c.i].set(tok_B)
         logprobs_BN = c.logprobs_BN.at[:, c.i].set(jnp.where(live_B, logp_B, 0.0))
         mask_BN = c.mask_BN.at[:, c.i].set(live_B.astype(jnp.int32))
-        done_B = c.done_B | (tok_B == eos_id)
+        done_B = c.done_B | jnp.isin(tok_B, jnp.asarray(eos_id, jnp.int32))
         # Feed the token back; a finished row's pad is marked invalid so nothing attends to it.
         x_B1D, cache = forward(
             params, cfg, tok_B[:, None], live_B[:, None], (n_prompt_B + c.i)[:, None], cache=c.cache, index=P + c.i,

@@ -1,0 +1,669 @@
+"""The engine: claims requests from the store and runs them on one base model with a stack of LoRA slots.
+
+It is the trainer's model, sharding and sampler (service/programs.py) behind the request contract in protocol.py.
+What it adds:
+* Batching. A forward/forward_backward claim is topped up with every other runnable forward/forward_backward of any
+  model and user; their datums are validated per request (one request's bad input fails that request alone), packed
+  into rows whose length is bucketed (service.min_bucket x 2^k) and run in passes of at most service.max_batch_tokens,
+  each row on its model's slot. Gradients add up per slot until that model's optim_step (Tinker's sums).
+* Slots. Each client model holds a slot from create_model (or create-via-load) until its session ends or goes quiet
+  for service.idle_unload_s; sampler checkpoints in use are loaded into free slots and evicted first when a model needs
+  one. A request that finds no slot, a rank above lora.rank or a sequence above the context fails as a user error
+  naming the limit; the rest of the batch runs.
+* Storage. save_weights writes a PEFT adapter (adapter_config.json + adapter_model.safetensors, lora.export_peft),
+  the AdamW moments (optimizer.safetensors, same tensor names under exp_avg./exp_avg_sq.) and state.json (step, rank,
+  targets); sampler saves are the PEFT adapter alone. Every save goes to a fresh directory, renamed into place when
+  complete, so a crash never leaves a half-written checkpoint behind a row.
+
+A model's training state lives in device memory: after an engine restart its slot is gone, and its next request fails
+with MODEL_STATE_LOST (load its last checkpoint: create_training_client_from_state). Saved checkpoints survive.
+Multi-host (process 0 claims work, the other processes follow) is not implemented yet: the engine refuses to start
+with jax.process_count() > 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tinker import types
+
+from trainer import hf
+from trainer import lora as L
+from trainer import model as M
+from trainer.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
+from trainer.service import losses, protocol
+from trainer.service import programs as P
+from trainer.service.store import Checkpoint, Conflict, NotFound, Request, Store, default_data_dir, tinker_path
+from trainer.sharding import make_mesh
+
+log = logging.getLogger(__name__)
+
+MODEL_STATE_LOST: Final = (
+    "this model's training state is not in the engine (the engine restarted, or the model was unloaded after its "
+    "session ended or went quiet); load its last checkpoint with create_training_client_from_state"
+)
+OPTIMIZER_FILE: Final = "optimizer.safetensors"
+STATE_FILE: Final = "state.json"
+FWD_KINDS: Final = (protocol.FORWARD, protocol.FORWARD_BACKWARD)
+
+
+class UserError(Exception):
+    """The caller's mistake or a limit it hit: the request fails with category "user"."""
+
+
+@dataclass
+class Slot:
+    """What occupies an adapter slot: a client's model, or a sampler checkpoint loaded for sampling."""
+
+    index: int
+    rank: int
+    targets: tuple[str, ...]
+    scale: float
+    model_id: str | None = None  # a training model
+    owner_id: str | None = None
+    session_id: str | None = None
+    step: int = 0  # AdamW steps taken
+    storage_path: str | None = None  # a sampler checkpoint
+    last_used: float = field(default_factory=time.monotonic)
+
+
+def resolve_base_model(cfg: TrainConfig) -> TrainConfig:
+    """init.from hf without init.path: the Hugging Face cache entry named service.base_model (offline)."""
+    if cfg.init.from_ != "hf" or cfg.init.path:
+        return cfg
+    assert cfg.service is not None
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(cfg.service.base_model, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises several kinds here
+        raise ConfigError(
+            f"service.base_model {cfg.service.base_model!r}: not in the Hugging Face cache ({e}); set init.path to a "
+            "local checkpoint directory or fill the cache ($HF_HOME)") from None
+    return cfg.model_copy(update={"init": cfg.init.model_copy(update={"path": path})})
+
+
+def _stable_int(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Engine:
+    """One engine process on one host (see the module docstring). `run(stop)` loops until `stop` is set."""
+
+    def __init__(self, store: Store, cfg: TrainConfig, *, worker_name: str | None = None,
+                 storage_dir: str | Path | None = None) -> None:
+        if cfg.service is None or cfg.lora is None:
+            raise ConfigError("the engine needs a config with service and lora sections")
+        if jax.process_count() > 1:
+            raise ConfigError("the service engine runs on one host for now (jax.process_count() > 1)")
+        self.store = store
+        cfg = resolve_base_model(cfg)
+        params_host = None
+        tok_dir: str | None = None
+        if cfg.init.from_ == "hf":
+            params_host, mcfg = hf.import_hf(cfg.init.path or "", cfg.compute.param_dtype)
+            cfg = with_model(cfg, mcfg)
+            tok_dir = cfg.init.path
+        elif cfg.tokenizer != "char":
+            tok_dir = cfg.tokenizer
+        self.cfg = cfg = resolve_mesh(cfg, jax.device_count())
+        self.service = cfg.service
+        assert self.service is not None
+        n = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
+        mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n])
+        self.progs = P.build(cfg, mesh)
+        self.mcfg = cfg.model_cfg
+        self.stack = self.progs.stack
+        if params_host is None:
+            init = jax.jit(lambda k: M.init_params(self.mcfg, k), out_shardings=self.progs.param_sh)
+            self.params = init(jax.random.PRNGKey(cfg.seed))
+        else:
+            self.params = jax.tree.map(lambda x, sh: jax.device_put(np.asarray(x), sh), params_host,
+                                       self.progs.param_sh)
+        self.tokenizer = None
+        if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").is_file():
+            from trainer.tokenizer import HFTokenizer
+
+            self.tokenizer = HFTokenizer.from_dir(tok_dir)
+        self.eos_ids = self._eos_ids(tok_dir)
+        self.lora = self.progs.zeros_like_stack()
+        self.m = self.progs.zeros_like_stack()
+        self.v = self.progs.zeros_like_stack()
+        self.grads = self.progs.zeros_like_stack()
+        self.scale_S = np.zeros(self.stack.slots, np.float32)
+        self.slots: dict[int, Slot] = {}
+        self.storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
+        self.storage.mkdir(parents=True, exist_ok=True)
+        self.worker_id = store.register_worker(worker_name)
+        self._last_housekeeping = 0.0
+        self.handlers: dict[str, Callable[[Request], bytes]] = {
+            protocol.CREATE_MODEL: self._create_model,
+            protocol.LOAD_WEIGHTS: self._load_weights,
+            protocol.OPTIM_STEP: self._optim_step,
+            protocol.SAVE_WEIGHTS: self._save_weights,
+            protocol.SAVE_WEIGHTS_FOR_SAMPLER: self._save_weights_for_sampler,
+            protocol.SAMPLE: self._sample,
+            protocol.DELETE_CHECKPOINT: self._delete_checkpoint,
+        }
+
+    def _eos_ids(self, tok_dir: str | None) -> tuple[int, ...]:
+        ids: list[int] = []
+        if tok_dir is not None:
+            for name in ("generation_config.json", "config.json"):
+                path = Path(tok_dir) / name
+                if path.is_file():
+                    value = json.loads(path.read_text()).get("eos_token_id")
+                    ids += value if isinstance(value, list) else [value] if isinstance(value, int) else []
+        if self.tokenizer is not None:
+            ids.append(self.tokenizer.eos_id)
+        return tuple(sorted(set(ids)))
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, *, idle_sleep_s: float = 0.01) -> None:
+        while not stop.is_set():
+            if not self.step():
+                stop.wait(idle_sleep_s)
+
+    def step(self) -> bool:
+        """Claim and run one batch; False when nothing was runnable."""
+        now = time.monotonic()
+        if now - self._last_housekeeping > 5.0:
+            self._last_housekeeping = now
+            self.store.worker_heartbeat(self.worker_id)
+            self.housekeeping()
+        rows = self.store.claim(self.worker_id, max_batch=64)
+        if not rows:
+            return False
+        if rows[0].kind in FWD_KINDS:
+            budget = 8 * max(1, self.service.max_batch_tokens // self.service.min_bucket)
+            while len(rows) < budget:
+                more = self.store.claim(self.worker_id, kinds=FWD_KINDS, max_batch=64)
+                if not more:
+                    break
+                rows += more
+            self._run_forward(rows)
+            return True
+        for row in rows:
+            self._run_one(row)
+        return True
+
+    def _run_one(self, row: Request) -> None:
+        try:
+            result = self.handlers[row.kind](row)
+        except (UserError, NotFound, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
+            self._fail(row, str(e), "user")
+            return
+        except Exception as e:  # noqa: BLE001 - the engine's own fault: report it, keep serving
+            log.exception("request %s (%s) failed", row.request_id, row.kind)
+            self._fail(row, f"engine error: {e!r}", "server")
+            return
+        self.store.complete(row.request_id, result, worker_id=self.worker_id)
+
+    def _fail(self, row: Request, message: str, category: str) -> None:
+        self.store.fail(row.request_id, message, category=category, worker_id=self.worker_id)  # type: ignore[arg-type]
+
+    def housekeeping(self) -> None:
+        """Give back the slots of models whose session finished or went quiet; delete expired checkpoints' files."""
+        idle = self.service.idle_unload_s
+        now = time.time()
+        for slot in list(self.slots.values()):
+            if slot.model_id is None or slot.owner_id is None or slot.session_id is None:
+                continue
+            try:
+                session = self.store.get_session(slot.owner_id, slot.session_id)
+            except NotFound:
+                self._release(slot.index)
+                continue
+            quiet = now - session.heartbeat_at.timestamp()
+            if session.finished_at is not None or quiet > idle:
+                log.info("unloading %s (session %s)", slot.model_id,
+                         "finished" if session.finished_at else f"quiet for {quiet:.0f} s")
+                self._release(slot.index)
+        for ckpt in self.store.expired_checkpoints():
+            try:
+                self.store.delete_checkpoint(ckpt.owner_id, ckpt.tinker_path)
+            except NotFound:
+                continue
+            self._remove_files(ckpt.storage_path)
+
+    # -- slots ---------------------------------------------------------------------------------------------------
+
+    def _model_slot(self, model_id: str) -> Slot:
+        for slot in self.slots.values():
+            if slot.model_id == model_id:
+                slot.last_used = time.monotonic()
+                return slot
+        raise UserError(MODEL_STATE_LOST)
+
+    def _free_slot(self) -> int:
+        for i in range(self.stack.slots):
+            if i not in self.slots:
+                return i
+        samplers = [s for s in self.slots.values() if s.model_id is None]
+        if samplers:
+            victim = min(samplers, key=lambda s: s.last_used)
+            self._release(victim.index)
+            return victim.index
+        raise UserError(f"all {self.stack.slots} adapter slots of this server hold training models (lora.slots); "
+                        "finish a session (ServiceClient.close) or wait for idle models to be unloaded")
+
+    def _release(self, index: int) -> None:
+        self.slots.pop(index, None)
+        self.scale_S[index] = 0.0
+        self._write_slot(index, 1.0, {}, LoraConfig(rank=1, slots=1))
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 < rank <= self.stack.rank:
+            raise UserError(f"LoRA rank {rank} is not supported: this server's adapters have rank at most "
+                            f"{self.stack.rank} (lora.rank)")
+
+    def _scale(self, rank: int) -> float:
+        return self.stack.alpha / (math.sqrt(rank) if self.stack.rslora else rank)
+
+    def _write_slot(self, index: int, scale: float, single: Any, single_cfg: LoraConfig,
+                    moments: tuple[Any, Any] | None = None) -> None:
+        """Slot `index` := `single` (one-slot adapter, its own rank/targets), with AdamW moments or zeros; its gradient
+        accumulator zeroed."""
+        cfg = P.slot_config(self.stack, scale)
+        self.lora = self.progs.put_slot(self.lora, cfg, index, single, single_cfg)
+        unit = P.slot_config(self.stack, single_cfg.scale)  # moments are stored unscaled: copy them as they are
+        m, v = moments if moments is not None else ({}, {})
+        self.m = self.progs.put_slot(self.m, unit, index, m, single_cfg)
+        self.v = self.progs.put_slot(self.v, unit, index, v, single_cfg)
+        self.grads = self.progs.put_slot(self.grads, unit, index, {}, single_cfg)
+        self.scale_S[index] = scale
+
+    def _read_slot(self, slot: Slot) -> tuple[Any, Any, Any]:
+        idx = jnp.int32(slot.index)
+        out = [P.single_adapter(jax.device_get(self.progs.take_slot(t, idx)), slot.rank, slot.targets)
+               for t in (self.lora, self.m, self.v)]
+        return out[0], out[1], out[2]
+
+    def _single_cfg(self, slot: Slot) -> LoraConfig:
+        return LoraConfig(rank=slot.rank, alpha=slot.scale * (math.sqrt(slot.rank) if self.stack.rslora else slot.rank),
+                          targets=list(slot.targets), rslora=self.stack.rslora, slots=1)
+
+    # -- models --------------------------------------------------------------------------------------------------
+
+    def _create_model(self, row: Request) -> bytes:
+        model = self.store.get_model(row.owner_id, row.model_id or "")
+        lc = types.LoraConfig.model_validate(model.lora_config or {"rank": 32})
+        self._check_rank(lc.rank)
+        targets = P.tinker_targets(lc.train_attn, lc.train_mlp, lc.train_unembed)
+        if not targets:
+            raise UserError("lora_config trains nothing: set train_attn, train_mlp or train_unembed")
+        index = self._free_slot()
+        scale = self._scale(lc.rank)
+        single_cfg = LoraConfig(rank=lc.rank, alpha=self.stack.alpha, targets=list(targets),
+                                rslora=self.stack.rslora, slots=1)
+        seed = lc.seed if lc.seed is not None else _stable_int(model.id)
+        single = jax.device_get(L.init_lora(self.mcfg, single_cfg, jax.random.PRNGKey(seed)))
+        single = jax.tree.map(lambda x: np.asarray(x, np.float32), single)
+        self._write_slot(index, scale, single, single_cfg)
+        self.slots[index] = Slot(index, lc.rank, targets, scale, model_id=model.id, owner_id=model.owner_id,
+                                 session_id=model.session_id)
+        return protocol.json_result(types.CreateModelResponse(model_id=model.id))
+
+    def _load_weights(self, row: Request) -> bytes:
+        req = protocol.decode_json(row.kind, row.body)
+        ckpt = self.store.get_checkpoint(row.owner_id, req.path)
+        root = Path(ckpt.storage_path)
+        single, single_cfg = L.import_peft(root, self.mcfg)
+        self._check_rank(single_cfg.rank)
+        moments = None
+        step = 0
+        if req.optimizer:
+            if not (root / OPTIMIZER_FILE).is_file():
+                raise UserError(f"{req.path} holds no optimizer state (a sampler checkpoint); load it without the "
+                                "optimizer")
+            moments, step = self._read_moments(root, single_cfg)
+        model = self.store.get_model(row.owner_id, row.model_id or "")
+        try:
+            index = self._model_slot(model.id).index
+        except UserError:  # create-via-load (the model's seq 0), or a model whose state was lost
+            index = self._free_slot()
+        scale = single_cfg.scale
+        self._write_slot(index, scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg,
+                         moments)
+        self.slots[index] = Slot(index, single_cfg.rank, tuple(single_cfg.targets), scale, model_id=model.id,
+                                 owner_id=model.owner_id, session_id=model.session_id, step=step)
+        return protocol.json_result(types.LoadWeightsResponse(path=req.path, model_id=model.id))
+
+    def _optim_step(self, row: Request) -> bytes:
+        req = protocol.decode_json(row.kind, row.body)
+        p = req.optim_params
+        if not isinstance(p, types.AdamParams):
+            raise UserError(f"optimizer {getattr(p, 'type', type(p).__name__)!r} is not supported; use AdamParams")
+        if not (p.learning_rate >= 0 and 0 <= p.beta1 < 1 and 0 <= p.beta2 < 1 and p.eps > 0
+                and p.weight_decay >= 0 and p.grad_clip_norm >= 0):
+            raise UserError(f"AdamParams out of range: {p.model_dump()}")
+        slot = self._model_slot(row.model_id or "")
+        slot.step += 1
+        hyper = P.AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+        put = self.progs.put
+        self.lora, self.m, self.v, self.grads, norm = self.progs.optim_step(
+            self.lora, self.m, self.v, self.grads, put(np.int32(slot.index)), put(np.int32(slot.step)),
+            put(hyper.array()))
+        metrics = {"grad_norm:mean": float(norm), "learning_rate:mean": p.learning_rate}
+        return protocol.json_result(types.OptimStepResponse(metrics=metrics))
+
+    # -- forward / forward_backward -----------------------------------------------------------------------------
+
+    def _run_forward(self, rows: list[Request]) -> None:
+        """Validate each request, fuse the valid ones' datums, run them in bucketed passes, answer each request."""
+        accepted: list[tuple[Request, protocol.FwdBwdBody, int]] = []
+        for row in rows:
+            try:
+                body = protocol.decode_forward_backward(row.body)
+                slot = self._model_slot(row.model_id or "")
+                limit = self.mcfg.max_seq_len
+                for i, d in enumerate(body.data):
+                    if len(d.tokens) > limit:
+                        raise UserError(f"datum {i} has {len(d.tokens)} tokens; this model's context is {limit}")
+                    if len(d.tokens) and (d.tokens.min() < 0 or d.tokens.max() >= self.mcfg.vocab_size):
+                        raise UserError(f"datum {i}: token ids must be in [0, {self.mcfg.vocab_size})")
+                # Validates loss names, configs and inputs: a bad request fails alone.
+                losses.pack_rows([losses.Row(body.loss_fn, d.loss_fn_inputs, body.loss_fn_config)
+                                  for d in body.data], vocab_size=self.mcfg.vocab_size)
+                for i, d in enumerate(body.data):
+                    if len(d.loss_fn_inputs["target_tokens"]) != len(d.tokens):
+                        raise UserError(f"datum {i}: loss_fn_inputs have {len(d.loss_fn_inputs['target_tokens'])} "
+                                        f"positions, model_input has {len(d.tokens)}")
+                accepted.append((row, body, slot.index))
+            except (UserError, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
+                self._fail(row, str(e), "user")
+        if not accepted:
+            return
+        try:
+            outputs = self._fused(accepted)
+        except Exception as e:  # noqa: BLE001
+            log.exception("forward/backward batch failed")
+            for row, _, _ in accepted:
+                self._fail(row, f"engine error: {e!r}", "server")
+            return
+        for (row, _, _), (logps, row_losses) in zip(accepted, outputs, strict=True):
+            result = protocol.encode_forward_backward_output(
+                [{"logprobs": lp} for lp in logps], losses.request_metrics(row_losses, slice(None)))
+            self.store.complete(row.request_id, result, worker_id=self.worker_id)
+
+    def _fused(self, accepted: list[tuple[Request, protocol.FwdBwdBody, int]]
+               ) -> list[tuple[list[np.ndarray], np.ndarray]]:
+        """Every datum of every accepted request, grouped by length bucket and backward-or-not, in passes of at most
+        max_batch_tokens; returns per request its datums' logprobs and row losses."""
+        svc = self.service
+        items = []  # (request index, datum index, backward, datum, config, loss_fn, slot)
+        for r, (_, body, slot) in enumerate(accepted):
+            for i, d in enumerate(body.data):
+                items.append((r, i, not body.forward_only, d, body.loss_fn_config, body.loss_fn, slot))
+        out_lp: list[list[np.ndarray | None]] = [[None] * len(b.data) for _, b, _ in accepted]
+        out_loss: list[np.ndarray] = [np.zeros(len(b.data)) for _, b, _ in accepted]
+        groups: dict[tuple[bool, int], list[Any]] = {}
+        for item in items:
+            length = P.bucket(max(len(item[3].tokens), 1), svc.min_bucket, self.mcfg.max_seq_len)
+            groups.setdefault((item[2], length), []).append(item)
+        for (backward, length), group in sorted(groups.items()):
+            per_pass = max(1, svc.max_batch_tokens // length)
+            for start in range(0, len(group), per_pass):
+                part = group[start:start + per_pass]
+                lp, row_loss = self._pass(part, length, backward)
+                for k, (r, i, _, d, *_rest) in enumerate(part):
+                    out_lp[r][i] = lp[k, :len(d.tokens)].astype(np.float32)
+                    out_loss[r][i] = row_loss[k]
+        return [([x for x in lps if x is not None], loss_) for lps, loss_ in zip(out_lp, out_loss, strict=True)]
+
+    def _pass(self, part: list[Any], length: int, backward: bool) -> tuple[np.ndarray, np.ndarray]:
+        n_rows = self.progs.rows(len(part))
+        packed = losses.pack_rows([losses.Row(loss_fn, d.loss_fn_inputs, config) for _, _, _, d, config, loss_fn, _
+                                   in part], length=length, num_rows=n_rows, vocab_size=self.mcfg.vocab_size)
+        tokens = np.zeros((n_rows, length), np.int32)
+        slot_B = np.full((n_rows,), -1, np.int32)
+        for k, (*_, d, _config, _loss_fn, slot) in enumerate(part):
+            tokens[k, :len(d.tokens)] = d.tokens
+            slot_B[k] = slot
+        put = self.progs.put
+        inputs = losses.LossInputs(*(put(np.asarray(x), batch=True) for x in packed.inputs))
+        args = (put(self.scale_S), put(tokens, batch=True), put(slot_B, batch=True), put(packed.targets, batch=True),
+                inputs)
+        if backward:
+            self.grads, lp, row_loss = self.progs.forward_backward(self.params, self.lora, self.grads, *args)
+        else:
+            lp, row_loss = self.progs.logprobs_and_loss(self.params, self.lora, *args)
+        return np.asarray(lp), np.asarray(row_loss)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _write_dir(self, owner_id: str, model_id: str, kind: str, name: str, write: Callable[[Path], None]) -> Path:
+        """A fresh directory for one save, filled by `write` under a temporary name and renamed into place."""
+        final = self.storage / owner_id / model_id.replace(":", "_") / kind / f"{name}-{uuid.uuid4().hex[:12]}"
+        tmp = final.with_name(final.name + ".partial")
+        tmp.mkdir(parents=True)
+        try:
+            write(tmp)
+            tmp.rename(final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _remove_files(self, storage_path: str) -> None:
+        path = Path(storage_path)
+        if self.storage in path.parents:  # never delete outside our own storage
+            shutil.rmtree(path, ignore_errors=True)
+        for slot in list(self.slots.values()):
+            if slot.storage_path == storage_path:
+                self._release(slot.index)
+
+    def _record(self, row: Request, name: str, kind: str, path: Path, req: Any) -> Checkpoint:
+        """Add the checkpoint row; on overwrite the files it replaces are deleted, on a conflict ours are."""
+        previous = None
+        with contextlib.suppress(NotFound):
+            previous = self.store.get_checkpoint(row.owner_id, tinker_path(row.model_id or "", kind, name))  # type: ignore[arg-type]
+        try:
+            ckpt = self.store.add_checkpoint(
+                row.owner_id, row.model_id or "", name, kind, str(path), size_bytes=_dir_size(path),  # type: ignore[arg-type]
+                ttl_seconds=req.ttl_seconds, overwrite=getattr(req, "overwrite", False),
+                user_metadata=req.user_metadata)
+        except Conflict as e:
+            self._remove_files(str(path))
+            raise UserError(f"{e}; pass overwrite=True to replace it") from None
+        except ValueError:
+            self._remove_files(str(path))
+            raise
+        if previous is not None and previous.storage_path != str(path):
+            self._remove_files(previous.storage_path)
+        return ckpt
+
+    def _save_adapter(self, row: Request, kind: str, name: str, *, with_optimizer: bool) -> Path:
+        slot = self._model_slot(row.model_id or "")
+        single, m, v = self._read_slot(slot)
+        single_cfg = self._single_cfg(slot)
+        base = self.store.get_model(row.owner_id, row.model_id or "").base_model
+
+        def write(d: Path) -> None:
+            L.export_peft(single, single_cfg, d, base_model_name_or_path=base)
+            if with_optimizer:
+                tensors = {f"exp_avg.{k}": t for k, t in L.peft_tensors(m).items()}
+                tensors |= {f"exp_avg_sq.{k}": t for k, t in L.peft_tensors(v).items()}
+                hf.write_safetensors(d / OPTIMIZER_FILE, tensors, {"format": "pt"})
+                state = {"step": slot.step, "rank": slot.rank, "targets": list(slot.targets), "scale": slot.scale}
+                (d / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+        return self._write_dir(row.owner_id, row.model_id or "", kind, name, write)
+
+    def _read_moments(self, root: Path, single_cfg: LoraConfig) -> tuple[tuple[Any, Any], int]:
+        tensors = hf.read_safetensors(root / OPTIMIZER_FILE)
+        state = json.loads((root / STATE_FILE).read_text())
+        moments = tuple(
+            jax.tree.map(lambda x: np.asarray(x, np.float32), L.adapter_from_tensors(
+                {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, self.mcfg, single_cfg,
+                root / OPTIMIZER_FILE))
+            for prefix in ("exp_avg.", "exp_avg_sq."))
+        return (moments[0], moments[1]), int(state["step"])
+
+    def _save_weights(self, row: Request) -> bytes:
+        req = protocol.decode_json(row.kind, row.body)
+        name = req.path or f"step{self._model_slot(row.model_id or '').step:06d}"
+        path = self._save_adapter(row, "weights", name, with_optimizer=True)
+        ckpt = self._record(row, name, "training", path, req)
+        return protocol.json_result(types.SaveWeightsResponse(path=ckpt.tinker_path))
+
+    def _save_weights_for_sampler(self, row: Request) -> bytes:
+        req = protocol.decode_json(row.kind, row.body)
+        if req.path is not None:
+            path = self._save_adapter(row, "sampler_weights", req.path, with_optimizer=False)
+            return protocol.json_result({"path": self._record(row, req.path, "sampler", path, req).tinker_path})
+        if req.sampling_session_seq_id is None:
+            raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
+        name = protocol.ephemeral_sampler_name(req.sampling_session_seq_id, row.seq_id or 0)
+        path = self._save_adapter(row, "sampler_weights", name, with_optimizer=False)
+        ckpt = self._record(row, name, "sampler", path, req)
+        model = self.store.get_model(row.owner_id, row.model_id or "")
+        sampler = self.store.create_sampling_session(
+            row.owner_id, model.session_id, req.sampling_session_seq_id, base_model=model.base_model,
+            model_path=ckpt.tinker_path)
+        # The slot's weights are exactly what was saved: sample from this slot while the model does not change.
+        return protocol.json_result({"sampling_session_id": sampler.id, "path": ckpt.tinker_path})
+
+    def _delete_checkpoint(self, row: Request) -> bytes:
+        req = protocol.decode_json(row.kind, row.body)
+        self._remove_files(req.storage_path)
+        return protocol.json_result({})
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+
+    def _sampler_slot(self, owner_id: str, model_path: str | None) -> int:
+        if model_path is None:
+            return -1
+        ckpt = self.store.get_checkpoint(owner_id, model_path)
+        for slot in self.slots.values():
+            if slot.storage_path == ckpt.storage_path:
+                slot.last_used = time.monotonic()
+                return slot.index
+        single, single_cfg = L.import_peft(ckpt.storage_path, self.mcfg)
+        self._check_rank(single_cfg.rank)
+        index = self._free_slot()
+        self._write_slot(index, single_cfg.scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single),
+                         single_cfg)
+        self.slots[index] = Slot(index, single_cfg.rank, tuple(single_cfg.targets), single_cfg.scale,
+                                 storage_path=ckpt.storage_path)
+        return index
+
+    def _stops(self, stop: str | Sequence[str] | Sequence[int] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        if stop is None:
+            return self.eos_ids, ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if all(isinstance(s, int) for s in stop):
+            return tuple(int(s) for s in stop), ()  # type: ignore[arg-type]
+        if self.tokenizer is None:
+            raise UserError("stop strings need the model's tokenizer, which this server does not have; pass token ids")
+        return self.eos_ids, tuple(str(s) for s in stop)
+
+    def _sample(self, row: Request) -> bytes:
+        req: types.SampleRequest = protocol.decode_json(row.kind, row.body)
+        unsupported = [name for name, on in (
+            ("topk_prompt_logprobs", req.topk_prompt_logprobs > 0),
+            ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
+            ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+            ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0)) if on]
+        if unsupported:
+            raise UserError(f"{', '.join(unsupported)} not supported by this server")
+        sp = req.sampling_params
+        if sp.max_tokens is None or sp.max_tokens < 1:
+            raise UserError("sampling_params.max_tokens must be set (>= 1)")
+        if req.num_samples < 1:
+            raise UserError("num_samples must be >= 1")
+        prompt = np.array(req.prompt.to_ints(), np.int32)
+        if len(prompt) == 0:
+            raise UserError("the prompt is empty")
+        if len(prompt) + sp.max_tokens > self.mcfg.max_seq_len:
+            raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) exceed this model's "
+                            f"context of {self.mcfg.max_seq_len}")
+        if prompt.min() < 0 or prompt.max() >= self.mcfg.vocab_size:
+            raise UserError(f"prompt token ids must be in [0, {self.mcfg.vocab_size})")
+        sampler = self.store.get_sampling_session(row.owner_id, req.sampling_session_id or "")
+        slot = self._sampler_slot(row.owner_id, sampler.model_path)
+        stop_ids, stop_strs = self._stops(sp.stop)
+        seed = sp.seed if sp.seed is not None else _stable_int(row.request_id)
+        key = jax.random.PRNGKey(seed)
+        n = req.num_samples
+        chunk = min(self.service.sample_max_sequences, self.progs.rows(n))
+        rows = -(-self.progs.rows(n) // chunk) * chunk
+        plen = P.bucket(len(prompt), self.service.min_bucket, self.mcfg.max_seq_len - sp.max_tokens)
+        prompt_BP = np.zeros((rows, plen), np.int32)
+        valid_BP = np.zeros((rows, plen), bool)
+        prompt_BP[:, :len(prompt)] = prompt
+        valid_BP[:, :len(prompt)] = True
+        slot_B = np.full((rows,), slot, np.int32)
+        put = self.progs.put
+        top_k = sp.top_k if sp.top_k and sp.top_k > 0 else 0
+        out = self.progs.sample(
+            self.params, self.lora, put(self.scale_S), put(prompt_BP, batch=True), put(valid_BP, batch=True),
+            put(slot_B, batch=True), put(np.asarray(jax.random.key_data(key))),
+            sp.max_tokens, stop_ids, 0, float(sp.temperature), int(top_k), float(sp.top_p), chunk)
+        tokens, logprobs, mask = (np.asarray(x) for x in out)
+        sequences = [self._sequence(tokens[b], logprobs[b], mask[b], stop_ids, stop_strs) for b in range(n)]
+        prompt_lp = self._prompt_logprobs(prompt, slot) if req.prompt_logprobs else None
+        return protocol.encode_sample_response(sequences, prompt_logprobs=prompt_lp)
+
+    def _sequence(self, tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray, stop_ids: tuple[int, ...],
+                  stop_strs: tuple[str, ...]) -> protocol.SampledOutput:
+        k = int(mask.sum())
+        toks, lps = tokens[:k], logprobs[:k]
+        reason = "stop" if k and int(toks[-1]) in stop_ids else "length"
+        if stop_strs and self.tokenizer is not None:
+            for j in range(1, k + 1):
+                text = self.tokenizer.decode([int(t) for t in toks[:j]])
+                if any(s in text for s in stop_strs):
+                    toks, lps, reason = toks[:j], lps[:j], "stop"
+                    break
+        return protocol.SampledOutput(tokens=toks, stop_reason=reason, logprobs=lps)  # type: ignore[arg-type]
+
+    def _prompt_logprobs(self, prompt: np.ndarray, slot: int) -> np.ndarray:
+        """log p(prompt[i] | prompt[:i]) under the sampler's weights; the first token has none (NaN)."""
+        n = len(prompt) - 1
+        out = np.full(len(prompt), np.nan, np.float32)
+        if n == 0:
+            return out
+        length = P.bucket(n, self.service.min_bucket, self.mcfg.max_seq_len)
+        rows = self.progs.rows(1)
+        packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": prompt[1:],
+                                                                "weights": np.zeros(n, np.float32)})],
+                                  length=length, num_rows=rows, vocab_size=self.mcfg.vocab_size)
+        tokens = np.zeros((rows, length), np.int32)
+        tokens[0, :n] = prompt[:-1]
+        slot_B = np.full((rows,), -1, np.int32)
+        slot_B[0] = slot
+        put = self.progs.put
+        lp, _ = self.progs.logprobs_and_loss(
+            self.params, self.lora, put(self.scale_S), put(tokens, batch=True), put(slot_B, batch=True),
+            put(packed.targets, batch=True), losses.LossInputs(*(put(np.asarray(x), batch=True)
+                                                                 for x in packed.inputs)))
+        out[1:] = np.asarray(lp)[0, :n]
+        return out
+
+
+def engine_from_config(store: Store, cfg: TrainConfig, **kw: Any) -> Engine:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return Engine(store, cfg, **kw)
