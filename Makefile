@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed-stamp
 # checkov (tests/infra/test_checkov.py) pins packaging<24, older than the project's: its own venv, inside ours so
 # `make clean` removes it and .gitignore already covers it.
 CHECKOV_VENV := $(VENV)/checkov
+# tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
+# tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 
 .PHONY: install demo plan train-demo test lint golden bench bench-ray clean
 
@@ -13,6 +15,7 @@ $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
 	npm --prefix tools ci --no-audit --no-fund --loglevel=error
 	test -x $(CHECKOV_VENV)/bin/python || $(PY) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
