@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "included (it takes up to 3: sample, ref_logprobs, update); a setting that leaves a program's "
                      "compiled code unchanged does not compile it again, so a candidate usually takes 1")
     sub.add_parser("train", add_help=False, help="run the trainer (gke-tpu-rl train --help for its flags)")
+    sub.add_parser("service", add_help=False, help="the Tinker-compatible post-training service: API keys, the API "
+                   "and its engine (gke-tpu-rl service --help)")
     ref = sub.add_parser(
         "reference", help="print the stack or trainer config reference, or rewrite both docs with --write",
         description="Renders docs/stack-config.md and docs/trainer-config.md from the typed specs "
@@ -276,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.cli import main as train_main
 
         return int(train_main(argv[1:]) or 0)
+    if argv[:1] == ["service"]:
+        from trainer.service.cli import main as service_main
+
+        return int(service_main(argv[1:], prog="gke-tpu-rl service") or 0)
     args = build_parser().parse_args(argv)
     if args.command == "reference":
         return _reference(args)

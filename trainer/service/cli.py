@@ -1,5 +1,9 @@
-"""`python -m trainer.service keys create NAME | list | revoke ID [--db URL]`: the service's API keys;
-`python -m trainer.service serve --base-model NAME [...] [--db URL]`: the Tinker-compatible HTTP API (api.py).
+"""`python -m trainer.service` (also `gke-tpu-rl service`):
+  keys create NAME | list | revoke ID      the service's API keys
+  serve --config FILE [...]                the Tinker-compatible HTTP API (api.py) and the engine (engine.py) in one
+                                           process, the engine configured by a trainer config with a service section
+  serve --base-model NAME [...]            the API alone; engines on the same database run the requests
+  engine --config FILE                     an engine alone (the API runs elsewhere on the same database)
 
 The database: --db (a SQLAlchemy URL, or a plain path to a sqlite file), else $GKE_TPU_RL_SERVICE_DB, else the
 sqlite file service.db in $GKE_TPU_RL_SERVICE_HOME, else in $XDG_DATA_HOME/gke-tpu-rl/service
@@ -12,15 +16,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from trainer.config import ConfigError
 from trainer.service import auth
 from trainer.service.store import NotFound, Store, default_db_url
 
-if TYPE_CHECKING:  # api.py pulls in fastapi and tinker: only `serve` imports it
+if TYPE_CHECKING:  # api.py pulls in fastapi and tinker, the engine JAX: only `serve` and `engine` import them
+    from trainer.config import TrainConfig
     from trainer.service.api import ServerConfig
+
+log = logging.getLogger(__name__)
 
 
 def _db_option(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -31,10 +42,11 @@ def _db_option(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m trainer.service") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m trainer.service",
-        description="The post-training service: API keys (keys) and the Tinker-compatible HTTP API (serve).",
+        prog=prog,
+        description="The post-training service: API keys (keys), the Tinker-compatible HTTP API (serve) and the "
+        "engine that runs its requests on a base model with LoRA adapter slots (engine, or serve --config).",
     )
     _db_option(parser, top=True)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -49,11 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key_id", metavar="ID", help="the key id, as `keys list` shows it")
     for leaf in (create, listing, revoke):
         _db_option(leaf, top=False)
-    serve = commands.add_parser("serve", help="run the Tinker-compatible HTTP API (requests run in an engine process)")
+    serve = commands.add_parser(
+        "serve", help="run the Tinker-compatible HTTP API (with --config, and its engine in the same process)")
     _db_option(serve, top=False)
+    _engine_options(serve)
     serve.add_argument(
-        "--base-model", metavar="NAME", action="append", required=True,
-        help="a base model clients may train and sample (repeatable); get_server_capabilities lists them",
+        "--base-model", metavar="NAME", action="append", default=None,
+        help="a base model clients may train and sample (repeatable; default: the --config's service.base_model); "
+        "get_server_capabilities lists them",
     )
     serve.add_argument(
         "--tokenizer", metavar="BASE_MODEL=TOKENIZER_ID", action="append", default=[],
@@ -68,23 +83,86 @@ def build_parser() -> argparse.ArgumentParser:
         "the SDK's 45 s timeout)",
     )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine = commands.add_parser("engine", help="run an engine alone: it claims the database's requests and runs them")
+    _db_option(engine, top=False)
+    _engine_options(engine, required=True)
+    engine.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
+def _engine_options(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE", required=required,
+        help="a trainer config with service and lora sections (e.g. trainer/configs/qwen3-8b-service-v6e-4x4.yaml): "
+        "the engine's base model, adapter slots, mesh and batching")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                        help="override a config key, e.g. --set service.max_batch_tokens=4096 (repeatable)")
+    parser.add_argument("--storage", metavar="DIR", default=None,
+                        help="where checkpoints are written (default: service.storage_dir, else checkpoints/ in the "
+                        "service home)")
+
+
+def server_config(args: argparse.Namespace, engine_cfg: TrainConfig | None = None) -> ServerConfig:
+    """The API's config; with an engine config, its base model is served (and is the default --base-model) and its
+    context length is advertised unless --max-context-length says otherwise."""
     from trainer.service.api import DEFAULT_LONG_POLL_S, BaseModelSpec, ServerConfig
 
+    base_models = list(args.base_model or [])
+    context = args.max_context_length
+    if engine_cfg is not None and engine_cfg.service is not None:
+        name = engine_cfg.service.base_model
+        if base_models and name not in base_models:
+            raise ValueError(f"--base-model {base_models}: the --config engine serves {name!r} (service.base_model)")
+        base_models = base_models or [name]
+        if context is None and engine_cfg.model is not None:
+            context = engine_cfg.model.max_seq_len
+    if not base_models:
+        raise ValueError("--base-model: required without --config (which base models the API serves)")
     tokenizers: dict[str, str] = {}
     for item in args.tokenizer:
         name, sep, tokenizer_id = item.partition("=")
         if not sep or not name or not tokenizer_id:
             raise ValueError(f"--tokenizer {item!r}: expected BASE_MODEL=TOKENIZER_ID")
-        if name not in args.base_model:
+        if name not in base_models:
             raise ValueError(f"--tokenizer {item!r}: {name!r} is not a --base-model")
         tokenizers[name] = tokenizer_id
-    models = [BaseModelSpec(m, tokenizers.get(m), args.max_context_length) for m in args.base_model]
+    models = [BaseModelSpec(m, tokenizers.get(m), context) for m in base_models]
     long_poll_s = DEFAULT_LONG_POLL_S if args.long_poll_s is None else args.long_poll_s
     return ServerConfig(base_models=models, long_poll_s=long_poll_s)
+
+
+def _engine_config(args: argparse.Namespace) -> TrainConfig | None:
+    if args.config is None:
+        return None
+    from trainer.config import load_config
+    from trainer.service.engine import resolve_base_model
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.service is None:
+        raise ConfigError(f"{args.config}: no service section (the engine's base model, batching and storage)")
+    cfg = resolve_base_model(cfg)
+    if cfg.init.from_ == "hf":
+        from trainer.config import with_model
+        from trainer.hf import check_hf
+
+        cfg = with_model(cfg, check_hf(cfg.init.path or "", cfg.compute.param_dtype))
+    return cfg
+
+
+def _start_engine(store: Store, cfg: TrainConfig, args: argparse.Namespace) -> tuple[Any, threading.Event]:
+    """Settle what a previous engine left running (this is the only engine on the database), then run a new one in a
+    thread."""
+    from trainer.service.engine import Engine
+
+    recovered = store.recover()
+    if recovered.requeued or recovered.failed:
+        log.warning("recovered after a restart: %d re-queued, %d failed (SERVER_RESTARTED)",
+                    len(recovered.requeued), len(recovered.failed))
+    engine = Engine(Store(store.url.render_as_string(hide_password=False)), cfg, storage_dir=args.storage)
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.run, args=(stop,), name="engine", daemon=True)
+    thread.start()
+    return thread, stop
 
 
 def _serve(store: Store, args: argparse.Namespace) -> int:
@@ -93,15 +171,42 @@ def _serve(store: Store, args: argparse.Namespace) -> int:
     from trainer.service.api import create_app
 
     try:
-        config = server_config(args)
-    except ValueError as e:
+        engine_cfg = _engine_config(args)
+        config = server_config(args, engine_cfg)
+    except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # A shutdown waits for open long-polls at most this long; the SDK retries a cut poll on its own.
-    uvicorn.run(
-        create_app(store, config), host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=3,
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = _start_engine(store, engine_cfg, args) if engine_cfg is not None else None
+    try:
+        # A shutdown waits for open long-polls at most this long; the SDK retries a cut poll on its own.
+        uvicorn.run(
+            create_app(store, config), host=args.host, port=args.port, log_level=args.log_level,
+            timeout_graceful_shutdown=3,
+        )
+    finally:
+        if engine is not None:
+            engine[1].set()
+            engine[0].join(30)
+    return 0
+
+
+def _engine(store: Store, args: argparse.Namespace) -> int:
+    try:
+        cfg = _engine_config(args)
+    except (ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    assert cfg is not None
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    thread, stop = _start_engine(store, cfg, args)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        stop.set()
+        thread.join(30)
     return 0
 
 
@@ -139,14 +244,16 @@ def _keys(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m trainer.service") -> int:
+    args = build_parser(prog).parse_args(argv)
     store = Store(args.db or default_db_url())
     try:
         if args.command == "keys":
             return _keys(store, args)
         if args.command == "serve":
             return _serve(store, args)
+        if args.command == "engine":
+            return _engine(store, args)
         raise AssertionError(args.command)
     finally:
         store.close()

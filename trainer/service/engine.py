@@ -33,6 +33,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,8 @@ class Engine:
         self.storage.mkdir(parents=True, exist_ok=True)
         self.worker_id = store.register_worker(worker_name)
         self._last_housekeeping = 0.0
+        # Requests per fused forward/backward claim, newest last (observability; tests read it).
+        self.fused_sizes: deque[int] = deque(maxlen=1000)
         self.handlers: dict[str, Callable[[Request], bytes]] = {
             protocol.CREATE_MODEL: self._create_model,
             protocol.LOAD_WEIGHTS: self._load_weights,
@@ -395,6 +398,7 @@ class Engine:
                 self._fail(row, str(e), "user")
         if not accepted:
             return
+        self.fused_sizes.append(len(accepted))
         try:
             outputs = self._fused(accepted)
         except Exception as e:  # noqa: BLE001

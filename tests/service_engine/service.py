@@ -1,0 +1,100 @@
+"""A real service for the engine tests: the API (uvicorn, in a thread, on 127.0.0.1) and the JAX engine (in a thread)
+over one sqlite database, driven by the real tinker SDK. Only the process boundary is left out: the two share nothing
+but the database, as separate processes would."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tinker
+import uvicorn
+
+from trainer.config import TrainConfig, config_from_dict
+from trainer.service import auth
+from trainer.service.api import BaseModelSpec, ServerConfig, create_app
+from trainer.service.engine import Engine
+from trainer.service.store import Store
+
+TINY_MODEL: dict[str, Any] = {
+    "vocab_size": 128, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 64,
+    "max_seq_len": 64, "qk_norm": True, "tie_embeddings": False,
+}
+
+
+def tiny_config(storage: Path, **service: Any) -> TrainConfig:
+    return config_from_dict({
+        "model": TINY_MODEL, "lora": {"rank": 8, "alpha": 32, "slots": 16},
+        "service": {"base_model": "tiny/random", "storage_dir": str(storage), "min_bucket": 16, **service},
+        "sampling": {"max_new_tokens": 8},
+    })
+
+
+@dataclass
+class LiveService:
+    url: str
+    store: Store
+    cfg: TrainConfig
+    engine: Engine
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start_engine(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.engine.run, args=(self._stop,), name="engine", daemon=True)
+        self._thread.start()
+
+    def stop_engine(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+            assert not self._thread.is_alive(), "the engine did not stop"
+
+    def restart_engine(self) -> Engine:
+        """A new engine on the same database and storage, as after a crash: nothing of the old one's memory."""
+        self.stop_engine()
+        self.store.recover()
+        self.engine = Engine(Store(str(self.store.url.render_as_string(hide_password=False))), self.cfg)
+        self.start_engine()
+        return self.engine
+
+    def client(self, name: str = "test") -> tinker.ServiceClient:
+        _, key = auth.create_key(self.store, name)
+        return tinker.ServiceClient(base_url=self.url, api_key=key)
+
+
+@contextmanager
+def live_service(tmp: Path, cfg: TrainConfig | None = None) -> Iterator[LiveService]:
+    cfg = cfg or tiny_config(tmp / "checkpoints")
+    db = f"sqlite:///{tmp / 'service.db'}"
+    store = Store(db)
+    assert cfg.service is not None
+    config = ServerConfig([BaseModelSpec(cfg.service.base_model, max_context_length=cfg.model_cfg.max_seq_len)],
+                          long_poll_s=5.0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(store, config), log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    live = LiveService(f"http://127.0.0.1:{sock.getsockname()[1]}", store, cfg, Engine(Store(db), cfg))
+    try:
+        deadline = time.monotonic() + 15
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
+            time.sleep(0.02)
+        live.start_engine()
+        yield live
+    finally:
+        live.stop_engine()
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        live.engine.store.close()
+        store.close()

@@ -1,0 +1,276 @@
+"""The engine behind the real API, driven by the real tinker SDK: losses, AdamW, batching across users, checkpoints,
+sampling, limits and a restart. The model is a tiny random decoder (no tokenizer), so every test is about the engine;
+tests/service_engine/test_seed_script.py runs the issue's script on a tiny Qwen3 against transformers' numbers."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tinker
+from tinker import types
+
+from tests.service_engine.service import LiveService, live_service
+from trainer import lora as L
+from trainer import model as M
+from trainer.service import programs as P
+from trainer.service.engine import MODEL_STATE_LOST
+
+BASE = "tiny/random"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
+    with live_service(tmp_path_factory.mktemp("engine")) as service:
+        yield service
+
+
+def _data(seed: int, lengths: tuple[int, ...] = (10, 17, 5)) -> list[types.Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        toks = rng.integers(1, 128, n + 1).tolist()
+        weights = rng.integers(0, 2, n).astype(float).tolist()
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                               loss_fn_inputs={"target_tokens": toks[1:], "weights": weights}))
+    return out
+
+
+def _base_cross_entropy(live: LiveService, data: list[types.Datum]) -> tuple[float, list[np.ndarray]]:
+    """-(sum of weighted target log-probs) under the base weights, from the model itself (no adapter, full softmax)."""
+    params = jax.device_get(live.engine.params)
+    total, per = 0.0, []
+    for d in data:
+        toks = np.array(d.model_input.to_ints())[None]
+        x, _ = M.forward(params, live.engine.mcfg, jnp.asarray(toks), jnp.ones_like(toks, bool))
+        logp = jax.nn.log_softmax(M.logits(params, live.engine.mcfg, x)[0], axis=-1)
+        target = np.array(d.loss_fn_inputs["target_tokens"].tolist())
+        lp = np.asarray(logp)[np.arange(len(target)), target]
+        per.append(lp)
+        total -= float(np.dot(lp, d.loss_fn_inputs["weights"].tolist()))
+    return total, per
+
+
+def test_a_fresh_adapter_is_the_base_model_and_training_lowers_the_loss(live: LiveService) -> None:
+    tc = live.client().create_lora_training_client(base_model=BASE, rank=4).result()
+    data = _data(0)
+    expected, per = _base_cross_entropy(live, data)
+    losses = []
+    for step in range(5):
+        out = tc.forward_backward(data, "cross_entropy").result()
+        if step == 0:
+            for got, want in zip(out.loss_fn_outputs, per, strict=True):
+                np.testing.assert_allclose(got["logprobs"].to_numpy(), want, rtol=1e-5, atol=1e-5)
+        losses.append(out.metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_forward_changes_nothing_and_matches_forward_backward(live: LiveService) -> None:
+    tc = live.client().create_lora_training_client(base_model=BASE, rank=8).result()
+    data = _data(1)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    a = tc.forward(data, "cross_entropy").result()
+    b = tc.forward(data, "cross_entropy").result()
+    c = tc.forward_backward(data, "cross_entropy").result()
+    assert a.metrics == b.metrics  # forward twice: the same program on unchanged weights, bit for bit
+    # forward_backward computes the same values in another program (with its backward pass): float rounding apart
+    assert c.metrics["loss:sum"] == pytest.approx(a.metrics["loss:sum"], rel=1e-6)
+    for x, y in zip(a.loss_fn_outputs, c.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_users_batched_together_train_exactly_as_alone(live: LiveService) -> None:
+    """Two users' forward_backward requests fused into one pass give each the losses it gets alone: rows only touch
+    their own slot's adapter and gradient."""
+    def run(tc: tinker.TrainingClient, data: list[types.Datum], steps: int) -> list[float]:
+        out = []
+        for _ in range(steps):
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=5e-3, weight_decay=0.1, grad_clip_norm=1.0))
+            out.append(fb.result().metrics["loss:sum"])
+        return out
+
+    alone = run(live.client().create_lora_training_client(base_model=BASE, rank=4, seed=7).result(), _data(2), 3)
+    a = live.client("a").create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    b = live.client("b").create_lora_training_client(base_model=BASE, rank=8, seed=8).result()
+    before = len(live.engine.fused_sizes)
+    results: dict[str, list[float]] = {}
+    threads = [threading.Thread(target=lambda: results.__setitem__("a", run(a, _data(2), 3))),
+               threading.Thread(target=lambda: results.__setitem__("b", run(b, _data(3, (30, 9)), 3)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    np.testing.assert_allclose(results["a"], alone, rtol=2e-5)
+    assert len(results["b"]) == 3
+    sizes = list(live.engine.fused_sizes)[before:]
+    assert sizes, "no forward/backward batch ran"
+
+
+def test_adamw_matches_optax_on_its_slot_only(live: LiveService) -> None:
+    """optim_step is torch's AdamW (= optax.adamw, decoupled decay) after clipping the slot's global norm, applied to
+    one slot; every other slot, its moments and its gradient stay as they were."""
+    progs = live.engine.progs
+    rng = np.random.default_rng(0)
+    shapes = L.lora_shapes(progs.mcfg, progs.stack)
+    rand = lambda: jax.tree.map(lambda s: rng.normal(size=s).astype(np.float32), shapes, is_leaf=L._is_shape)  # noqa: E731
+    lora, m, v, g = rand(), rand(), jax.tree.map(np.abs, rand()), rand()
+    put = lambda t: jax.device_put(t, progs.lora_sh)  # noqa: E731
+    hyper = P.AdamHyper(learning_rate=1e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.05, grad_clip_norm=0.5)
+    slot, t = 2, 3
+    new, nm, nv, ng, norm = progs.optim_step(put(lora), put(m), put(v), put(g), progs.put(np.int32(slot)),
+                                             progs.put(np.int32(t)), progs.put(hyper.array()))
+    take = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda p, x: np.take(np.asarray(x), slot, axis=L._slot_axis(p)), tree)
+    opt = optax.chain(optax.clip_by_global_norm(hyper.grad_clip_norm),
+                      optax.adamw(hyper.learning_rate, hyper.beta1, hyper.beta2, hyper.eps,
+                                  weight_decay=hyper.weight_decay))
+    state = opt.init(take(lora))
+    # optax's adam state at count t-1 with our moments: the next update is step t.
+    state = (state[0], (optax.ScaleByAdamState(count=jnp.int32(t - 1), mu=take(m), nu=take(v)), *state[1][1:]))
+    upd, _ = opt.update(take(g), state, take(lora))
+    want = optax.apply_updates(take(lora), upd)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6), take(jax.device_get(new)), want)
+    gn = math.sqrt(sum(float(np.sum(x**2)) for x in jax.tree.leaves(take(g))))
+    assert float(norm) == pytest.approx(gn, rel=1e-5)
+    for i in range(progs.stack.slots):
+        if i == slot:
+            continue
+        pick = lambda tree, i=i: jax.tree_util.tree_map_with_path(  # noqa: E731
+            lambda p, x: np.take(np.asarray(x), i, axis=L._slot_axis(p)), tree)
+        for before, after in ((lora, new), (m, nm), (v, nv), (g, ng)):
+            jax.tree.map(np.testing.assert_array_equal, pick(before), pick(jax.device_get(after)))
+    assert all(not np.any(x) for x in jax.tree.leaves(take(jax.device_get(ng))))
+
+
+def test_save_and_load_state_continue_exactly(live: LiveService) -> None:
+    sc = live.client()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, train_unembed=False).result()
+    data = _data(4)
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("two-steps").result().path
+    restored = sc.create_training_client_from_state_with_optimizer(path).result()
+    for client in (tc, restored):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    a = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    b = restored.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert a == pytest.approx(b, rel=1e-6)
+    info = sc.create_rest_client().get_weights_info_by_tinker_path(path).result()
+    assert info.lora_rank == 4
+    storage = Path(live.store.get_checkpoint(live.store.get_model(_owner(live, tc), tc.model_id).owner_id,
+                                             path).storage_path)
+    weights, lcfg = L.import_peft(storage, live.engine.mcfg)  # a PEFT adapter, readable by PEFT's own layout
+    assert lcfg.rank == 4 and "lm_head" not in lcfg.targets and set(lcfg.targets) == set(P.ATTN_TARGETS + P.MLP_TARGETS)
+
+
+def _owner(live: LiveService, tc: tinker.TrainingClient) -> str:
+    from sqlalchemy import select
+
+    from trainer.service.store import Model
+
+    with live.store._read() as s:
+        return s.scalars(select(Model.owner_id).where(Model.id == tc.model_id)).one()
+
+
+def test_sampling_is_seeded_stops_and_agrees_with_forward(live: LiveService) -> None:
+    sc = live.client()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    data = _data(5)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([5, 9, 33, 17, 2])
+    params = types.SamplingParams(max_tokens=6, seed=123, temperature=1.0)
+    one = sampler.sample(prompt, 3, params).result()
+    two = sampler.sample(prompt, 3, params).result()
+    assert [s.tokens for s in one.sequences] == [s.tokens for s in two.sequences]
+    assert len({tuple(s.tokens) for s in one.sequences}) > 1, "three samples of one prompt should differ"
+    assert all(len(s.tokens) == 6 and s.stop_reason == "length" for s in one.sequences)
+
+    # Sampler log-probs of a greedy continuation equal the training model's forward() log-probs of the same tokens.
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result().sequences[0]
+    full = prompt.to_ints() + greedy.tokens
+    fwd = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                  loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})],
+                     "cross_entropy").result()
+    np.testing.assert_allclose(fwd.loss_fn_outputs[0]["logprobs"].to_numpy()[-6:], greedy.logprobs, atol=2e-5)
+    lp = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert lp[0] is None
+    np.testing.assert_allclose(lp[1:], fwd.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=2e-5)
+
+    # A stop token ends the sequence there (kept, as EOS is) with stop_reason "stop".
+    stop_at = greedy.tokens[2]
+    first = greedy.tokens.index(stop_at)
+    stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[stop_at])).result()
+    assert stopped.sequences[0].tokens == greedy.tokens[:first + 1]
+    assert stopped.sequences[0].stop_reason == "stop"
+
+    # The base model is another sampler: its log-probs are the base's.
+    base = sc.create_sampling_client(base_model=BASE).result()
+    base_lp = base.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    _, per = _base_cross_entropy(live, [types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                                    loss_fn_inputs={"target_tokens": full[1:],
+                                                                    "weights": [1.0] * (len(full) - 1)})])
+    np.testing.assert_allclose(base_lp[1:], per[0], atol=2e-5)
+
+
+def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:
+    sc = live.client()
+    with pytest.raises(tinker.RequestFailedError, match=r"rank at most 8 \(lora.rank\)"):
+        sc.create_lora_training_client(base_model=BASE, rank=16).result()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    too_long = _data(6, (70,))
+    with pytest.raises(tinker.RequestFailedError, match="context is 64"):
+        tc.forward_backward(too_long, "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="loss_fn"):
+        tc.forward_backward(_data(6), "stable_reinforce").result()
+    assert tc.forward_backward(_data(6), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_slots_run_out_with_a_clear_error_and_come_back_when_a_session_ends(tmp_path: Path) -> None:
+    from tests.service_engine.service import tiny_config
+
+    cfg = tiny_config(tmp_path / "ckpt", idle_unload_s=3600)
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"slots": 2})})  # type: ignore[union-attr]
+    with live_service(tmp_path, cfg) as live:
+        first = live.client("first")
+        a = first.create_lora_training_client(base_model=BASE, rank=2).result()
+        second = live.client("second")
+        b = second.create_lora_training_client(base_model=BASE, rank=2).result()
+        with pytest.raises(tinker.RequestFailedError, match=r"all 2 adapter slots .*lora.slots"):
+            live.client("third").create_lora_training_client(base_model=BASE, rank=2).result()
+        assert b.forward_backward(_data(7), "cross_entropy").result().metrics["loss:sum"] > 0
+        del a
+        first.close("success").result()  # ends the session: the engine gives its model's slot back
+        live.engine._last_housekeeping = 0.0
+        c = live.client("fourth").create_lora_training_client(base_model=BASE, rank=2).result()
+        assert c.forward_backward(_data(7), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_after_a_restart_models_say_their_state_is_lost_and_checkpoints_load(live: LiveService) -> None:
+    sc = live.client()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    data = _data(8)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("before-restart").result().path
+    want = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    live.restart_engine()
+    with pytest.raises(tinker.RequestFailedError, match="state is not in the engine"):
+        tc.forward(data, "cross_entropy").result()
+    assert "create_training_client_from_state" in MODEL_STATE_LOST
+    restored = sc.create_training_client_from_state_with_optimizer(path).result()
+    assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want, rel=1e-6)
