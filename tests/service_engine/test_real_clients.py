@@ -1,0 +1,143 @@
+"""The service as users run it, against the official clients: `python -m trainer.service serve --config` (API and engine
+in one process) on a tiny random Qwen3 published offline as `Qwen/Qwen3-8B` (tests/tiny_model.py), then
+
+* the issue's seed script, unchanged but for its two connection settings (this server's address, and a real key: the
+  service refuses `tml-dummy`, as it refuses any key it did not issue): its first loss is transformers' cross entropy
+  of the base model on those tokens (tests/fixtures/tiny_qwen3/reference.json), and the loss falls;
+* tinker-cookbook's math_rl recipe (arithmetic, importance_sampling, two steps), which samples, trains and saves;
+* the SDK's REST calls on what they left behind (training runs, checkpoints, weights info, delete).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+
+from tests.service_api.conftest import free_port
+from tests.tiny_model import publish, reference
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED_SCRIPT = ROOT / "tests" / "fixtures" / "tinker" / "seed_script.py.txt"
+
+
+@dataclass
+class Server:
+    url: str
+    key: str
+    env: dict[str, str]
+    db: Path
+    storage: Path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("real_clients")
+    hf_home = tmp / "hf"
+    publish(hf_home)
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu",
+           "TOKENIZERS_PARALLELISM": "false"}
+    config = tmp / "service.yaml"
+    storage = tmp / "checkpoints"
+    config.write_text(json.dumps({
+        "init": {"from": "hf"}, "lora": {"rank": 32, "alpha": 32, "slots": 8},
+        "service": {"base_model": "Qwen/Qwen3-8B", "min_bucket": 32, "storage_dir": str(storage)},
+    }))
+    db = tmp / "service.db"
+    created = subprocess.run([sys.executable, "-m", "trainer.service", "keys", "create", "tests", "--db", str(db)],
+                             cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    key = created.stdout.strip()
+    port = free_port()
+    log = (tmp / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.service", "serve", "--config", str(config), "--db", str(db),
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+        yield Server(url, key, env, db, storage)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    out = (tmp / "server.log").read_text()
+    assert "Traceback" not in out, out
+
+
+def test_the_seed_script_trains_from_the_base_models_loss(server: Server, tmp_path: Path) -> None:
+    text = SEED_SCRIPT.read_text()
+    for literal in ('"http://localhost:8000"', '"tml-dummy"'):
+        assert text.count(literal) == 1
+    script = tmp_path / "seed.py"
+    script.write_text(text.replace('"http://localhost:8000"', repr(server.url))
+                      .replace('"tml-dummy"', repr(server.key)))
+    run = subprocess.run([sys.executable, str(script)], env=server.env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^Loss: (\S+)$", run.stdout, re.MULTILINE)]
+    assert len(losses) == 6, run.stdout
+    assert f"{losses[0]:.4f}" == reference()["first_loss_printed"]  # a fresh LoRA is the base model
+    print("seed script losses:", losses)
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
+def test_tinker_cookbook_math_rl_runs_against_the_service(server: Server, tmp_path: Path) -> None:
+    log_path = tmp_path / "math_rl"
+    run = subprocess.run(
+        [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "model_name=Qwen/Qwen3-8B", "env=arithmetic",
+         "group_size=4", "groups_per_batch=2", "max_tokens=8", "lora_rank=8", "loss_fn=importance_sampling",
+         "max_steps=2", "eval_every=0", "save_every=0", f"base_url={server.url}", f"log_path={log_path}",
+         "behavior_if_log_dir_exists=delete"],
+        env={**server.env, "TINKER_API_KEY": server.key}, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [m["step"] for m in metrics if "step" in m][-1] >= 1, metrics
+    # It trained, sampled and saved through this server: its checkpoints are the SDK's to list.
+    rest = tinker.ServiceClient(base_url=server.url, api_key=server.key).create_rest_client()
+    runs = rest.list_training_runs().result().training_runs
+    assert any(r.lora_rank == 8 for r in runs)
+
+
+def test_rest_calls_see_and_delete_what_the_clients_saved(server: Server) -> None:
+    sc = tinker.ServiceClient(base_url=server.url, api_key=server.key)
+    tc = sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+    state = tc.save_state("kept").result().path
+    sampler = tc.save_weights_for_sampler("to-delete").result().path
+    rest = sc.create_rest_client()
+    listed = {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert {state, sampler} <= listed
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.base_model == "Qwen/Qwen3-8B" and run.is_lora and run.lora_rank == 4
+    info = rest.get_weights_info_by_tinker_path(sampler).result()
+    assert info.lora_rank == 4 and info.base_model == "Qwen/Qwen3-8B"
+    before = {p.name for p in server.storage.rglob("to-delete-*")}
+    assert before, "the sampler save wrote no files"
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    deadline = time.monotonic() + 30
+    while any(server.storage.rglob("to-delete-*")):
+        assert time.monotonic() < deadline, "the engine did not delete the checkpoint's files"
+        time.sleep(0.2)
+    assert {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints} == listed - {sampler}
