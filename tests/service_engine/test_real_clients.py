@@ -141,3 +141,45 @@ def test_rest_calls_see_and_delete_what_the_clients_saved(server: Server) -> Non
         assert time.monotonic() < deadline, "the engine did not delete the checkpoint's files"
         time.sleep(0.2)
     assert {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints} == listed - {sampler}
+
+
+def test_a_sampler_checkpoint_loads_in_peft_with_the_services_logprobs(server: Server) -> None:
+    """What save_weights_for_sampler writes is a PEFT adapter: transformers + PEFT on it give the log-probs the
+    service's forward() gives for the trained model."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from tests.tiny_model import FIXTURE
+    from trainer.service.store import Store
+
+    sc = tinker.ServiceClient(base_url=server.url, api_key=server.key)
+    tc = sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8, seed=3).result()
+    data = [tinker.types.Datum(**d) for d in _reference_datums()]
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_weights_for_sampler("peft-check").result().path
+    ours = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+    store = Store(f"sqlite:///{server.db}")
+    try:
+        owner = server.key.removeprefix("tml-").split("_")[0]
+        adapter_dir = store.get_checkpoint(owner, path).storage_path
+    finally:
+        store.close()
+    model = transformers.AutoModelForCausalLM.from_pretrained(FIXTURE, torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    for datum, out in zip(data, ours, strict=True):
+        tokens = torch.tensor([datum.model_input.to_ints()])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens).logits[0].double(), -1)
+        targets = datum.loss_fn_inputs["target_tokens"].tolist()
+        theirs = logp[torch.arange(len(targets)), torch.tensor(targets)].numpy()
+        assert abs(theirs - out["logprobs"].to_numpy()).max() < 2e-4
+    base = reference()["data"][0]["logprobs"]
+    assert abs(ours[0]["logprobs"].to_numpy() - base).max() > 1e-2, "training should have moved the log-probs"
+
+
+def _reference_datums() -> list[dict]:
+    return [{"model_input": tinker.types.ModelInput.from_ints(d["model_input"]),
+             "loss_fn_inputs": {"target_tokens": d["target_tokens"], "weights": d["weights"]}}
+            for d in reference()["data"]]
