@@ -101,10 +101,10 @@ def _stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def run_local(n_processes: int, devices_per_process: int, argv: Sequence[str]) -> int:
-    """Spawn `python -m trainer ARGV` n times; returns 0 or the first non-zero exit code."""
+def run_local(n_processes: int, devices_per_process: int, argv: Sequence[str], module: str = "trainer") -> int:
+    """Spawn `python -m MODULE ARGV` n times; returns 0 or the first non-zero exit code."""
     port = free_port()
-    cmd = [sys.executable, "-m", "trainer", *argv]
+    cmd = [sys.executable, "-m", module, *argv]
     procs: list[subprocess.Popen[bytes]] = []
     threads: list[threading.Thread] = []
     for i in range(n_processes):

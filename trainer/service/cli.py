@@ -15,12 +15,13 @@ on the same database runs them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainer.config import ConfigError
@@ -97,6 +98,10 @@ def _engine_options(parser: argparse.ArgumentParser, *, required: bool = False) 
         "the engine's base model, adapter slots, mesh and batching")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                         help="override a config key, e.g. --set service.max_batch_tokens=4096 (repeatable)")
+    parser.add_argument("--local-processes", type=int, default=0, metavar="N",
+                        help="run the engine as N local processes joined by jax.distributed (a multi-host slice on "
+                        "one machine; process 0 serves, the others follow); with --devices-per-process")
+    parser.add_argument("--devices-per-process", type=int, default=0, metavar="M", help="CPU devices per local process")
     parser.add_argument("--storage", metavar="DIR", default=None,
                         help="where checkpoints are written (default: service.storage_dir, else checkpoints/ in the "
                         "service home)")
@@ -149,6 +154,48 @@ def _engine_config(args: argparse.Namespace) -> TrainConfig | None:
     return cfg
 
 
+_LOCAL_FLAGS = ("--local-processes", "--devices-per-process")
+
+
+def _child_argv(argv: Sequence[str]) -> list[str]:
+    """This command's arguments without the local-process flags (each child is one process of the group)."""
+    out: list[str] = []
+    skip = False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in _LOCAL_FLAGS:
+            skip = True
+        elif not item.startswith(tuple(f"{f}=" for f in _LOCAL_FLAGS)):
+            out.append(item)
+    return out
+
+
+def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
+    """Multi-process set-up before any JAX use: spawn the local group (returns its exit code), or join the group this
+    process belongs to (the trainer's env contract) and, on a follower, follow process 0 until it stops (returns 0).
+    None: this is process 0 (or the only process); go on."""
+    if args.local_processes or args.devices_per_process:
+        if args.local_processes < 1 or args.devices_per_process < 1:
+            raise ConfigError("--local-processes and --devices-per-process go together, both >= 1")
+        from trainer.launch import run_local
+
+        return run_local(args.local_processes, args.devices_per_process, _child_argv(args.argv),
+                         module="trainer.service")
+    from trainer.distributed import initialize_from_env
+
+    initialize_from_env()
+    import jax
+
+    if jax.process_index() == 0:
+        return None
+    from trainer.service.engine import run_follower
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_follower(cfg)
+    return 0
+
+
 def _start_engine(store: Store, cfg: TrainConfig, args: argparse.Namespace) -> tuple[Any, threading.Event]:
     """Settle what a previous engine left running (this is the only engine on the database), then run a new one in a
     thread."""
@@ -173,31 +220,55 @@ def _serve(store: Store, args: argparse.Namespace) -> int:
     try:
         engine_cfg = _engine_config(args)
         config = server_config(args, engine_cfg)
+        if engine_cfg is not None and (rc := _group(args, engine_cfg)) is not None:
+            return rc
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = _start_engine(store, engine_cfg, args) if engine_cfg is not None else None
-    try:
-        # A shutdown waits for open long-polls at most this long; the SDK retries a cut poll on its own.
-        uvicorn.run(
-            create_app(store, config), host=args.host, port=args.port, log_level=args.log_level,
-            timeout_graceful_shutdown=3,
-        )
-    finally:
+
+    def stop_engine() -> None:
         if engine is not None:
             engine[1].set()
-            engine[0].join(30)
+            engine[0].join(60)
+
+    # A shutdown waits for open long-polls at most this long; the SDK retries a cut poll on its own.
+    try:
+        _run_uvicorn(uvicorn.Config(create_app(store, config), host=args.host, port=args.port,
+                                    log_level=args.log_level, timeout_graceful_shutdown=3), stop_engine)
+    finally:
+        stop_engine()
     return 0
+
+
+def _run_uvicorn(config: Any, on_exit: Any) -> None:
+    """uvicorn.Server(config).run(), calling on_exit() after the server has shut down but before uvicorn re-raises the
+    SIGTERM it caught (uvicorn/server.py capture_signals), which would end the process before the engine stops its
+    followers."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    on_exit()
+
+    Server(config).run()
 
 
 def _engine(store: Store, args: argparse.Namespace) -> int:
     try:
         cfg = _engine_config(args)
+        assert cfg is not None
+        if (rc := _group(args, cfg)) is not None:
+            return rc
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    assert cfg is not None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     thread, stop = _start_engine(store, cfg, args)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -245,7 +316,9 @@ def _keys(store: Store, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m trainer.service") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
+    args.argv = argv
     store = Store(args.db or default_db_url())
     try:
         if args.command == "keys":

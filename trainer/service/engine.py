@@ -15,10 +15,12 @@ What it adds:
   targets); sampler saves are the PEFT adapter alone. Every save goes to a fresh directory, renamed into place when
   complete, so a crash never leaves a half-written checkpoint behind a row.
 
+* Hosts. On a multi-host slice every process builds the same programs and state (`prepare`, the trainer's
+  jax.distributed contract); process 0 runs the Engine (database, storage, decisions) and sends each device op to the
+  others, which run it in lock step (`run_follower`, service/device.py).
+
 A model's training state lives in device memory: after an engine restart its slot is gone, and its next request fails
 with MODEL_STATE_LOST (load its last checkpoint: create_training_client_from_state). Saved checkpoints survive.
-Multi-host (process 0 claims work, the other processes follow) is not implemented yet: the engine refuses to start
-with jax.process_count() > 1.
 """
 
 from __future__ import annotations
@@ -40,16 +42,16 @@ from pathlib import Path
 from typing import Any, Final
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tinker import types
 
 from trainer import hf
 from trainer import lora as L
-from trainer import model as M
 from trainer.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
-from trainer.service import losses, protocol
+from trainer.fit_estimate import service_longest_datum
+from trainer.service import device, losses, protocol
 from trainer.service import programs as P
+from trainer.service.device import DeviceState
 from trainer.service.store import Checkpoint, Conflict, NotFound, Request, Store, default_data_dir, tinker_path
 from trainer.sharding import make_mesh
 
@@ -108,50 +110,56 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def prepare(cfg: TrainConfig) -> tuple[TrainConfig, DeviceState, str | None]:
+    """What every process of an engine builds alike: the resolved config (model from the checkpoint, mesh from the
+    devices), the programs and the device state; and where the tokenizer is (process 0 uses it)."""
+    if cfg.service is None or cfg.lora is None:
+        raise ConfigError("the engine needs a config with service and lora sections")
+    cfg = resolve_base_model(cfg)
+    params_host = None
+    tok_dir: str | None = None
+    if cfg.init.from_ == "hf":
+        params_host, mcfg = hf.import_hf(cfg.init.path or "", cfg.compute.param_dtype)
+        cfg = with_model(cfg, mcfg)
+        tok_dir = cfg.init.path
+    elif cfg.tokenizer != "char":
+        tok_dir = cfg.tokenizer
+    cfg = resolve_mesh(cfg, jax.device_count(), exact=jax.process_count() > 1)
+    n = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
+    mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n])
+    return cfg, DeviceState(cfg, P.build(cfg, mesh), params_host), tok_dir
+
+
+def run_follower(cfg: TrainConfig) -> None:
+    """A process other than 0 of a multi-host engine: build the same state, then run process 0's ops."""
+    _, state, _ = prepare(cfg)
+    device.follow(state)
+
+
 class Engine:
-    """One engine process on one host (see the module docstring). `run(stop)` loops until `stop` is set."""
+    """The engine on process 0 (see the module docstring): `run(stop)` claims and runs requests until `stop` is set;
+    with several processes every device op is also sent to the followers (service/device.py)."""
 
     def __init__(self, store: Store, cfg: TrainConfig, *, worker_name: str | None = None,
                  storage_dir: str | Path | None = None) -> None:
-        if cfg.service is None or cfg.lora is None:
-            raise ConfigError("the engine needs a config with service and lora sections")
-        if jax.process_count() > 1:
-            raise ConfigError("the service engine runs on one host for now (jax.process_count() > 1)")
+        if jax.process_index() != 0:
+            raise ConfigError("the engine runs on process 0; the other processes run run_follower")
         self.store = store
-        cfg = resolve_base_model(cfg)
-        params_host = None
-        tok_dir: str | None = None
-        if cfg.init.from_ == "hf":
-            params_host, mcfg = hf.import_hf(cfg.init.path or "", cfg.compute.param_dtype)
-            cfg = with_model(cfg, mcfg)
-            tok_dir = cfg.init.path
-        elif cfg.tokenizer != "char":
-            tok_dir = cfg.tokenizer
-        self.cfg = cfg = resolve_mesh(cfg, jax.device_count())
-        self.service = cfg.service
+        self.cfg, self.state, tok_dir = prepare(cfg)
+        self.dev = device.Leader(self.state)
+        self.service = self.cfg.service
         assert self.service is not None
-        n = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
-        mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n])
-        self.progs = P.build(cfg, mesh)
-        self.mcfg = cfg.model_cfg
-        self.stack = self.progs.stack
-        if params_host is None:
-            init = jax.jit(lambda k: M.init_params(self.mcfg, k), out_shardings=self.progs.param_sh)
-            self.params = init(jax.random.PRNGKey(cfg.seed))
-        else:
-            self.params = jax.tree.map(lambda x, sh: jax.device_put(np.asarray(x), sh), params_host,
-                                       self.progs.param_sh)
+        self.progs = self.state.progs
+        self.mcfg = self.state.mcfg
+        self.stack = self.state.stack
         self.tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").is_file():
             from trainer.tokenizer import HFTokenizer
 
             self.tokenizer = HFTokenizer.from_dir(tok_dir)
         self.eos_ids = self._eos_ids(tok_dir)
-        self.lora = self.progs.zeros_like_stack()
-        self.m = self.progs.zeros_like_stack()
-        self.v = self.progs.zeros_like_stack()
-        self.grads = self.progs.zeros_like_stack()
-        self.scale_S = np.zeros(self.stack.slots, np.float32)
+        # The longest datum one pass holds (what `fit` sizes): data-parallel rows x its bucket <= max_batch_tokens.
+        self.max_datum = service_longest_datum(self.cfg, self.progs.data_parallel)
         self.slots: dict[int, Slot] = {}
         self.storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
         self.storage.mkdir(parents=True, exist_ok=True)
@@ -169,6 +177,10 @@ class Engine:
             protocol.DELETE_CHECKPOINT: self._delete_checkpoint,
         }
 
+    @property
+    def params(self) -> Any:
+        return self.state.params
+
     def _eos_ids(self, tok_dir: str | None) -> tuple[int, ...]:
         ids: list[int] = []
         if tok_dir is not None:
@@ -184,9 +196,18 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event, *, idle_sleep_s: float = 0.01) -> None:
-        while not stop.is_set():
-            if not self.step():
-                stop.wait(idle_sleep_s)
+        try:
+            while not stop.is_set():
+                try:
+                    busy = self.step()
+                except Exception:  # noqa: BLE001 - e.g. the database briefly unreachable: log, back off, go on
+                    log.exception("engine step failed")
+                    busy = False
+                    stop.wait(1.0)
+                if not busy:
+                    stop.wait(idle_sleep_s)
+        finally:
+            self.dev.stop()
 
     def step(self) -> bool:
         """Claim and run one batch; False when nothing was runnable."""
@@ -273,8 +294,7 @@ class Engine:
 
     def _release(self, index: int) -> None:
         self.slots.pop(index, None)
-        self.scale_S[index] = 0.0
-        self._write_slot(index, 1.0, {}, LoraConfig(rank=1, slots=1))
+        self.dev("write_slot", index, 0.0, {}, LoraConfig(rank=1, slots=1))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 < rank <= self.stack.rank:
@@ -283,25 +303,6 @@ class Engine:
 
     def _scale(self, rank: int) -> float:
         return self.stack.alpha / (math.sqrt(rank) if self.stack.rslora else rank)
-
-    def _write_slot(self, index: int, scale: float, single: Any, single_cfg: LoraConfig,
-                    moments: tuple[Any, Any] | None = None) -> None:
-        """Slot `index` := `single` (one-slot adapter, its own rank/targets), with AdamW moments or zeros; its gradient
-        accumulator zeroed."""
-        cfg = P.slot_config(self.stack, scale)
-        self.lora = self.progs.put_slot(self.lora, cfg, index, single, single_cfg)
-        unit = P.slot_config(self.stack, single_cfg.scale)  # moments are stored unscaled: copy them as they are
-        m, v = moments if moments is not None else ({}, {})
-        self.m = self.progs.put_slot(self.m, unit, index, m, single_cfg)
-        self.v = self.progs.put_slot(self.v, unit, index, v, single_cfg)
-        self.grads = self.progs.put_slot(self.grads, unit, index, {}, single_cfg)
-        self.scale_S[index] = scale
-
-    def _read_slot(self, slot: Slot) -> tuple[Any, Any, Any]:
-        idx = jnp.int32(slot.index)
-        out = [P.single_adapter(jax.device_get(self.progs.take_slot(t, idx)), slot.rank, slot.targets)
-               for t in (self.lora, self.m, self.v)]
-        return out[0], out[1], out[2]
 
     def _single_cfg(self, slot: Slot) -> LoraConfig:
         return LoraConfig(rank=slot.rank, alpha=slot.scale * (math.sqrt(slot.rank) if self.stack.rslora else slot.rank),
@@ -323,7 +324,7 @@ class Engine:
         seed = lc.seed if lc.seed is not None else _stable_int(model.id)
         single = jax.device_get(L.init_lora(self.mcfg, single_cfg, jax.random.PRNGKey(seed)))
         single = jax.tree.map(lambda x: np.asarray(x, np.float32), single)
-        self._write_slot(index, scale, single, single_cfg)
+        self.dev("write_slot", index, scale, single, single_cfg)
         self.slots[index] = Slot(index, lc.rank, targets, scale, model_id=model.id, owner_id=model.owner_id,
                                  session_id=model.session_id)
         return protocol.json_result(types.CreateModelResponse(model_id=model.id))
@@ -347,8 +348,8 @@ class Engine:
         except UserError:  # create-via-load (the model's seq 0), or a model whose state was lost
             index = self._free_slot()
         scale = single_cfg.scale
-        self._write_slot(index, scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg,
-                         moments)
+        self.dev("write_slot", index, scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg,
+                 moments)
         self.slots[index] = Slot(index, single_cfg.rank, tuple(single_cfg.targets), scale, model_id=model.id,
                                  owner_id=model.owner_id, session_id=model.session_id, step=step)
         return protocol.json_result(types.LoadWeightsResponse(path=req.path, model_id=model.id))
@@ -364,11 +365,8 @@ class Engine:
         slot = self._model_slot(row.model_id or "")
         slot.step += 1
         hyper = P.AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-        put = self.progs.put
-        self.lora, self.m, self.v, self.grads, norm = self.progs.optim_step(
-            self.lora, self.m, self.v, self.grads, put(np.int32(slot.index)), put(np.int32(slot.step)),
-            put(hyper.array()))
-        metrics = {"grad_norm:mean": float(norm), "learning_rate:mean": p.learning_rate}
+        norm = self.dev("optim", slot.index, slot.step, hyper.array())
+        metrics = {"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate}
         return protocol.json_result(types.OptimStepResponse(metrics=metrics))
 
     # -- forward / forward_backward -----------------------------------------------------------------------------
@@ -380,10 +378,12 @@ class Engine:
             try:
                 body = protocol.decode_forward_backward(row.body)
                 slot = self._model_slot(row.model_id or "")
-                limit = self.mcfg.max_seq_len
                 for i, d in enumerate(body.data):
-                    if len(d.tokens) > limit:
-                        raise UserError(f"datum {i} has {len(d.tokens)} tokens; this model's context is {limit}")
+                    if len(d.tokens) > self.max_datum:
+                        raise UserError(
+                            f"datum {i} has {len(d.tokens)} tokens; this server takes at most {self.max_datum} (the "
+                            f"model's context is {self.mcfg.max_seq_len}; a pass holds service.max_batch_tokens = "
+                            f"{self.service.max_batch_tokens})")
                     if len(d.tokens) and (d.tokens.min() < 0 or d.tokens.max() >= self.mcfg.vocab_size):
                         raise UserError(f"datum {i}: token ids must be in [0, {self.mcfg.vocab_size})")
                 # Validates loss names, configs and inputs: a bad request fails alone.
@@ -445,15 +445,7 @@ class Engine:
         for k, (*_, d, _config, _loss_fn, slot) in enumerate(part):
             tokens[k, :len(d.tokens)] = d.tokens
             slot_B[k] = slot
-        put = self.progs.put
-        inputs = losses.LossInputs(*(put(np.asarray(x), batch=True) for x in packed.inputs))
-        args = (put(self.scale_S), put(tokens, batch=True), put(slot_B, batch=True), put(packed.targets, batch=True),
-                inputs)
-        if backward:
-            self.grads, lp, row_loss = self.progs.forward_backward(self.params, self.lora, self.grads, *args)
-        else:
-            lp, row_loss = self.progs.logprobs_and_loss(self.params, self.lora, *args)
-        return np.asarray(lp), np.asarray(row_loss)
+        return self.dev("run_pass", tokens, slot_B, packed, backward)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -500,7 +492,7 @@ class Engine:
 
     def _save_adapter(self, row: Request, kind: str, name: str, *, with_optimizer: bool) -> Path:
         slot = self._model_slot(row.model_id or "")
-        single, m, v = self._read_slot(slot)
+        single, m, v = self.dev("read_slot", slot.index, slot.rank, slot.targets)
         single_cfg = self._single_cfg(slot)
         base = self.store.get_model(row.owner_id, row.model_id or "").base_model
 
@@ -567,8 +559,8 @@ class Engine:
         single, single_cfg = L.import_peft(ckpt.storage_path, self.mcfg)
         self._check_rank(single_cfg.rank)
         index = self._free_slot()
-        self._write_slot(index, single_cfg.scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single),
-                         single_cfg)
+        self.dev("write_slot", index, single_cfg.scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single),
+                 single_cfg)
         self.slots[index] = Slot(index, single_cfg.rank, tuple(single_cfg.targets), single_cfg.scale,
                                  storage_path=ckpt.storage_path)
         return index
@@ -620,13 +612,10 @@ class Engine:
         prompt_BP[:, :len(prompt)] = prompt
         valid_BP[:, :len(prompt)] = True
         slot_B = np.full((rows,), slot, np.int32)
-        put = self.progs.put
         top_k = sp.top_k if sp.top_k and sp.top_k > 0 else 0
-        out = self.progs.sample(
-            self.params, self.lora, put(self.scale_S), put(prompt_BP, batch=True), put(valid_BP, batch=True),
-            put(slot_B, batch=True), put(np.asarray(jax.random.key_data(key))),
-            sp.max_tokens, stop_ids, 0, float(sp.temperature), int(top_k), float(sp.top_p), chunk)
-        tokens, logprobs, mask = (np.asarray(x) for x in out)
+        static = (sp.max_tokens, stop_ids, 0, float(sp.temperature), int(top_k), float(sp.top_p), chunk)
+        tokens, logprobs, mask = self.dev("sample", prompt_BP, valid_BP, slot_B,
+                                          np.asarray(jax.random.key_data(key)), static)
         sequences = [self._sequence(tokens[b], logprobs[b], mask[b], stop_ids, stop_strs) for b in range(n)]
         prompt_lp = self._prompt_logprobs(prompt, slot) if req.prompt_logprobs else None
         return protocol.encode_sample_response(sequences, prompt_logprobs=prompt_lp)
@@ -659,11 +648,7 @@ class Engine:
         tokens[0, :n] = prompt[:-1]
         slot_B = np.full((rows,), -1, np.int32)
         slot_B[0] = slot
-        put = self.progs.put
-        lp, _ = self.progs.logprobs_and_loss(
-            self.params, self.lora, put(self.scale_S), put(tokens, batch=True), put(slot_B, batch=True),
-            put(packed.targets, batch=True), losses.LossInputs(*(put(np.asarray(x), batch=True)
-                                                                 for x in packed.inputs)))
+        lp, _ = self.dev("run_pass", tokens, slot_B, packed, False)
         out[1:] = np.asarray(lp)[0, :n]
         return out
 

@@ -1,0 +1,171 @@
+"""The engine's device state and the ops that touch it, run in lock step on every process of the engine.
+
+`DeviceState` holds what lives on the accelerators: the base weights, the adapter stack, its AdamW moments, the
+per-slot gradient accumulator and the slots' scales. Its ops take and return host (NumPy) values only, so process 0
+(the engine, which talks to the database) can send each op to the other processes, which run the same op on the same
+values: every jitted program then runs on every process at once, as jax's multi-controller model requires (the
+trainer's multi-host contract, trainer/distributed.py).
+
+The op stream goes through the jax.distributed coordination service's key-value store (the same service
+`jax.distributed.initialize` starts on process 0), not through device collectives: a follower may wait idle for hours
+between requests, which a blocked collective would not survive. Op n is the key `<prefix>/<n>`; process 0 deletes op
+n-2 when it sends op n (every op runs a program over all processes, so everyone has read op n-1 by then).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Iterator
+from typing import Any, Final
+
+import jax
+import numpy as np
+
+from trainer import model as M
+from trainer.config import LoraConfig, TrainConfig
+from trainer.service import losses
+from trainer.service import programs as P
+
+log = logging.getLogger(__name__)
+PREFIX: Final = "gke-tpu-rl/service/engine/op"
+STOP: Final = "stop"
+STOP_TIMEOUT_MS: Final = 60_000
+
+
+class DeviceState:
+    def __init__(self, cfg: TrainConfig, progs: P.EnginePrograms, params_host: Any | None) -> None:
+        self.progs = progs
+        self.mcfg = progs.mcfg
+        self.stack = progs.stack
+        if params_host is None:
+            init = jax.jit(lambda k: M.init_params(self.mcfg, k), out_shardings=progs.param_sh)
+            self.params = init(jax.random.PRNGKey(cfg.seed))
+        else:
+            self.params = jax.tree.map(
+                lambda x, sh: jax.make_array_from_callback(np.shape(x), sh, lambda idx, x=x: np.asarray(x)[idx]),
+                params_host, progs.param_sh)
+        self.lora = progs.zeros_like_stack()
+        self.m = progs.zeros_like_stack()
+        self.v = progs.zeros_like_stack()
+        self.grads = progs.zeros_like_stack()
+        self.scale_S = np.zeros(self.stack.slots, np.float32)
+
+    # Every op: host values in, host values out; the same call on every process.
+
+    def write_slot(self, index: int, scale: float, single: Any, single_cfg: LoraConfig,
+                   moments: tuple[Any, Any] | None = None) -> None:
+        """Slot `index` := `single` (a one-slot adapter of its own rank and targets; {} = zeros), with the given AdamW
+        moments or zeros; its gradient accumulator zeroed."""
+        put_slot = self.progs.put_slot
+        # A released slot (scale 0) is written as zeros at any scale: the config only folds scale ratios into B.
+        self.lora = put_slot(self.lora, P.slot_config(self.stack, scale or single_cfg.scale), index, single,
+                             single_cfg)
+        unit = P.slot_config(self.stack, single_cfg.scale)  # moments are stored unscaled: copied as they are
+        m, v = moments if moments is not None else ({}, {})
+        self.m = put_slot(self.m, unit, index, m, single_cfg)
+        self.v = put_slot(self.v, unit, index, v, single_cfg)
+        self.grads = put_slot(self.grads, unit, index, {}, single_cfg)
+        self.scale_S[index] = scale
+
+    def read_slot(self, index: int, rank: int, targets: tuple[str, ...]) -> tuple[Any, Any, Any]:
+        """Slot `index`'s adapter and moments as one-slot adapters of its rank and targets (NumPy, on every process)."""
+        idx = self.progs.put(np.int32(index))
+        out = [P.single_adapter(jax.device_get(self.progs.take_slot(t, idx)), rank, targets)
+               for t in (self.lora, self.m, self.v)]
+        return out[0], out[1], out[2]
+
+    def optim(self, index: int, step: int, hyper: np.ndarray) -> float:
+        put = self.progs.put
+        self.lora, self.m, self.v, self.grads, norm = self.progs.optim_step(
+            self.lora, self.m, self.v, self.grads, put(np.int32(index)), put(np.int32(step)), put(hyper))
+        return float(norm)
+
+    def run_pass(self, tokens: np.ndarray, slot_B: np.ndarray, packed: losses.Packed, backward: bool
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """One bucketed pass: target log-probs [B, T] and row losses [B]; with backward, gradients accumulate."""
+        put = self.progs.put
+        inputs = losses.LossInputs(*(put(np.asarray(x), batch=True) for x in packed.inputs))
+        args = (put(self.scale_S), put(tokens, batch=True), put(slot_B, batch=True), put(packed.targets, batch=True),
+                inputs)
+        if backward:
+            self.grads, lp, row_loss = self.progs.forward_backward(self.params, self.lora, self.grads, *args)
+        else:
+            lp, row_loss = self.progs.logprobs_and_loss(self.params, self.lora, *args)
+        return np.asarray(lp), np.asarray(row_loss)
+
+    def sample(self, prompt_BP: np.ndarray, valid_BP: np.ndarray, slot_B: np.ndarray, key_data: np.ndarray,
+               static: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        put = self.progs.put
+        out = self.progs.sample(self.params, self.lora, put(self.scale_S), put(prompt_BP, batch=True),
+                                put(valid_BP, batch=True), put(slot_B, batch=True), put(key_data), *static)
+        tokens, logprobs, mask = (np.asarray(x) for x in out)
+        return tokens, logprobs, mask
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized")
+    return client
+
+
+class Leader:
+    """Process 0's side: each op is sent to the followers, then run here. With one process it only runs it."""
+
+    def __init__(self, state: DeviceState) -> None:
+        self.state = state
+        self.n = 0
+        self.multi = jax.process_count() > 1
+
+    def __call__(self, op: str, *args: Any) -> Any:
+        if self.multi:
+            client = _client()
+            client.key_value_set_bytes(f"{PREFIX}/{self.n}", pickle.dumps((op, args), protocol=5))
+            if self.n >= 2:
+                client.key_value_delete(f"{PREFIX}/{self.n - 2}")
+            self.n += 1
+        if op == STOP:
+            return None
+        return getattr(self.state, op)(*args)
+
+    def stop(self) -> None:
+        """Tell the followers to stop and wait until they have (so none sees the coordinator vanish mid-call)."""
+        if self.multi:
+            log.info("engine: stopping the followers")
+            self(STOP)
+            _client().wait_at_barrier(f"{PREFIX}/stopped", STOP_TIMEOUT_MS)
+            # Every process leaves the coordination service together (its shutdown is a barrier too); a process
+            # that outlived the service (on process 0) would abort polling it.
+            log.info("engine: followers stopped")
+            jax.distributed.shutdown()
+            log.info("engine: shut down")
+
+
+def _ops(poll_ms: int = 60_000) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    client = _client()
+    n = 0
+    while True:
+        try:
+            raw = client.blocking_key_value_get_bytes(f"{PREFIX}/{n}", poll_ms)
+        except Exception as e:  # noqa: BLE001 - a timeout (DEADLINE_EXCEEDED) just means the engine is idle
+            if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                continue
+            raise
+        n += 1
+        yield pickle.loads(raw)  # noqa: S301 - written by process 0 of this same job (the coordination service)
+
+
+def follow(state: DeviceState) -> None:
+    """A follower process: run process 0's ops until it says stop."""
+    for op, args in _ops():
+        if op == STOP:
+            log.info("engine follower: stop")
+            _client().wait_at_barrier(f"{PREFIX}/stopped", STOP_TIMEOUT_MS)
+            log.info("engine follower: passed the barrier")
+            jax.distributed.shutdown()
+            log.info("engine follower: shut down")
+            return
+        getattr(state, op)(*args)
