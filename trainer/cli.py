@@ -66,6 +66,9 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     task, rewards and tokenizer. Returns the config with the checkpoint's model attached (for the mesh check)."""
     from trainer.task_data import load_task_data
 
+    if cfg.service is not None:
+        raise ConfigError("this config has a service section: it configures the post-training service's engine "
+                          "(gke-tpu-rl service serve --config FILE), not an RL training run")
     if cfg.init.from_ == "hf":
         from trainer.config import with_model
         from trainer.hf import check_hf

@@ -35,6 +35,15 @@ What is measured, and what is estimated:
 - MFU: model FLOPs of one RL step (generating B x max_new_tokens tokens, reference log-probs when
   rl.kl_beta > 0, mu_iterations forward + backward passes; causal attention, no remat) over
   chips x peak bf16 FLOP/s x the summed estimated time.
+
+LoRA (`lora:`): the programs take {"base", "lora"} params and optimizer state for the adapters alone
+(trainer/step.py), so the measured arguments are base + adapters + the adapters' optimizer state; resident state is
+that optimizer state alone (the reference policy is the base inside the params, never a copy). The report adds the
+analytic state by kind (fit_estimate.state) and the FLOPs count the adapters and drop the frozen weights' gradient.
+
+A service config (`service:`) is the Tinker-compatible service's engine: `fit_service` compiles its own programs
+(trainer/service/programs.py) instead, forward_backward at the passes the engine runs at their largest and
+optim_step, and reports per device the base + four float32 adapter stacks + temporaries against the usable HBM.
 """
 
 from __future__ import annotations
@@ -63,13 +72,24 @@ from trainer.config import (
     resolve_mesh,
     with_model,
 )
-from trainer.fit_report import BUDGET_SPENT, WARN_FRACTION, FitReport, GiB, ProgramFit, Suggestion, Target
-from trainer.flops import StepFlops, param_count, step_flops
+from trainer.fit_estimate import step_flops
+from trainer.fit_report import (
+    BUDGET_SPENT,
+    WARN_FRACTION,
+    FitReport,
+    GiB,
+    ProgramFit,
+    ServiceFit,
+    StateFit,
+    Suggestion,
+    Target,
+)
+from trainer.flops import StepFlops, param_count
 
 # The report and FLOPs types live in fit_report.py and flops.py; callers import them from here.
 __all__ = ["GiB", "WARN_FRACTION", "CompileCache", "FitError", "FitReport", "ProgramFit", "StepFlops", "Suggestion",
-           "Target", "fit", "param_count", "parse_oom", "prepare_environment", "resolve_model", "step_flops",
-           "suggestions", "topology_devices", "usable_hbm"]
+           "Target", "fit", "fit_service", "param_count", "parse_oom", "prepare_environment", "resolve_model",
+           "step_flops", "suggestions", "topology_devices", "usable_hbm"]
 PROGRAMS = ("sample", "ref_logprobs", "update")
 # Custom calls libtpu's cost model prices at -1 s each in optimal_seconds (libtpu 0.0.42.1: the negative part of
 # every optimal_seconds seen, from 0.6B to 70B programs on 1 to 4 slices, is exactly the count of these).
@@ -103,7 +123,10 @@ def resolve_model(cfg: TrainConfig, name: str | None = None) -> tuple[TrainConfi
     """The config with its model attached, and where the model came from.
 
     In order: `name` (a bundled preset, `--model`); the config's `model:`; for `init: {from: hf}`, the local
-    init.path/config.json; a bundled preset named like init.path's last component.
+    init.path/config.json; a bundled preset named like init.path's last component. A service config with
+    `init: {from: hf}` and no init.path (the engine reads service.base_model from the Hugging Face cache): the cached
+    config.json when this machine's cache holds it, else a bundled preset named like service.base_model's last
+    component ("Qwen/Qwen3-8B" -> Qwen3-8B).
     """
     if name is not None:
         found = presets.find(name)
@@ -113,6 +136,8 @@ def resolve_model(cfg: TrainConfig, name: str | None = None) -> tuple[TrainConfi
         return with_model(cfg, model), f"{found} (bundled config.json)"
     if cfg.model is not None:
         return cfg, "the config's model section"
+    if cfg.service is not None and not cfg.init.path:
+        return _service_model(cfg)
     path = cfg.init.path or ""
     local = Path(path) / "config.json"
     if local.is_file():
@@ -128,6 +153,30 @@ def resolve_model(cfg: TrainConfig, name: str | None = None) -> tuple[TrainConfi
     raise ConfigError(
         f"init.path {path!r}: no config.json there, and its name matches no bundled model "
         f"({', '.join(presets.names())}); pass --model NAME")
+
+
+def _service_model(cfg: TrainConfig) -> tuple[TrainConfig, str]:
+    assert cfg.service is not None
+    repo = cfg.service.base_model
+    cached = None
+    with contextlib.suppress(Exception):  # no huggingface_hub, or a name it refuses: no cache to look in
+        from huggingface_hub import try_to_load_from_cache
+
+        found_path = try_to_load_from_cache(repo, "config.json")
+        cached = Path(found_path) if isinstance(found_path, str) else None
+    if cached is not None and cached.is_file():
+        try:
+            hf = json.loads(cached.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read {cached}: {err}") from None
+        return with_model(cfg, _from_hf(hf, str(cached))), f"{repo} (the Hugging Face cache: {cached})"
+    found = presets.find(repo)
+    if found is None:
+        raise ConfigError(
+            f"service.base_model {repo!r}: not in this machine's Hugging Face cache, and its name matches no bundled "
+            f"model ({', '.join(presets.names())}); pass --model NAME")
+    model = _from_hf(presets.hf_config(found), f"bundled {found}")
+    return with_model(cfg, model), f"{found} (bundled config.json; {repo} is not in this machine's Hugging Face cache)"
 
 
 # ---------------------------------------------------------------------------------------------- compile
@@ -253,7 +302,10 @@ def fit(
     `cfg` is the trainer config as the pod would load it (mesh overrides applied); `model` names a bundled preset
     (see resolve_model). Raises ConfigError (FitError) for inputs that cannot be compiled; a program that does
     not fit is reported, not raised. With `cache`, a program compiled before is reused and its budget applies.
+    A config with a `service:` section is the service engine's: its programs are sized instead (`fit_service`).
     """
+    if cfg.service is not None:
+        return fit_service(cfg, target, title=title, model=model, progress=progress, cache=cache)
     say = progress or (lambda _msg: None)
     cfg, source = resolve_model(cfg, model)
     prepare_environment(target)
@@ -263,10 +315,7 @@ def fit(
     from trainer.step import abstract_args, build_programs
 
     devices = topology_devices(target)
-    try:
-        cfg = resolve_mesh(cfg, len(devices), exact=True)
-    except ConfigError as err:
-        raise FitError(f"{err} (the {len(devices)} devices of {target.label})") from None
+    cfg = _resolve_mesh(cfg, devices, target)
     mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
     programs = build_programs(cfg, mesh, 0, 1)  # any valid pad / eos ids compile the same programs
     n_rewards = len(cfg.rewards) if cfg.rewards else 1
@@ -274,79 +323,294 @@ def fit(
     params_b = _tree_bytes_per_device(args["update"][0])
     opt_b = _tree_bytes_per_device(args["update"][1])
     kl = cfg.rl.kl_beta > 0
-    resident = {
-        "sample": (opt_b + (params_b if kl else 0),
-                   "optimizer state" + (" + reference weights (rl.kl_beta > 0)" if kl else "")),
-        "ref_logprobs": (params_b + opt_b, "policy weights + optimizer state"),
-        "update": (params_b if kl else 0, "reference weights (rl.kl_beta > 0)" if kl else ""),
-    }
+    if cfg.lora is None:
+        resident = {
+            "sample": (opt_b + (params_b if kl else 0),
+                       "optimizer state" + (" + reference weights (rl.kl_beta > 0)" if kl else "")),
+            "ref_logprobs": (params_b + opt_b, "policy weights + optimizer state"),
+            "update": (params_b if kl else 0, "reference weights (rl.kl_beta > 0)" if kl else ""),
+        }
+    else:  # the params are base + adapters, and the reference policy is the base inside them: no copy
+        resident = {
+            "sample": (opt_b, "optimizer state (of the lora adapters)"),
+            "ref_logprobs": (opt_b, "optimizer state (of the lora adapters)"),
+            "update": (0, ""),
+        }
     flops = step_flops(cfg)
     report_programs = []
     for i, name in enumerate(PROGRAMS):
         p = ProgramFit(name, model_flops=flops.model[name], flops=flops.executed[name])
+        report_programs.append(p)
         if name == "ref_logprobs" and not kl:
             p.skipped, p.model_flops, p.flops = "rl.kl_beta = 0", 0.0, 0.0
-            report_programs.append(p)
             continue
         p.resident, p.resident_what = resident[name]
         with jax.set_mesh(mesh):
             lowered = getattr(programs, name).lower(*args[name])
-        key = ""
-        if cache is not None:
-            text = f"{target.topology_name} {target.slices} {target.host_bounds}\n{lowered.as_text()}"
-            key = hashlib.sha256(text.encode()).hexdigest()
-            if key in cache.results:
-                say(f"reusing {name}: compiled before in this run ({i + 1}/{len(PROGRAMS)})")
-                for f in _COMPILED_FIELDS:
-                    setattr(p, f, getattr(cache.results[key], f))
-                p.reused = True
-                report_programs.append(p)
-                continue
-            if cache.left == 0:
-                p.skipped = BUDGET_SPENT
-                report_programs.append(p)
-                continue
-        say(f"compiling {name} for {target.label} ({i + 1}/{len(PROGRAMS)})")
-        t0 = time.perf_counter()
-        try:
-            with jax.set_mesh(mesh):
-                compiled = lowered.compile()
-        except Exception as err:  # only RESOURCE_EXHAUSTED is a finding; anything else is re-raised
-            if "RESOURCE_EXHAUSTED" not in str(err):
-                raise
-            p.oom_message = str(err).strip()
-            parsed = parse_oom(p.oom_message)
-            p.oom_required, p.oom_available = parsed if parsed else (None, None)
-        else:
-            mem = compiled.memory_analysis()
-            p.argument, p.output = mem.argument_size_in_bytes, mem.output_size_in_bytes
-            p.alias, p.temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
-            p.code = mem.generated_code_size_in_bytes
-            cost = compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, list) else cost
-            p.compiler_flops = float(cost.get("flops", 0.0)) * len(devices)
-            p.compiler_seconds = float(cost.get("optimal_seconds", 0.0))
-            if p.compiler_seconds < 0:
-                hlo = compiled.as_text()
-                p.compiler_seconds += sum(hlo.count(op) for op in _MINUS_ONE_SECOND_OPS)
-        p.compile_seconds = time.perf_counter() - t0
-        if cache is not None:
-            cache.compiles += 1
-            cache.compile_seconds += p.compile_seconds
-            cache.results[key] = ProgramFit(name, **{f.name: getattr(p, f.name) for f in fields(ProgramFit)
-                                                     if f.name in _COMPILED_FIELDS})
-        report_programs.append(p)
+        _compile(p, lowered, mesh, target, len(devices), cache, say, f"{i + 1}/{len(PROGRAMS)}")
     _estimate_times(cfg, target, len(devices), flops, report_programs)
     m = cfg.model_cfg
+    st = E.state(cfg)
     report = FitReport(
         title=title, target=target, model=source, params=param_count(m), param_dtype=m.param_dtype,
         compute_dtype=cfg.compute_dtype, mesh={k: getattr(cfg.mesh, k) for k in ("slices", "fsdp", "tensor")},
         batch=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=cfg.sampling.max_new_tokens,
-        devices=len(devices), programs=report_programs, hbm_usable=usable_hbm(target))
+        devices=len(devices), programs=report_programs, hbm_usable=usable_hbm(target),
+        state=StateFit(base=int(st.base), adapters=int(st.adapters), optimizer=int(st.optimizer),
+                       gradients=int(st.gradients), accumulator=int(st.accumulator), reference=int(st.reference),
+                       lora=None if cfg.lora is None else f"rank {cfg.lora.rank}, {cfg.lora.slots} slot"
+                       f"{'s' if cfg.lora.slots != 1 else ''}, {', '.join(cfg.lora.targets)}",
+                       lora_params=E.lora_param_count(m, cfg.lora) if cfg.lora is not None else 0))
     for p in report_programs:
         if p.skipped is None:
             report.suggestions[p.name] = estimate_savings(p, cfg, suggestions(p.name, cfg))
     return report
+
+
+def _resolve_mesh(cfg: TrainConfig, devices: list[Any], target: Target) -> TrainConfig:
+    try:
+        return resolve_mesh(cfg, len(devices), exact=True)
+    except ConfigError as err:
+        raise FitError(f"{err} (the {len(devices)} devices of {target.label})") from None
+
+
+def _compile(p: ProgramFit, lowered: Any, mesh: Any, target: Target, n_devices: int, cache: CompileCache | None,
+             say: Callable[[str], None], counter: str) -> None:
+    """Compile one lowered program into `p` (memory analysis, cost analysis, or the compiler's RESOURCE_EXHAUSTED);
+    with `cache`, a program compiled before is copied and one past the budget is marked not compiled."""
+    import jax
+
+    key = ""
+    if cache is not None:
+        text = f"{target.topology_name} {target.slices} {target.host_bounds}\n{lowered.as_text()}"
+        key = hashlib.sha256(text.encode()).hexdigest()
+        if key in cache.results:
+            say(f"reusing {p.name}: compiled before in this run ({counter})")
+            for f in _COMPILED_FIELDS:
+                setattr(p, f, getattr(cache.results[key], f))
+            p.reused = True
+            return
+        if cache.left == 0:
+            p.skipped = BUDGET_SPENT
+            return
+    say(f"compiling {p.name} for {target.label} ({counter})")
+    t0 = time.perf_counter()
+    try:
+        with jax.set_mesh(mesh):
+            compiled = lowered.compile()
+    except Exception as err:  # only RESOURCE_EXHAUSTED is a finding; anything else is re-raised
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        p.oom_message = str(err).strip()
+        parsed = parse_oom(p.oom_message)
+        p.oom_required, p.oom_available = parsed if parsed else (None, None)
+    else:
+        mem = compiled.memory_analysis()
+        p.argument, p.output = mem.argument_size_in_bytes, mem.output_size_in_bytes
+        p.alias, p.temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+        p.code = mem.generated_code_size_in_bytes
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        p.compiler_flops = float(cost.get("flops", 0.0)) * n_devices
+        p.compiler_seconds = float(cost.get("optimal_seconds", 0.0))
+        if p.compiler_seconds < 0:
+            hlo = compiled.as_text()
+            p.compiler_seconds += sum(hlo.count(op) for op in _MINUS_ONE_SECOND_OPS)
+    p.compile_seconds = time.perf_counter() - t0
+    if cache is not None:
+        cache.compiles += 1
+        cache.compile_seconds += p.compile_seconds
+        cache.results[key] = ProgramFit(p.name, **{f.name: getattr(p, f.name) for f in fields(ProgramFit)
+                                                   if f.name in _COMPILED_FIELDS})
+
+
+# ---------------------------------------------------------------------------------------------- the service
+
+
+def fit_service(
+    cfg: TrainConfig,
+    target: Target,
+    *,
+    title: str,
+    model: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    cache: CompileCache | None = None,
+) -> FitReport:
+    """Compile a service config's engine programs (trainer/service/programs.py) for `target` and report them.
+
+    forward_backward is compiled at the passes fit_estimate.service_passes describes: the longest datum a pass of
+    service.max_batch_tokens holds, and the shortest bucket with the most rows (plus any other bucket the analytic
+    model puts above both); optim_step once. Per device: the frozen base, the four float32 adapter stacks (weights,
+    Adam m and v, the gradient accumulator: arguments or resident) and each program's temporaries, against the
+    slice's usable HBM. The report `fits` or names the knobs (lora.slots, lora.rank, service.max_batch_tokens).
+    """
+    say = progress or (lambda _msg: None)
+    cfg, source = resolve_model(cfg, model)
+    if cfg.service is None or cfg.lora is None:
+        raise FitError("fit_service needs a config with service and lora sections")
+    prepare_environment(target)
+    from trainer.service import programs as SP
+    from trainer.sharding import make_mesh
+
+    devices = topology_devices(target)
+    cfg = _resolve_mesh(cfg, devices, target)
+    mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
+    progs = SP.build(cfg, mesh)
+    lay = E.Layout.of(cfg)
+    passes = _service_compiled_passes(cfg, E.service_passes(cfg, progs.data_parallel), lay)
+    fb_args = SP.abstract_args(progs, passes[0].rows, passes[0].length)
+    base_b = _tree_bytes_per_device(fb_args["forward_backward"][0])
+    stack_b = _tree_bytes_per_device(fb_args["forward_backward"][1])
+    total = len(passes) + 1
+    programs: list[ProgramFit] = []
+    for i, ps in enumerate(passes):
+        executed, model_flops = E.service_flops(cfg, ps)
+        p = ProgramFit(ps.name, flops=executed, model_flops=model_flops, resident=2 * stack_b,
+                       resident_what="Adam m and v of the adapter stack (2 x float32 stacks)")
+        args = SP.abstract_args(progs, ps.rows, ps.length)["forward_backward"]
+        with _mesh(mesh):
+            lowered = progs.forward_backward.lower(*args)
+        _compile(p, lowered, mesh, target, len(devices), cache, say, f"{i + 1}/{total}")
+        programs.append(p)
+    p = ProgramFit("optim_step", resident=base_b, resident_what="the frozen base weights")
+    with _mesh(mesh):
+        lowered = progs.optim_step.lower(*fb_args["optim_step"])
+    _compile(p, lowered, mesh, target, len(devices), cache, say, f"{total}/{total}")
+    p.flops = p.compiler_flops  # elementwise over the stacks: no loop for the compiler to count once
+    programs.append(p)
+    _estimate_service_times(target, len(devices), stack_b, programs)
+    m = cfg.model_cfg
+    est = E.service_state(cfg, lay)
+    svc = cfg.service
+    report = FitReport(
+        title=title, target=target, model=source, params=param_count(m), param_dtype=m.param_dtype,
+        compute_dtype=cfg.compute_dtype, mesh={k: getattr(cfg.mesh, k) for k in ("slices", "fsdp", "tensor")},
+        batch=max(ps.rows for ps in passes), prompt_len=passes[-1].length if passes else 0, new_tokens=0,
+        devices=len(devices), programs=programs, hbm_usable=usable_hbm(target),
+        service=ServiceFit(
+            base_model=svc.base_model, slots=cfg.lora.slots, rank=cfg.lora.rank, max_batch_tokens=svc.max_batch_tokens,
+            min_bucket=svc.min_bucket, data_parallel=progs.data_parallel, context=m.max_seq_len,
+            longest_datum=E.service_longest_datum(cfg, progs.data_parallel), passes={ps.name: ps.kind for ps in passes},
+            base=base_b, stack=stack_b, stack_params=est.stack_params, base_estimate=int(est.base),
+            stack_estimate=int(est.stack)))
+    for ps, p in zip([*passes, None], programs, strict=True):
+        if p.skipped is None:
+            report.suggestions[p.name] = estimate_service_savings(p, ps, cfg, service_suggestions(ps, cfg))
+    return report
+
+
+@contextlib.contextmanager
+def _mesh(mesh: Any) -> Any:
+    import jax
+
+    with jax.set_mesh(mesh):
+        yield
+
+
+def _service_compiled_passes(cfg: TrainConfig, passes: list[E.Pass], lay: E.Layout) -> list[E.Pass]:
+    """The longest pass and the one with the most rows (first, last of `passes`), and any other whose analytic peak is
+    above both (the bound service_passes argues holds for fixed tokens; the row bucket's rounding can break it)."""
+    ends = [passes[-1]] if len(passes) == 1 else [passes[-1], passes[0]]
+    peak = {id(p): E.service_memory(cfg, "forward_backward", p, lay).temp for p in passes}
+    top = max(passes, key=lambda p: peak[id(p)])
+    if all(peak[id(top)] > 1.05 * peak[id(e)] for e in ends):
+        ends.append(E.Pass("estimated largest", top.rows, top.length))
+    return ends
+
+
+def _estimate_service_times(target: Target, n_devices: int, stack_b: int, programs: list[ProgramFit]) -> None:
+    per_chip = max(1, n_devices // target.chips)
+    peak = target.peak_flops_per_chip / per_chip
+    bw = target.hbm_bytes_per_s_per_chip / per_chip
+    for p in programs:
+        if p.skipped is not None:
+            continue
+        if p.name == "optim_step":  # reads lora, m, v, grads and writes them back
+            p.seconds = max(p.compiler_seconds, 8 * stack_b / bw)
+            continue
+        floor = p.flops / (n_devices * peak)
+        if p.compiler_flops > 0 and p.compiler_seconds > 0:
+            p.seconds = max(floor, p.compiler_seconds * p.flops / p.compiler_flops)
+        else:
+            p.seconds = floor
+
+
+def service_suggestions(ps: E.Pass | None, cfg: TrainConfig) -> list[Suggestion]:
+    """Settings that reduce a service program's memory (`ps`: the forward_backward pass; None: optim_step). The first
+    three trade capacity (adapters, their rank, the tokens or the longest datum of a pass); the rest keep it."""
+    assert cfg.lora is not None and cfg.service is not None
+    lcfg, svc, c, mesh, m = cfg.lora, cfg.service, cfg.compute, cfg.mesh, cfg.model_cfg
+    out: list[Suggestion] = []
+
+    def add(setting: str, text: str) -> None:
+        out.append(Suggestion(f"{setting}{text}", setting))
+
+    if lcfg.slots > 1:
+        add(f"lora.slots={lcfg.slots // 2}", f" (now {lcfg.slots}): half the adapters (fewer clients' models and "
+            "sampler checkpoints loaded at once), each held 4 times")
+    if lcfg.rank > 1:
+        add(f"lora.rank={lcfg.rank // 2}", f" (now {lcfg.rank}): half the adapters' width (clients may ask for rank "
+            f"<= {lcfg.rank // 2})")
+    data = mesh.slices * mesh.fsdp
+    if ps is not None:
+        half = svc.max_batch_tokens // 2
+        if half >= E.engine_rows(1, data) * svc.min_bucket:
+            longest = E.service_longest_datum(cfg.model_copy(update={"service": svc.model_copy(
+                update={"max_batch_tokens": half})}), data)
+            add(f"service.max_batch_tokens={half}", f" (now {svc.max_batch_tokens}): fewer tokens per pass (the "
+                f"longest datum a pass holds: {longest} tokens)")
+        if c.remat != "full":
+            add("compute.remat=full", f" (now {c.remat}): keep only each layer's input for the backward pass")
+        if c.logprob_chunk > 32 and c.logprob_chunk < ps.length * 2:
+            add(f"compute.logprob_chunk={c.logprob_chunk // 2}", f" (now {c.logprob_chunk}): fewer fp32 [rows, "
+                "chunk, vocab] logits at once")
+        if cfg.compute_dtype != "bfloat16":
+            add("compute.dtype=bfloat16", ": bf16 activations")
+    if m.param_dtype != "bfloat16":
+        add("compute.param_dtype=bfloat16", ": halves the base weights (the adapters stay float32)")
+    t = next((t for t in (2, 4, 8) if t > mesh.tensor and m.n_kv_heads % t == 0 and m.n_heads % t == 0), None)
+    if t:
+        add(f"mesh.tensor={t}", f" (now {mesh.tensor}): shard heads, MLP and vocab, not only the batch")
+    out.append(Suggestion("more chips: a larger topology or more slices (--slices)"))
+    return out
+
+
+def estimate_service_savings(p: ProgramFit, ps: E.Pass | None, cfg: TrainConfig,
+                             found: list[Suggestion]) -> list[Suggestion]:
+    """Each suggestion's estimated saving for service program `p` (forward_backward at pass `ps`, or optim_step):
+    fit_estimate.service_memory calibrated on what the compiler measured; a changed config's pass is the one of the
+    same kind (or length)."""
+    lay = E.Layout.of(cfg)
+    program = "optim_step" if ps is None else "forward_backward"
+    base = E.service_memory(cfg, program, ps, lay)
+    k = E.calibration(base, E.measured_temp(p))
+
+    def same(changed: TrainConfig, layout: E.Layout) -> E.Pass | None:
+        if ps is None:
+            return None
+        passes = E.service_passes(changed, E.engine_rows(1, layout.data))
+        if ps.kind.startswith("longest"):
+            return passes[-1]
+        if ps.kind == "most rows":
+            return passes[0]
+        return next((q for q in passes if q.length == ps.length), passes[-1])
+
+    for s in found:
+        try:
+            if s.setting is None:
+                other = E.service_memory(cfg, program, same(cfg, lay.doubled()), lay.doubled())
+                s.estimate_note = "for twice the chips"
+            else:
+                changed = with_settings(cfg, [s.setting])
+                if s.setting.startswith("mesh."):
+                    changed = resolve_mesh(changed, lay.devices, exact=True)
+                other_lay = E.Layout.of(changed)
+                other = E.service_memory(changed, program, same(changed, other_lay), other_lay)
+        except ConfigError as err:
+            s.estimate_note = str(err)
+            continue
+        s.saves = int(E.saving(base, other, k))
+    return found
 
 
 def _estimate_times(cfg: TrainConfig, target: Target, n_devices: int, flops: StepFlops,

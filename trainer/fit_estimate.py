@@ -17,6 +17,18 @@ So an estimate orders and prunes candidates; only a compile says whether one fit
 Time (for ordering only): per micro-batch a roofline of the executed FLOPs (trainer/flops.py, remat included)
 against the weights every pass reads (FSDP gathers them per micro-batch), the head re-read per log-prob chunk;
 sampling as the report estimates it (`sample_seconds`).
+
+LoRA (a `lora:` section): the programs take {"base": frozen weights, "lora": the adapter stack}, so the state is the
+base plus the adapters, and the optimizer state, the gradient and its accumulator cover the adapters alone (`state`);
+the reference policy is the base inside the params (no copy). The adapters shard like the base weight they adapt
+(trainer/sharding.py), their slot and rank dims replicated: `_sharded` counts what one device holds of each leaf. FLOPs
+(`step_flops`): the adapters' two matmuls run for every slot of the stack (model.lora_delta), and the backward pass
+computes no gradient of the frozen weights (only the activations' gradient through them).
+
+The service (a `service:` section, trainer/service/programs.py): one base model, `lora.slots` adapters of rank
+lora.rank on every target, float32, each held four times (weights, Adam m and v, the gradient accumulator). Its
+forward_backward passes hold rows x bucketed length tokens; `service_passes` picks the shapes the engine runs (see
+there), `service_memory` and `service_flops` model them as the RL update is modelled.
 """
 
 from __future__ import annotations
@@ -25,8 +37,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-from trainer.config import ModelConfig, OptimConfig, TrainConfig
-from trainer.flops import StepFlops, param_count, step_flops
+from trainer.config import ConfigError, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from trainer.flops import StepFlops, _fwd_flops, param_count
+from trainer.flops import step_flops as _dense_step_flops
 
 F32 = 4
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -88,12 +101,121 @@ def _opt_bytes(m: ModelConfig, optim: OptimConfig) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def _layer(m: ModelConfig, lay: Layout, rows: float, T: int, S: int, cb: int) -> float:
-    """One decoder layer's forward intermediates for `rows` rows of T queries over S keys, on one device."""
+# Logical axis -> the mesh axis trainer/sharding.py's RULES put it on ("fsdp": fsdp, or slices x fsdp with
+# fsdp_across_slices); every other name is replicated.
+_AXIS = {"vocab": "tensor", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "embed": "fsdp"}
+
+
+def _sharded(shape: tuple[int, ...], axes: tuple[str | None, ...], lay: Layout) -> float:
+    """Elements of one leaf one device holds, as sharding.logical_to_spec splits it: a dim its mesh axes do not divide,
+    or whose mesh axis an earlier dim took, stays whole."""
+    sizes = {"tensor": lay.tensor, "fsdp": lay.shards // lay.tensor}
+    n, used = 1.0, set()
+    for d, name in zip(shape, axes, strict=True):
+        ax = _AXIS.get(name or "")
+        if ax is not None and ax not in used and d % sizes[ax] == 0:
+            used.add(ax)
+            n *= d / sizes[ax]
+        else:
+            n *= d
+    return n
+
+
+def _is_shape(x: object) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+@functools.lru_cache(maxsize=64)
+def lora_param_count(m: ModelConfig, lcfg: LoraConfig) -> int:
+    """Parameters of the whole adapter stack (every slot, every target), from trainer/lora.py's `lora_shapes`."""
+    import jax
+
+    from trainer.lora import lora_shapes
+
+    return sum(math.prod(s) for s in jax.tree.leaves(lora_shapes(m, lcfg), is_leaf=_is_shape))
+
+
+def lora_per_device(m: ModelConfig, lcfg: LoraConfig, lay: Layout) -> float:
+    """Adapter parameters one device holds (they shard like the base weight they adapt; slots and rank replicated)."""
+    return _lora_per_device(m, lcfg, lay.tensor, lay.shards)
+
+
+@functools.lru_cache(maxsize=64)
+def _lora_per_device(m: ModelConfig, lcfg: LoraConfig, tensor: int, shards: int) -> float:
+    import jax
+
+    from trainer.lora import lora_axes, lora_shapes
+
+    lay = Layout(1, shards, tensor, shards)
+    shapes = jax.tree.leaves(lora_shapes(m, lcfg), is_leaf=_is_shape)
+    axes = jax.tree.leaves(lora_axes(m, lcfg), is_leaf=lambda x: isinstance(x, tuple))
+    return sum(_sharded(s, a, lay) for s, a in zip(shapes, axes, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _lora_opt_bytes(m: ModelConfig, lcfg: LoraConfig, optim: OptimConfig) -> tuple[int, int]:
+    """(bytes of the optimizer state's adapter-shaped leaves, bytes of the rest: step counts) for the adapters, with
+    the per-slot clip the trainer uses (trainer/step.py)."""
+    import jax
+
+    from trainer.lora import abstract_lora, clip_by_slot_norm
+    from trainer.optim import make_optimizer
+
+    train = abstract_lora(m, lcfg)
+    shapes = jax.eval_shape(make_optimizer(optim, 1, clip=clip_by_slot_norm(optim.clip_norm)).init, train)
+    big = {x.shape for x in jax.tree.leaves(train)}
+    leaves = jax.tree.leaves(shapes)
+    moments = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if x.shape in big)
+    return moments, sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if x.shape not in big)
+
+
+@dataclass(frozen=True)
+class State:
+    """The RL trainer's state per device (bytes), by kind. Without lora every weight is trained; with lora `base` is
+    the frozen base and optimizer, gradients and accumulator cover the adapters alone."""
+
+    base: float  # the weights (with lora: the frozen base)
+    adapters: float  # the lora adapter stack (0 without lora)
+    optimizer: float  # optax's state for what is trained
+    gradients: float  # one gradient of what is trained (a temporary of the update)
+    accumulator: float  # the gradient-accumulation buffer (train_micro_batch_size < the minibatch), else 0
+    reference: float  # the reference copy of the weights (rl.kl_beta > 0 without lora; with lora the base is it)
+
+    @property
+    def weights(self) -> float:
+        return self.base + self.adapters
+
+
+def state(cfg: TrainConfig, lay: Layout | None = None) -> State:
+    """The training state of a resolved config, per device (see `State`)."""
+    lay = lay or Layout.of(cfg)
+    m, c = cfg.model_cfg, cfg.compute
+    pb = _b(m.param_dtype)
+    base = _params(m) * pb / lay.shards
+    accumulate = cfg.micro_batch_rows < cfg.minibatch_rows
+    if cfg.lora is None:
+        return State(base, 0.0, _opt_bytes(m, cfg.optim) / lay.shards, base,
+                     _params(m) * _b(c.grad_accum_dtype) / lay.shards if accumulate else 0.0,
+                     base if cfg.rl.kl_beta > 0 else 0.0)
+    n_dev = lora_per_device(m, cfg.lora, lay)
+    moments, scalars = _lora_opt_bytes(m, cfg.lora, cfg.optim)
+    # The moments shard as the adapters do; the step counts are replicated.
+    opt = moments * n_dev / lora_param_count(m, cfg.lora) + scalars
+    return State(base, n_dev * pb, opt, n_dev * pb, n_dev * _b(c.grad_accum_dtype) if accumulate else 0.0, 0.0)
+
+
+def _layer(m: ModelConfig, lay: Layout, rows: float, T: int, S: int, cb: int, low_rank: int = 0) -> float:
+    """One decoder layer's forward intermediates for `rows` rows of T queries over S keys, on one device;
+    `low_rank`: the lora slots x rank x layer targets of the adapters' [rows, T, slots, rank] activations (each and its
+    gated copy)."""
     H, K, F = _split(m.n_heads, lay.tensor), _split(m.n_kv_heads, lay.tensor), _split(m.d_ff, lay.tensor)
-    acts = rows * T * cb * (4 * m.d_model + 3 * H * m.head_dim + 4 * K * m.head_dim + 4 * F)
+    acts = rows * T * cb * (4 * m.d_model + 3 * H * m.head_dim + 4 * K * m.head_dim + 4 * F + 2 * low_rank)
     scores = rows * H * T * S * (2 * F32 + cb)  # fp32 scores and their masked copy, probs in the compute dtype
     return acts + scores
+
+
+def _low_rank(lcfg: LoraConfig | None) -> int:
+    return 0 if lcfg is None else lcfg.slots * lcfg.rank * sum(t != "lm_head" for t in lcfg.targets)
 
 
 def _kept(m: ModelConfig, lay: Layout, rows: float, T: int, cb: int, remat: str, ws: float) -> float:
@@ -110,11 +232,11 @@ def memory(cfg: TrainConfig, program: str, lay: Layout | None = None) -> Memory:
     """Estimated bytes per device of `program` for a resolved config (model attached, mesh axes known)."""
     lay = lay or Layout.of(cfg)
     m, c = cfg.model_cfg, cfg.compute
-    pb, cb = _b(m.param_dtype), _b(cfg.compute_dtype)
+    cb = _b(cfg.compute_dtype)
     n = _params(m)
-    params = n * pb / lay.shards
-    opt = _opt_bytes(m, cfg.optim) / lay.shards
-    ref = params if cfg.rl.kl_beta > 0 else 0.0
+    st = state(cfg, lay)
+    params, opt, ref = st.weights, st.optimizer, st.reference
+    lr = _low_rank(cfg.lora)
     P, N = cfg.prompt_len, cfg.sampling.max_new_tokens
     T, D, L = P + N, m.d_model, m.n_layers
     V = _split(m.vocab_size, lay.tensor)
@@ -124,22 +246,217 @@ def memory(cfg: TrainConfig, program: str, lay: Layout | None = None) -> Memory:
         kv = L * r * T * 2 * _split(m.n_kv_heads, lay.tensor) * m.head_dim * cb
         # FSDP gathers one layer's weights at a time; gather_weights keeps a whole compute-dtype copy.
         gathered = n * cb / lay.tensor / (1 if cfg.sampling.gather_weights else L)
-        temp = kv + gathered + max(_layer(m, lay, r, P, T, cb), 3 * r * V * F32)
+        temp = kv + gathered + max(_layer(m, lay, r, P, T, cb, lr), 3 * r * V * F32)
         return Memory(params + opt + ref, temp)
     if program == "ref_logprobs":
         r = cfg.batch_size / lay.data
         head = 2 * r * C * V * F32 + r * N * D * cb
         temp = r * T * D * cb + max(_layer(m, lay, r, T, T, cb), head)
-        return Memory(2 * params + opt, temp)
+        # Without lora the reference copy is the argument and the policy is resident; with lora both are the params.
+        return Memory((params if cfg.lora is not None else 2 * params) + opt, temp)
     r = cfg.micro_batch_rows / lay.data
-    ws = _layer(m, lay, r, T, T, cb)
+    ws = _layer(m, lay, r, T, T, cb, lr)
     keep = _kept(m, lay, r, T, cb, c.remat, ws)
     inputs = r * T * D * cb  # scan keeps every layer's input whatever remat does
     head = 4 * r * C * V * F32 + r * N * D * (cb + F32)
     phase = max(L * inputs + (L - 1) * keep + ws, L * (inputs + keep) + head)
-    grads = n * pb / lay.shards
-    accum = n * _b(c.grad_accum_dtype) / lay.shards if cfg.micro_batch_rows < cfg.minibatch_rows else 0.0
-    return Memory(params + opt + ref, phase + grads + accum)
+    return Memory(params + opt + ref, phase + st.gradients + st.accumulator)
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs with lora
+
+
+def _adapter_fwd(m: ModelConfig, lcfg: LoraConfig, slots: int, tokens: float, logit_rows: float) -> float:
+    """FLOPs of the adapters' forward matmuls for one row: `tokens` through every layer's targets, `logit_rows`
+    positions through an lm_head adapter; (x A) and (h B) for `slots` slots at once (model.lora_delta)."""
+    D, H, K, E, F = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
+    dims = {"q_proj": D + H * E, "k_proj": D + K * E, "v_proj": D + K * E, "o_proj": H * E + D,
+            "gate_proj": D + F, "up_proj": D + F, "down_proj": F + D}
+    per_token = sum(dims[t] for t in lcfg.targets if t != "lm_head")
+    head = D + m.vocab_size if "lm_head" in lcfg.targets else 0
+    return 2 * slots * lcfg.rank * (m.n_layers * per_token * tokens + head * logit_rows)
+
+
+def step_flops(cfg: TrainConfig) -> StepFlops:
+    """trainer/flops.py's FLOPs of one RL step, with lora's: the adapters' matmuls (for every slot of the stack, as
+    executed; for the row's own slot, as model FLOPs), and no gradient of the frozen weights in the backward pass."""
+    dense = _dense_step_flops(cfg)
+    lcfg = cfg.lora
+    if lcfg is None:
+        return dense
+    m, B, P, N = cfg.model_cfg, cfg.batch_size, cfg.prompt_len, cfg.sampling.max_new_tokens
+    T, S, mu = P + N, lcfg.slots, cfg.rl.mu_iterations
+    chunk = min(cfg.compute.logprob_chunk, N)
+    n_head = -(-N // chunk) * chunk
+    prefill = dense.prefill_row + _adapter_fwd(m, lcfg, S, P, 1)
+    decode = dense.decode_row + _adapter_fwd(m, lcfg, S, 1, 1)
+    # The weights' gradient is the matmul FLOPs of a forward pass (the head's over its padded chunks).
+    wgrad, wgrad_model = _fwd_flops(m, T, 0, n_head), _fwd_flops(m, T, 0, N)
+    a_fwd, a_head = _adapter_fwd(m, lcfg, S, T, n_head), _adapter_fwd(m, lcfg, S, 0, n_head)
+    a_remat = {"none": 0.0, "full": a_fwd - a_head, "dots": 0.0}[cfg.compute.remat]
+    one = _adapter_fwd(m, lcfg, 1, T, N)  # the row's own slot
+    executed = dict(dense.executed)
+    model = dict(dense.model)
+    executed["sample"] = B * (prefill + N * decode)
+    executed["update"] = dense.executed["update"] + B * mu * (3 * a_fwd + a_head + a_remat - wgrad)
+    model["sample"] = dense.model["sample"] + B * _adapter_fwd(m, lcfg, 1, T, 1)
+    model["update"] = dense.model["update"] + B * mu * (3 * one - wgrad_model)
+    return StepFlops(executed, model, prefill, decode)
+
+
+# ---------------------------------------------------------------------------------------------- the service
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward_backward shape the service engine runs: `rows` sequences of `length` (bucketed) tokens."""
+
+    kind: str  # "longest": the longest datum a pass holds; "most rows": the shortest bucket, as many rows as fit
+    rows: int
+    length: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+    @property
+    def name(self) -> str:
+        return f"forward_backward {self.rows}x{self.length}"
+
+
+def engine_rows(n: int, data_parallel: int) -> int:
+    """The engine's row bucket for n rows (service/programs.py EnginePrograms.rows): a power of two, rounded up to
+    a multiple of the data-parallel size."""
+    b = 1
+    while b < n:
+        b *= 2
+    return -(-b // data_parallel) * data_parallel
+
+
+def service_buckets(cfg: TrainConfig) -> list[int]:
+    """The sequence lengths the engine pads to: service.min_bucket x 2^k, the last capped at model.max_seq_len
+    (service/programs.py `bucket`)."""
+    assert cfg.service is not None
+    top, b, out = cfg.model_cfg.max_seq_len, cfg.service.min_bucket, []
+    while b < top:
+        out.append(b)
+        b *= 2
+    return [*out, top]
+
+
+def service_pass(cfg: TrainConfig, length: int, data_parallel: int) -> Pass:
+    """The largest pass the engine runs at one bucketed length: max_batch_tokens // length datums (at least one),
+    rounded up to its row bucket (engine.py `_fused`, programs.py `rows`)."""
+    assert cfg.service is not None
+    rows = engine_rows(max(1, cfg.service.max_batch_tokens // length), data_parallel)
+    return Pass("", rows, length)
+
+
+def service_passes(cfg: TrainConfig, data_parallel: int) -> list[Pass]:
+    """The largest forward_backward pass the engine runs at each bucketed length, shortest first, up to the longest
+    datum `fit` sizes for a service config.
+
+    ServiceConfig's contract: a pass holds rows x bucketed length <= service.max_batch_tokens tokens, padding rows
+    included; rows are a multiple of the data-parallel size (mesh.slices x mesh.fsdp: each device takes whole rows), so
+    one datum fills `data_parallel` rows. The longest datum is then the longest bucket b with data_parallel x b <=
+    max_batch_tokens (capped at model.max_seq_len); at each bucket the engine packs max_batch_tokens // b datums (at
+    least one) into a power-of-two row bucket (engine.py `_fused`, programs.py `rows`; when max_batch_tokens is no
+    power-of-two multiple of the bucket that rounding can exceed max_batch_tokens, and the pass is sized as the engine
+    runs it). Kinds: "longest" (the last: attention's [rows, heads, T, T] scores peak there), "most rows" (the first,
+    service.min_bucket: the [rows, chunk, vocab] log-prob logits peak there). Raises ConfigError when
+    max_batch_tokens holds no datum at all.
+    """
+    assert cfg.service is not None
+    M = cfg.service.max_batch_tokens
+    one = engine_rows(1, data_parallel)
+    held = [b for b in service_buckets(cfg) if one * b <= M]
+    if not held:
+        raise ConfigError(
+            f"service.max_batch_tokens = {M} holds no forward_backward pass: the shortest is {one} rows (the "
+            f"data-parallel devices, mesh.slices x mesh.fsdp) x {cfg.service.min_bucket} tokens (service.min_bucket) "
+            f"= {one * cfg.service.min_bucket}; raise service.max_batch_tokens or lower service.min_bucket")
+    out = [service_pass(cfg, b, data_parallel) for b in held]
+    kinds = ["most rows" if i == 0 else "" for i in range(len(out))]
+    kinds[-1] = "longest" if len(out) > 1 else "longest, most rows"
+    return [Pass(k, p.rows, p.length) for k, p in zip(kinds, out, strict=True)]
+
+
+def service_longest_datum(cfg: TrainConfig, data_parallel: int) -> int:
+    """The longest datum (tokens) a forward_backward pass of service.max_batch_tokens holds (see service_passes)."""
+    return service_passes(cfg, data_parallel)[-1].length
+
+
+def _service_stack(cfg: TrainConfig) -> LoraConfig:
+    """The engine's slot stack (service/programs.py `stack_config`): every target, lora.rank, lora.slots."""
+    assert cfg.lora is not None
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    return LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets, rslora=cfg.lora.rslora,
+                      slots=cfg.lora.slots)
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """The engine's state per device (bytes): the frozen base and four float32 adapter stacks."""
+
+    base: float
+    stack: float  # one adapter stack (every slot, every target), float32
+    stack_params: int  # parameters of one stack (every slot)
+
+    @property
+    def adapters(self) -> float:
+        return 4 * self.stack  # weights, Adam m, Adam v, the gradient accumulator
+
+    @property
+    def total(self) -> float:
+        return self.base + self.adapters
+
+
+def service_state(cfg: TrainConfig, lay: Layout | None = None) -> ServiceState:
+    lay = lay or Layout.of(cfg)
+    m, stack = cfg.model_cfg, _service_stack(cfg)
+    return ServiceState(_params(m) * _b(m.param_dtype) / lay.shards, lora_per_device(m, stack, lay) * F32,
+                        lora_param_count(m, stack))
+
+
+def service_memory(cfg: TrainConfig, program: str, p: Pass | None = None, lay: Layout | None = None) -> Memory:
+    """Estimated bytes per device of a service program: `forward_backward` at pass `p`, or `optim_step`. The state is
+    the same for both (base + 4 stacks: the arguments and what stays resident beside them)."""
+    lay = lay or Layout.of(cfg)
+    st = service_state(cfg, lay)
+    if program == "optim_step" or p is None:  # elementwise over the stacks, every one donated: updated in place
+        return Memory(st.total, 0.0)
+    m, c = cfg.model_cfg, cfg.compute
+    cb = _b(cfg.compute_dtype)
+    r, T, D, L = p.rows / lay.data, p.length, m.d_model, m.n_layers
+    V = _split(m.vocab_size, lay.tensor)
+    C = min(c.logprob_chunk, T)
+    stack = _service_stack(cfg)
+    ws = _layer(m, lay, r, T, T, cb, _low_rank(stack))
+    keep = _kept(m, lay, r, T, cb, c.remat, ws)
+    inputs = r * T * D * cb
+    head = 4 * r * C * V * F32 + r * T * D * (cb + F32) + 2 * r * T * stack.slots * stack.rank * cb
+    phase = max(L * inputs + (L - 1) * keep + ws, L * (inputs + keep) + head)
+    # The pass's float32 gradient of the stack (added into the accumulator) and the adapters in the compute dtype.
+    return Memory(st.total, phase + st.stack + st.stack * cb / F32)
+
+
+def service_flops(cfg: TrainConfig, p: Pass) -> tuple[float, float]:
+    """(executed, model) FLOPs of one forward_backward pass (all devices): the whole [T, T] attention, the log-prob
+    head over padded chunks (recomputed in the backward), remat, the adapters for every slot; no gradient of the
+    frozen base. Model FLOPs: causal attention, no remat, the row's own slot."""
+    m, c = cfg.model_cfg, cfg.compute
+    stack = _service_stack(cfg)
+    T = p.length
+    chunk = min(c.logprob_chunk, T)
+    n_head = -(-T // chunk) * chunk
+    fwd = _fwd_flops(m, T, T * T, n_head)
+    head = 2 * m.d_model * m.vocab_size * n_head
+    attn = 4 * m.n_heads * m.head_dim * m.n_layers * T * T
+    a_fwd, a_head = _adapter_fwd(m, stack, stack.slots, T, n_head), _adapter_fwd(m, stack, stack.slots, 0, n_head)
+    remat = {"none": 0.0, "full": fwd - head + a_fwd - a_head, "dots": attn}[c.remat]
+    executed = 3 * fwd + head - _fwd_flops(m, T, 0, n_head) + 3 * a_fwd + a_head + remat
+    model = 3 * _fwd_flops(m, T, T * (T + 1) / 2, T) - _fwd_flops(m, T, 0, T) + 3 * _adapter_fwd(m, stack, 1, T, T)
+    return p.rows * executed, p.rows * model
 
 
 def measured_temp(p: object) -> float:
@@ -191,7 +508,7 @@ def sample_seconds(cfg: TrainConfig, n_devices: int, flops: StepFlops, peak: flo
 def seconds(cfg: TrainConfig, program: str, peak: float, bw: float) -> float:
     """A relative time of `program` (peak FLOP/s and HBM bytes/s per device) to order candidate settings by."""
     lay = Layout.of(cfg)
-    flops = step_flops(cfg)
+    flops = step_flops(cfg)  # with lora's adapters
     if program == "sample":
         return sample_seconds(cfg, lay.devices, flops, peak, bw)
     m, N = cfg.model_cfg, cfg.sampling.max_new_tokens

@@ -1,5 +1,6 @@
 """What `gke-tpu-rl fit` reports: the compile target, each program's memory and time, and their rendering (text,
-markdown for a PR comment, JSON). How the figures are made: trainer/fit.py."""
+markdown for a PR comment, JSON). How the figures are made: trainer/fit.py. A report is of the RL trainer's programs
+(sample, ref_logprobs, update), or with `service` of the service engine's (forward_backward passes, optim_step)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,59 @@ class Suggestion:
 
 
 @dataclass
+class StateFit:
+    """The RL trainer's state per device by kind (bytes): the analytic estimate (trainer/fit_estimate.py `state`).
+    With lora, `base` is frozen and optimizer, gradients and accumulator are the adapters' alone."""
+
+    base: int
+    adapters: int
+    optimizer: int
+    gradients: int
+    accumulator: int
+    reference: int
+    lora: str | None = None  # "rank 32, 1 slot, q_proj, ..." (None: every weight is trained)
+    lora_params: int = 0  # parameters of the adapter stack, every slot
+
+    def line(self, unit: str) -> str:
+        extra = (f", gradient accumulator {size(self.accumulator)}" if self.accumulator else "") + (
+            f", reference weights {size(self.reference)}" if self.reference else "")
+        if self.lora is None:
+            return (f"training state per {unit} (estimated): weights {size(self.base)}, optimizer state "
+                    f"{size(self.optimizer)}, gradient {size(self.gradients)}{extra}")
+        return (f"training state per {unit} (estimated): base weights {size(self.base)} (frozen) + lora adapters "
+                f"{size(self.adapters)} ({self.lora}: {_count(self.lora_params)} params); optimizer state "
+                f"{size(self.optimizer)}, gradient {size(self.gradients)}{extra}: of the adapters alone")
+
+
+@dataclass
+class ServiceFit:
+    """What a service config's report is of (trainer/service/programs.py; the passes: fit_estimate.service_passes)."""
+
+    base_model: str
+    slots: int
+    rank: int
+    max_batch_tokens: int
+    min_bucket: int
+    data_parallel: int  # rows of a pass are a multiple of this (mesh.slices x mesh.fsdp)
+    context: int  # model.max_seq_len: the longest datum the engine accepts
+    longest_datum: int  # the longest datum a pass of max_batch_tokens holds
+    passes: dict[str, str]  # forward_backward program name -> which pass it is ("longest", "most rows", ...)
+    base: int  # bytes per device of the frozen base weights (the programs' arguments)
+    stack: int  # bytes per device of one float32 adapter stack
+    stack_params: int  # parameters of one stack (every slot, every target)
+    base_estimate: int = 0  # the analytic figures (trainer/fit_estimate.py service_state), to compare
+    stack_estimate: int = 0
+
+    @property
+    def resident(self) -> int:
+        return self.base + 4 * self.stack
+
+    def knobs(self) -> str:
+        return (f"lora.slots (now {self.slots}), lora.rank (now {self.rank}) or service.max_batch_tokens (now "
+                f"{self.max_batch_tokens})")
+
+
+@dataclass
 class FitReport:
     title: str  # what was fitted: an environment, or a config file
     target: Target
@@ -125,6 +179,8 @@ class FitReport:
     # libtpu's per-device HBM limit (its compile-time check; fit probes it): below the catalog's HBM, as libtpu
     # keeps part of it (31.25 of the 32 GiB on v6e). None: not known.
     hbm_usable: int | None = None
+    state: StateFit | None = None  # the RL trainer's state by kind (estimate)
+    service: ServiceFit | None = None  # set: a service engine's report
 
     @property
     def devices_per_chip(self) -> int:
@@ -200,14 +256,30 @@ class FitReport:
     def headline(self) -> list[str]:
         t = self.target
         usable = f" ({self.hbm_basis} per {self.unit.split()[0]})" if self.hbm_limit == self.hbm_usable else ""
-        return [
+        per = self.unit.split()[0]
+        mesh = "mesh " + " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        lines = [
             f"{t.label}: {t.chips} chips, {_gib(t.hbm_bytes_per_chip)} HBM{usable} and "
             f"{t.peak_flops_per_chip / 1e12:g} TFLOP/s bf16 per chip",
             f"model: {self.model}, {_count(self.params)} params, weights {self.param_dtype}, "
             f"compute {self.compute_dtype}",
-            f"step: {self.batch} sequences x ({self.prompt_len} prompt + {self.new_tokens} new) tokens; mesh "
-            + " x ".join(f"{k}={v}" for k, v in self.mesh.items()),
         ]
+        sv = self.service
+        if sv is None:
+            lines.append(f"step: {self.batch} sequences x ({self.prompt_len} prompt + {self.new_tokens} new) tokens; "
+                         + mesh)
+            if self.state is not None:
+                lines.append(self.state.line(per))
+            return lines
+        passes = ", ".join(f"{name.split()[-1]} ({kind})" for name, kind in sv.passes.items())
+        lines += [
+            f"service {sv.base_model}: {sv.slots} adapter slots of rank <= {sv.rank} on every target (lm_head too), "
+            f"float32; forward_backward passes of <= {sv.max_batch_tokens} tokens (rows x length): {passes}; "
+            f"the longest datum a pass holds: {sv.longest_datum} tokens; {mesh}",
+            f"resident per {per}: base weights {size(sv.base)} + adapter stack {size(sv.stack)} x 4 (weights, Adam m, "
+            f"Adam v, gradient accumulator; {_count(sv.stack_params)} params each) = {size(sv.resident)}",
+        ]
+        return lines
 
     def rows(self) -> list[list[str]]:
         out = []
@@ -237,6 +309,20 @@ class FitReport:
     def summary_line(self) -> str:
         t = self.target
         why = self.not_applicable()
+        if self.service is not None:
+            verdict = (f"the service fits {t.label}" if self.fits else f"the service does not fit {t.label}")
+            if why is not None:
+                return f"{verdict}; est. time — (not applicable: {why})"
+            parts = []
+            for p in self.programs:
+                if p.name.startswith("forward_backward"):
+                    tokens = int(p.name.split()[-1].split("x")[0]) * int(p.name.split()[-1].split("x")[1])
+                    mfu = p.model_flops / (t.chips * t.peak_flops_per_chip * p.seconds) if p.seconds > 0 else 0.0
+                    parts.append(f"{p.name}: {tokens} tokens in ~{_secs(p.seconds)} (MFU ~{mfu:.1%})")
+                else:
+                    parts.append(f"{p.name}: ~{_secs(p.seconds)}")
+            worst = max((self.share(p) for p in self.programs if p.skipped is None), default=0.0)
+            return f"{verdict} (peak {worst:.0%} of the limit); estimated: " + "; ".join(parts)
         if why is not None:
             return (f"one RL step: {self.model_flops:.3g} model FLOPs; est. time — and MFU — (not applicable: {why}; "
                     "no estimate for a configuration that cannot run)")
@@ -252,6 +338,8 @@ class FitReport:
         else:
             basis = (f"Every share is of the {self.hbm_basis} per {self.unit.split()[0]}: the TPU catalog's figure "
                      "(libtpu's own usable limit was not known or is larger).")
+        if self.service is not None:
+            return [*self._service_notes(basis), *self._resident_notes()]
         notes = [
             f"Memory is per {self.unit}: peak = arguments + outputs - aliased + temporaries + code + resident "
             "(state the loop keeps in HBM outside the program). " + basis,
@@ -266,6 +354,10 @@ class FitReport:
             "Savings next to a suggestion are estimates (trainer/fit_estimate.py): the tensors the setting scales, "
             "calibrated on this compile; `fit --search` compiles to check.",
         ]
+        return [*notes, *self._resident_notes()]
+
+    def _resident_notes(self) -> list[str]:
+        notes = []
         reused = [p.name for p in self.programs if p.reused]
         if reused:
             notes.append(f"{', '.join(reused)}: the same program was compiled earlier in this run; its figures are "
@@ -275,6 +367,27 @@ class FitReport:
                 notes.append(f"{p.name} resident: {p.resident_what}.")
         return notes
 
+    def _service_notes(self, basis: str) -> list[str]:
+        sv = self.service
+        assert sv is not None
+        return [
+            f"Memory is per {self.unit}: peak = arguments + outputs - aliased + temporaries + code + resident (the "
+            "engine's state outside the program: Adam's moments during a pass, the base weights during optim_step). "
+            + basis,
+            f"forward_backward is compiled at the engine's largest pass of the longest datum a pass of "
+            f"service.max_batch_tokens holds ({sv.data_parallel} rows, one per data-parallel device, padding rows "
+            f"included) and of the shortest bucket (service.min_bucket = {sv.min_bucket}, as many rows as "
+            "max_batch_tokens takes): attention peaks at the one, the log-prob logits at the other (see "
+            "trainer/fit_estimate.py service_passes). Sampling (service.sample_max_sequences, max_tokens per request) "
+            "is not sized: its shapes are each request's.",
+            "est. time: forward_backward scales the compiler's optimal_seconds to every layer and log-prob chunk (at "
+            "peak FLOP/s where the compiler gave no usable time); optim_step is the larger of the compiler's time and "
+            "reading and writing the four adapter stacks at HBM bandwidth. FLOPs: analytic (the adapters for every "
+            "slot, no gradient of the frozen base); MFU counts the row's own slot, causal attention, no remat. "
+            f"Estimates, not measurements (analytic state: base {size(sv.base_estimate)}, stack "
+            f"{size(sv.stack_estimate)} per {self.unit.split()[0]}).",
+        ]
+
     def warnings(self) -> list[str]:
         out = []
         per = self.unit.split()[0]
@@ -283,11 +396,20 @@ class FitReport:
                 out.append(f"{p.name} uses {self.share(p):.0%} of the {self.hbm_basis} per {per} ({_gib(p.peak)}): "
                            "it fits, with little room for fragmentation. To reduce it: "
                            + "; ".join(s.line(per) for s in self.suggestions.get(p.name, [])[:3]))
+        sv = self.service
+        if sv is not None and sv.context > sv.longest_datum:
+            out.append(f"the model's context is {sv.context} tokens, but a forward_backward pass of "
+                       f"service.max_batch_tokens = {sv.max_batch_tokens} holds a datum of at most {sv.longest_datum} "
+                       f"({sv.data_parallel} data-parallel rows of it): longer datums are not sized here, so the "
+                       "engine must refuse them; raise service.max_batch_tokens to size longer ones")
         return out
 
     def errors(self) -> list[str]:
         out = []
         per = self.unit.split()[0]
+        if self.service is not None and self.failures:
+            out.append(f"the service does not fit {self.target.label}: reduce {self.service.knobs()}, or use more "
+                       "chips")
         for p in self.failures:
             libtpu = p.oom_available is not None and p.oom_available != self.hbm_limit
             avail = f"{_gib(p.oom_available)} available (libtpu)" if libtpu else self.hbm_basis  # type: ignore[arg-type]
@@ -344,11 +466,15 @@ class FitReport:
             "hbm_per_device": self.hbm_per_device, "hbm_usable": self.hbm_usable, "hbm_limit": self.hbm_limit,
             "share_of": f"{self.hbm_basis} per {self.unit.split()[0]}",
             "programs": programs,
-            "step_seconds": None if why else self.step_seconds, "model_flops": self.model_flops,
-            "mfu": None if why else self.mfu, "not_applicable": why,
+            # A service has no step: each program's own time and FLOPs are in `programs`.
+            "step_seconds": None if why or self.service else self.step_seconds, "model_flops": self.model_flops,
+            "mfu": None if why or self.service else self.mfu, "not_applicable": why,
             "suggestions": {k: [asdict(s) | {"saves_is": "estimate" if s.saves is not None else None} for s in v]
                             for k, v in self.suggestions.items()},
             "warnings": self.warnings(), "errors": self.errors(),
+            "state": asdict(self.state) if self.state is not None else None,
+            "service": (asdict(self.service) | {"resident": self.service.resident})
+            if self.service is not None else None,
         }
 
     def json(self) -> str:

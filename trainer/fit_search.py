@@ -364,5 +364,11 @@ class _Search:
 def search(cfg: TrainConfig, target: Target, *, title: str, budget: int, model: str | None = None,
            progress: Callable[[str], None] | None = None) -> SearchResult:
     """The fastest settings (by estimate) under which every program of `cfg` fits `target`, compiling at most
-    `budget` programs (the config as given included); see the module docstring."""
+    `budget` programs (the config as given included); see the module docstring. A service config (`service:`) is
+    refused: its capacity settings are the service's to choose."""
+    if cfg.service is not None:
+        raise ConfigError(
+            "fit --search searches the RL trainer's settings; a service config's programs are sized by lora.slots, "
+            "lora.rank and service.max_batch_tokens (the service's capacity), compute.remat and "
+            "compute.logprob_chunk: run fit without --search for its suggestions and their estimated savings")
     return _Search(cfg, target, title, model, budget, progress or (lambda _msg: None)).run()
