@@ -1,5 +1,8 @@
-"""A Tinker-compatible post-training service: `python -m trainer.service`.
+"""A Tinker-compatible post-training service: `python -m trainer.service` (docs/service.md).
 
-One module per concern: `store` (the durable state in SQLAlchemy: sqlite by default, PostgreSQL by URL), `auth`
-(API keys), `cli` (key administration). Importing the package touches no database and no accelerator.
+One module per concern: `api` (the HTTP API the tinker SDK speaks), `engine` (claims requests and runs them),
+`device` (the engine's device state and ops, in lock step on every host), `programs` (the jitted passes on a stack
+of LoRA slots), `losses` (Tinker's losses), `protocol` (the API <-> engine contract), `store` (the durable state in
+SQLAlchemy: sqlite by default, PostgreSQL by URL), `auth` (API keys), `cli`. Importing the package touches no
+database and no accelerator.
 """
