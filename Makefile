@@ -9,7 +9,7 @@ CHECKOV_VENV := $(VENV)/checkov
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 
-.PHONY: install demo plan train-demo test lint golden bench bench-ray clean
+.PHONY: install demo plan train-demo test lint golden bench bench-ray bench-tinker clean
 
 $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,5 +53,21 @@ bench-ray: install
 	$(PY) bench/ray_elastic.py --steps 20 --kill-step 6 --work runs/bench-ray-kill --out runs/bench-ray-kill.json
 	$(PY) bench/ray_elastic.py --steps 90 --loss-step 8 --readd --work runs/bench-ray-node --out runs/bench-ray-node.json
 
+# Our Tinker-compatible service against the reference server skyrl 0.4.0 on the same tiny model, alternating rounds
+# (bench/README.md). skyrl needs Python >= 3.12 and pins tinker<0.26: its own venv, git-ignored (~7 GB: torch with
+# CUDA libraries comes with it). The clients are our venv's tinker.
+SKYRL_VENV ?= .venv-skyrl
+# The first Python >= 3.12 that runs (a pyenv shim of python3.12 may exist and refuse to run).
+SKYRL_PYTHON ?= $(shell for p in python3.12 python3.13 /root/.pyenv/versions/3.12.1/bin/python; do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
+
+$(SKYRL_VENV)/.installed-stamp:
+	test -x $(SKYRL_VENV)/bin/python || $(SKYRL_PYTHON) -m venv $(SKYRL_VENV)
+	$(SKYRL_VENV)/bin/python -m pip install -q "skyrl[tinker,jax]==0.4.0" aiohttp uv
+	touch $@
+
+bench-tinker: install $(SKYRL_VENV)/.installed-stamp
+	$(PY) -m bench.tinker_service --skyrl-venv $(SKYRL_VENV) --json runs/bench-tinker.json
+
 clean:
-	rm -rf $(VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules
+	rm -rf $(VENV) $(SKYRL_VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules
