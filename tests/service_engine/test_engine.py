@@ -274,3 +274,22 @@ def test_after_a_restart_models_say_their_state_is_lost_and_checkpoints_load(liv
     assert "create_training_client_from_state" in MODEL_STATE_LOST
     restored = sc.create_training_client_from_state_with_optimizer(path).result()
     assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want, rel=1e-6)
+
+
+def test_topk_prompt_logprobs_are_the_likeliest_tokens(live: LiveService) -> None:
+    """sample(topk_prompt_logprobs=k): per prompt token the k likeliest tokens under the sampler's weights and their
+    log-probs, the first position empty (the SDK's sentinel reads as None), as the full softmax of the model says."""
+    base = live.client().create_sampling_client(base_model=BASE).result()
+    tokens = [5, 9, 33, 17, 2, 77, 101]
+    out = base.sample(types.ModelInput.from_ints(tokens), 1, types.SamplingParams(max_tokens=1),
+                      include_prompt_logprobs=True, topk_prompt_logprobs=4).result()
+    topk = out.topk_prompt_logprobs
+    assert topk is not None and len(topk) == len(tokens) and topk[0] is None
+    params = jax.device_get(live.engine.params)
+    x, _ = M.forward(params, live.engine.mcfg, jnp.asarray([tokens]), jnp.ones((1, len(tokens)), bool))
+    full = np.asarray(jax.nn.log_softmax(M.logits(params, live.engine.mcfg, x)[0], axis=-1))
+    for i in range(1, len(tokens)):
+        want = np.argsort(-full[i - 1])[:4]
+        assert [t for t, _ in topk[i]] == want.tolist()
+        np.testing.assert_allclose([lp for _, lp in topk[i]], full[i - 1][want], atol=2e-5)
+        assert out.prompt_logprobs[i] == pytest.approx(float(full[i - 1][tokens[i]]), abs=2e-5)

@@ -103,6 +103,14 @@ class DeviceState:
         return tokens, logprobs, mask
 
 
+    def prompt_topk(self, tokens: np.ndarray, slot_B: np.ndarray, valid: np.ndarray, k: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        put = self.progs.put
+        ids, logprobs = self.progs.prompt_topk(self.params, self.lora, put(self.scale_S), put(tokens, batch=True),
+                                               put(slot_B, batch=True), put(valid, batch=True), k)
+        return np.asarray(ids), np.asarray(logprobs)
+
+
 def _client() -> Any:
     from jax._src import distributed
 

@@ -579,7 +579,6 @@ class Engine:
     def _sample(self, row: Request) -> bytes:
         req: types.SampleRequest = protocol.decode_json(row.kind, row.body)
         unsupported = [name for name, on in (
-            ("topk_prompt_logprobs", req.topk_prompt_logprobs > 0),
             ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
             ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
             ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0)) if on]
@@ -618,7 +617,28 @@ class Engine:
                                           np.asarray(jax.random.key_data(key)), static)
         sequences = [self._sequence(tokens[b], logprobs[b], mask[b], stop_ids, stop_strs) for b in range(n)]
         prompt_lp = self._prompt_logprobs(prompt, slot) if req.prompt_logprobs else None
-        return protocol.encode_sample_response(sequences, prompt_logprobs=prompt_lp)
+        topk = self._prompt_topk(prompt, slot, req.topk_prompt_logprobs) if req.topk_prompt_logprobs > 0 else None
+        return protocol.encode_sample_response(sequences, prompt_logprobs=prompt_lp, topk_prompt_logprobs=topk)
+
+    def _prompt_topk(self, prompt: np.ndarray, slot: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k likeliest tokens at each prompt position given the tokens before it; the first has none."""
+        if k > self.mcfg.vocab_size:
+            raise UserError(f"topk_prompt_logprobs={k} exceeds the vocabulary ({self.mcfg.vocab_size})")
+        n = len(prompt) - 1
+        ids = np.zeros((len(prompt), k), np.int32)
+        logprobs = np.full((len(prompt), k), protocol.TOPK_MASK_LOGPROB, np.float32)
+        if n == 0:
+            return ids, logprobs
+        length = P.bucket(n, self.service.min_bucket, self.mcfg.max_seq_len)
+        rows = self.progs.rows(1)
+        tokens = np.zeros((rows, length), np.int32)
+        valid = np.zeros((rows, length), bool)
+        tokens[0, :n], valid[0, :n] = prompt[:-1], True
+        slot_B = np.full((rows,), -1, np.int32)
+        slot_B[0] = slot
+        top_ids, top_lp = self.dev("prompt_topk", tokens, slot_B, valid, k)
+        ids[1:], logprobs[1:] = top_ids[0, :n], top_lp[0, :n]
+        return ids, logprobs
 
     def _sequence(self, tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray, stop_ids: tuple[int, ...],
                   stop_strs: tuple[str, ...]) -> protocol.SampledOutput:

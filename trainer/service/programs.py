@@ -91,6 +91,7 @@ class EnginePrograms:
     put_slot: Any
     take_slot: Any
     sample: Any
+    prompt_topk: Any
 
     def put(self, value: np.ndarray, *, batch: bool = False) -> jax.Array:
         """A host array as a global array: rows over the data axes (batch) or replicated. Every process passes the
@@ -210,6 +211,15 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
                       pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p, cc=cc,
                       max_num_sequences=chunk, adapter=M.Adapter(lora, _gate(slot_B, scale_S)))
 
+    def prompt_topk(params: Any, lora: Any, scale_S: jax.Array, tokens_BT: jax.Array, slot_B: jax.Array,
+                    valid_BT: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """The k likeliest next tokens after each position and their log-probs: [B, T, k] ids and float32."""
+        adapter = M.Adapter(lora, _gate(slot_B, scale_S))
+        x, _ = M.forward(params, mcfg, tokens_BT, valid_BT, cc=cc, adapter=adapter)
+        logp = jax.nn.log_softmax(M.logits(params, mcfg, x, adapter), axis=-1)
+        values, ids = jax.lax.top_k(logp, k)
+        return ids.astype(jnp.int32), values
+
     batch_in = (param_sh, lora_sh, rep, b2, b1, b2, inputs_sh)
     jit = functools.partial(_MeshJit, mesh)
     return EnginePrograms(
@@ -223,6 +233,8 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
         take_slot=jit(take_slot, out_shardings=rep),
         sample=jit(sample_rows, in_shardings=(param_sh, lora_sh, rep, b2, b2, b1, rep),
                    out_shardings=Samples(rep, rep, rep), static_argnums=tuple(range(7, 14))),
+        prompt_topk=jit(prompt_topk, in_shardings=(param_sh, lora_sh, rep, b2, b1, b2), out_shardings=(rep, rep),
+                        static_argnums=(6,)),
     )
 
 

@@ -54,7 +54,8 @@ computing, per kind:
 * sample: the sampler is `store.get_sampling_session(owner, body.sampling_session_id)` (base model, or
   `model_path` -> `store.get_checkpoint`). Exactly `num_samples` sequences (the SDK pairs them with the ids the
   promise carried: `sequence_ids(request_id, num_samples)`); prompt logprobs, when asked, one per prompt token with
-  NaN first. Options it does not support (top-k, target_prompt_logprobs, ...) -> fail, category "user".
+  NaN first; topk_prompt_logprobs k: per prompt token its k likeliest tokens (the first row the SDK's sentinel).
+  Options it does not support (topk_sample_logprobs, target_prompt_logprobs, ...) -> fail, category "user".
 * delete_checkpoint: the API has already removed the row; delete the files at `storage_path` unless a live
   checkpoint row uses the same storage_path again (a checkpoint re-saved under the same name meanwhile).
 Errors: `store.fail(..., category="user")` for the caller's mistakes (bad loss_fn, missing checkpoint, bad name),
@@ -296,9 +297,19 @@ class SampledOutput:
 _STOP_REASON: Final[Mapping[str, int]] = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
-def encode_sample_response(sequences: Sequence[SampledOutput], *, prompt_logprobs: np.ndarray | None = None) -> bytes:
+# tinker/types/topk_logprobs.py: a position with no top-k (the first prompt token) holds token 0 and this log-prob.
+TOPK_MASK_LOGPROB: Final = -99999.0
+
+
+def encode_sample_response(
+    sequences: Sequence[SampledOutput],
+    *,
+    prompt_logprobs: np.ndarray | None = None,
+    topk_prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None,
+) -> bytes:
     """A sample result (tinker/proto/response_conv.py `deserialize_sample_response`): tokens as int32, logprobs
-    as float32; prompt_logprobs one per prompt token, NaN where none (the first token)."""
+    as float32; prompt_logprobs one per prompt token, NaN where none (the first token); topk_prompt_logprobs (token
+    ids int32 [n, k], log-probs float32 [n, k]) one row per prompt token, the first row the SDK's sentinel."""
     msg = pb.SampleResponse()
     for seq in sequences:
         s = msg.sequences.add(
@@ -308,6 +319,12 @@ def encode_sample_response(sequences: Sequence[SampledOutput], *, prompt_logprob
             s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk_prompt_logprobs is not None:
+        ids, logprobs = (np.asarray(topk_prompt_logprobs[0], np.int32), np.asarray(topk_prompt_logprobs[1], np.float32))
+        if ids.shape != logprobs.shape or ids.ndim != 2:
+            raise ValueError(f"top-k prompt log-probs need matching [n, k] arrays: {ids.shape}, {logprobs.shape}")
+        msg.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
+            token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=ids.shape[1], length=ids.shape[0]))
     return msg.SerializeToString()
 
 
