@@ -187,7 +187,8 @@ def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True, sea
         names = ", ".join(p.name for p in report.failures)
         print(f"error: {where}does not fit on {report.target.label}: {names} (see above for what to change)",
               file=sys.stderr)
-    if not searched and report.failures:
+    # A service config's capacity (slots, rank, tokens per pass) is the operator's choice: --search refuses it.
+    if not searched and report.failures and report.service is None:
         print(f"hint: `gke-tpu-rl fit {env or '...'} --search` compiles candidate settings and prints the fastest "
               "that fit", file=sys.stderr)
 

@@ -245,6 +245,7 @@ def test_the_cli_refuses_a_service_that_does_not_fit(hf_cache: Path, tmp_path: P
     assert doc["fits"] is False and doc["service"]["slots"] == 4
     assert "error: the service does not fit 1 x v5e 2x2: reduce lora.slots (now 4), lora.rank (now 8) or " \
            "service.max_batch_tokens (now 256), or use more chips" in err
+    assert "--search" not in err  # search refuses service configs: no hint pointing there
 
 
 def test_fit_search_refuses_a_service_config() -> None:
