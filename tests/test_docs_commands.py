@@ -38,7 +38,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -557,10 +556,9 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     """docs/service.md: a key, then serve on the doc's own service.yaml with the tiny Qwen3 published in a private
     Hugging Face cache under the doc's base model, driven by the real SDK; the rest parsed or fitted up to the
     compile."""
-    import httpx
     import tinker
 
-    from tests.service_api.conftest import free_port
+    from tests.service_api.conftest import free_port, wait_healthy
     from tests.tiny_model import publish
     from trainer.service import cli as service_cli
     from trainer.service.store import normalize_url
@@ -591,21 +589,13 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
                                     stderr=subprocess.STDOUT)
             url = f"http://127.0.0.1:{port}"
             try:
-                deadline = time.monotonic() + 120
-                while True:
-                    assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                    try:
-                        if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    assert time.monotonic() < deadline, "serve did not come up"
-                    time.sleep(0.2)
+                wait_healthy(url, proc, lambda: (tmp_path / "serve.log").read_text()[-3000:], 120)
                 sc = tinker.ServiceClient(base_url=url, api_key=key)
                 tc = sc.create_lora_training_client(base_model=base_model, rank=8).result()
                 datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([1, 2, 3, 4]),
                                            loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
                 assert tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+                sc.close("success").result(timeout=30)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)

@@ -13,6 +13,7 @@ listings start empty per test.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -192,6 +194,20 @@ class Service:
         """A fresh API key (a fresh tenant): (key id, full key)."""
         row, key = auth.create_key(self.store, name)
         return row.id, key
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], why: Callable[[], str], timeout_s: float = 120) -> None:
+    """Until GET {url}/api/v1/healthz answers 200; fails with why() (e.g. the server's log) if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, why()
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.1)
 
 
 def free_port() -> int:

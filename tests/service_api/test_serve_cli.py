@@ -6,14 +6,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import tinker
 
-from tests.service_api.conftest import free_port
+from tests.service_api.conftest import free_port, wait_healthy
 from trainer.service import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,16 +31,7 @@ def test_serve_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.1)
+        wait_healthy(url, proc, lambda: proc.communicate()[0], 30)
         models = tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result(timeout=30)
         assert [m.model_name for m in models.supported_models] == ["acme/a", "acme/b"]
         assert httpx.get(f"{url}/api/v1/training_runs").status_code == 401

@@ -4,6 +4,7 @@ but the database, as separate processes would."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -44,6 +45,7 @@ class LiveService:
     engine: Engine
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _clients: list[tuple[tinker.ServiceClient, str]] = field(default_factory=list)
 
     def start_engine(self) -> None:
         self._stop = threading.Event()
@@ -65,8 +67,22 @@ class LiveService:
         return self.engine
 
     def client(self, name: str = "test") -> tinker.ServiceClient:
+        """A ServiceClient with a fresh key (a fresh tenant), closed when the service stops."""
         _, key = auth.create_key(self.store, name)
-        return tinker.ServiceClient(base_url=self.url, api_key=key)
+        client = tinker.ServiceClient(base_url=self.url, api_key=key)
+        self._clients.append((client, key))
+        return client
+
+    def rest(self, client: tinker.ServiceClient) -> tinker.RestClient:
+        """A RestClient with the key of `client` (ServiceClient.create_rest_client is deprecated in tinker 0.38)."""
+        return tinker.RestClient(base_url=self.url, api_key=next(k for c, k in self._clients if c is client))
+
+    def close_clients(self) -> None:
+        # Their heartbeat threads would otherwise outlive the server and complain at interpreter exit.
+        for client, _ in self._clients:
+            with contextlib.suppress(Exception):
+                client.close("success").result(timeout=10)
+        self._clients.clear()
 
 
 @contextmanager
@@ -92,6 +108,7 @@ def live_service(tmp: Path, cfg: TrainConfig | None = None) -> Iterator[LiveServ
         live.start_engine()
         yield live
     finally:
+        live.close_clients()
         live.stop_engine()
         server.should_exit = True
         thread.join(15)

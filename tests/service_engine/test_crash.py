@@ -12,13 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
-from tests.service_api.conftest import free_port
+from tests.service_api.conftest import free_port, wait_healthy
 from tests.service_engine.service import TINY_MODEL
 from trainer.service.engine import MODEL_STATE_LOST
 from trainer.service.store import SERVER_RESTARTED
@@ -32,16 +31,8 @@ def _start(work: Path, port: int, log_name: str) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "trainer.service", "serve", "--config", str(work / "service.yaml"), "--db",
          str(work / "service.db"), "--port", str(port), "--log-level", "warning"],
         cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, (work / log_name).read_text()[-3000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "serve did not come up"
-        time.sleep(0.2)
+    wait_healthy(f"http://127.0.0.1:{port}", proc, lambda: (work / log_name).read_text()[-3000:], 120)
+    return proc
 
 
 def _data(seed: int) -> list[types.Datum]:
@@ -112,9 +103,10 @@ def test_sigkill_with_requests_in_flight_loses_nothing(tmp_path: Path) -> None:
         restored = sc.create_training_client_from_state_with_optimizer(state).result()
         assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(loss_before,
                                                                                                     rel=1e-6)
-        rest = sc.create_rest_client()
+        rest = tinker.RestClient(base_url=url, api_key=key)
         paths = {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
         assert {state, sampler_path} <= paths
+        sc.close("success").result(timeout=30)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -168,7 +168,7 @@ def test_save_and_load_state_continue_exactly(live: LiveService) -> None:
     a = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
     b = restored.forward(data, "cross_entropy").result().metrics["loss:sum"]
     assert a == pytest.approx(b, rel=1e-6)
-    info = sc.create_rest_client().get_weights_info_by_tinker_path(path).result()
+    info = live.rest(sc).get_weights_info_by_tinker_path(path).result()
     assert info.lora_rank == 4
     storage = Path(live.store.get_checkpoint(live.store.get_model(_owner(live, tc), tc.model_id).owner_id,
                                              path).storage_path)

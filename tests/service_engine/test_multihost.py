@@ -9,17 +9,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
-from tests.service_api.conftest import free_port
+from tests.service_api.conftest import free_port, wait_healthy
 from tests.service_engine.service import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,16 +43,7 @@ def _serve(tmp: Path, name: str, processes: int, devices: int) -> tuple[subproce
          "info"], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "serve did not come up"
-        time.sleep(0.2)
+    wait_healthy(url, proc, lambda: log.read_text()[-3000:], 180)
     return proc, url, key, log
 
 
@@ -77,6 +66,7 @@ def _workload(url: str, key: str) -> dict[str, Any]:
     sampler = tc.save_weights_and_get_sampling_client()
     tokens = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2,
                             types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0].tokens
+    sc.close("success").result(timeout=30)
     return {"losses": losses, "restored": again, "tokens": tokens}
 
 

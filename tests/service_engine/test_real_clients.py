@@ -17,18 +17,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import tinker
 
-from tests.service_api.conftest import free_port
+from tests.service_api.conftest import free_port, wait_healthy
 from tests.tiny_model import publish, reference
 
 ROOT = Path(__file__).resolve().parents[2]
+SdkClients = Callable[[str, str], tinker.ServiceClient]
 SEED_SCRIPT = ROOT / "tests" / "fixtures" / "tinker" / "seed_script.py.txt"
 
 
@@ -66,16 +66,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(url, proc, lambda: (tmp / "server.log").read_text(), 120)
         yield Server(url, key, env, db, storage)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -116,17 +107,17 @@ def test_tinker_cookbook_math_rl_runs_against_the_service(server: Server, tmp_pa
     metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [m["step"] for m in metrics if "step" in m][-1] >= 1, metrics
     # It trained, sampled and saved through this server: its checkpoints are the SDK's to list.
-    rest = tinker.ServiceClient(base_url=server.url, api_key=server.key).create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key=server.key)
     runs = rest.list_training_runs().result().training_runs
     assert any(r.lora_rank == 8 for r in runs)
 
 
-def test_rest_calls_see_and_delete_what_the_clients_saved(server: Server) -> None:
-    sc = tinker.ServiceClient(base_url=server.url, api_key=server.key)
+def test_rest_calls_see_and_delete_what_the_clients_saved(server: Server, sdk_clients: SdkClients) -> None:
+    sc = sdk_clients(server.url, server.key)
     tc = sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     state = tc.save_state("kept").result().path
     sampler = tc.save_weights_for_sampler("to-delete").result().path
-    rest = sc.create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key=server.key)
     listed = {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
     assert {state, sampler} <= listed
     run = rest.get_training_run(tc.model_id).result()
@@ -143,7 +134,8 @@ def test_rest_calls_see_and_delete_what_the_clients_saved(server: Server) -> Non
     assert {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints} == listed - {sampler}
 
 
-def test_a_sampler_checkpoint_loads_in_peft_with_the_services_logprobs(server: Server) -> None:
+def test_a_sampler_checkpoint_loads_in_peft_with_the_services_logprobs(server: Server,
+                                                                      sdk_clients: SdkClients) -> None:
     """What save_weights_for_sampler writes is a PEFT adapter: transformers + PEFT on it give the log-probs the
     service's forward() gives for the trained model."""
     torch = pytest.importorskip("torch")
@@ -152,7 +144,7 @@ def test_a_sampler_checkpoint_loads_in_peft_with_the_services_logprobs(server: S
     from tests.tiny_model import FIXTURE
     from trainer.service.store import Store
 
-    sc = tinker.ServiceClient(base_url=server.url, api_key=server.key)
+    sc = sdk_clients(server.url, server.key)
     tc = sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8, seed=3).result()
     data = [tinker.types.Datum(**d) for d in _reference_datums()]
     for _ in range(3):
