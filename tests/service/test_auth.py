@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -47,6 +48,44 @@ def test_keys_authenticate_until_revoked(store: Store) -> None:
     assert first is not None and first.revoked_at is not None
     assert auth.revoke_key(store, row.id).revoked_at == first.revoked_at  # idempotent
     assert all(isinstance(e, auth.AuthError) for e in (auth.MissingKey(), auth.InvalidKey(), auth.RevokedKey()))
+
+
+def test_imported_keys(store: Store, db_url: str, capsys: pytest.CaptureFixture[str],
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key made elsewhere authenticates once imported, is hashed like any other, and a guessable one needs the
+    caller to say so."""
+    strong = "tml-" + "k3y-from-the-team-secret-manager-0001"
+    row = auth.import_key(store, "team", strong)
+    assert row.id.startswith("x") and len(row.id) == 16 and auth.authenticate(store, strong) == row.id
+    with store.engine.connect() as conn:
+        assert strong not in repr(conn.execute(text("SELECT * FROM api_keys")).all())
+    for bad in ("dummy", "tml-with space-" + "x" * 40, " tml-" + "x" * 40):
+        with pytest.raises(ValueError, match="must start with 'tml-'"):
+            auth.import_key(store, "bad", bad)
+    with pytest.raises(ValueError, match="can be guessed"):
+        auth.import_key(store, "dev", "tml-dummy")
+    dev = auth.import_key(store, "dev", "tml-dummy", allow_weak=True)
+    assert auth.authenticate(store, "tml-dummy") == dev.id != row.id
+    for wrong in ("tml-dummy2", "tml-dumm", strong + "x"):
+        with pytest.raises(auth.InvalidKey):
+            auth.authenticate(store, wrong)
+    generated_form, generated = auth.create_key(store, "made")
+    store.revoke_api_key(generated_form.id)
+    with pytest.raises(auth.RevokedKey):
+        auth.authenticate(store, generated)
+    auth.revoke_key(store, dev.id)
+    with pytest.raises(auth.RevokedKey):
+        auth.authenticate(store, "tml-dummy")
+
+    # The CLI: from standard input (kept out of shell history), weak keys refused unless --allow-weak.
+    monkeypatch.setattr("sys.stdin", io.StringIO(strong.replace("0001", "0002") + "\n"))
+    assert cli.main(["keys", "import", "ci", "-", "--db", db_url]) == 0
+    assert capsys.readouterr().out.startswith("imported key x")
+    assert cli.main(["keys", "import", "weak", "tml-dev", "--db", db_url]) == 2
+    assert "can be guessed" in capsys.readouterr().err
+    assert cli.main(["keys", "import", "weak", "tml-dev", "--allow-weak", "--db", db_url]) == 0
+    assert cli.main(["keys", "import", "again", "tml-dev", "--allow-weak", "--db", db_url]) == 2
+    assert "already registered" in capsys.readouterr().err
 
 
 def test_keys_cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,6 @@
 """`python -m trainer.service` (also `gke-tpu-rl service`):
-  keys create NAME | list | revoke ID      the service's API keys
+  keys create NAME | import NAME KEY | list | revoke ID
+                                           the service's API keys
   serve --config FILE [...]                the Tinker-compatible HTTP API (api.py) and the engine (engine.py) in one
                                            process, the engine configured by a trainer config with a service section
   serve --base-model NAME [...]            the API alone; engines on the same database run the requests
@@ -56,11 +57,17 @@ def build_parser(prog: str = "python -m trainer.service") -> argparse.ArgumentPa
     actions = keys.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a key and print it (once)")
     create.add_argument("name", help="a label for the key (who or what uses it)")
+    imported = actions.add_parser("import", help="register a key made elsewhere (only its hash is stored)")
+    imported.add_argument("name", help="a label for the key")
+    imported.add_argument("key", metavar="KEY", help="the key (tml-...), or - to read it from standard input (keeps it "
+                          "out of the shell's history)")
+    imported.add_argument("--allow-weak", action="store_true",
+                          help="accept a key of fewer than 32 characters after tml- (a development server only)")
     listing = actions.add_parser("list", help="list keys (ids, names, states; no secrets)")
     listing.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     revoke = actions.add_parser("revoke", help="revoke a key: it is refused from then on")
     revoke.add_argument("key_id", metavar="ID", help="the key id, as `keys list` shows it")
-    for leaf in (create, listing, revoke):
+    for leaf in (create, imported, listing, revoke):
         _db_option(leaf, top=False)
     serve = commands.add_parser(
         "serve", help="run the Tinker-compatible HTTP API (with --config, and its engine in the same process)")
@@ -286,6 +293,15 @@ def _keys(store: Store, args: argparse.Namespace) -> int:
         row, key = auth.create_key(store, args.name)
         print(f"created key {row.id} ({row.name}). Store it now; it cannot be shown again:", file=sys.stderr)
         print(key)
+        return 0
+    if args.action == "import":
+        key = sys.stdin.readline().strip() if args.key == "-" else args.key
+        try:
+            row = auth.import_key(store, args.name, key, allow_weak=args.allow_weak)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"imported key {row.id} ({row.name})")
         return 0
     if args.action == "list":
         rows = store.list_api_keys()
