@@ -358,13 +358,14 @@ def adapter_from_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, lc
     return weights
 
 
-def put_slot(stack: Params, lcfg: LoraConfig, slot: int, single: Params, single_cfg: LoraConfig) -> Params:
+def put_slot(stack: Params, lcfg: LoraConfig, slot: int | jax.Array, single: Params, single_cfg: LoraConfig) -> Params:
     """`stack` with slot `slot` replaced by the one-slot adapter `single` (e.g. from import_peft).
 
     `single` may have a lower rank (zero-padded: the update is the same) and a subset of the stack's targets (the others
-    are zero in that slot); a different scale is folded into its B. Same rank and scale: an exact copy.
+    are zero in that slot); a different scale is folded into its B. Same rank and scale: an exact copy. `slot` may be
+    traced (one compiled program for every slot); a Python int is range-checked here.
     """
-    if not 0 <= slot < lcfg.slots:
+    if isinstance(slot, int) and not 0 <= slot < lcfg.slots:
         raise ValueError(f"slot {slot} is not in the stack of {lcfg.slots}")
     extra = sorted(set(single_cfg.targets) - set(lcfg.targets))
     if extra:

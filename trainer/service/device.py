@@ -58,14 +58,15 @@ class DeviceState:
         """Slot `index` := `single` (a one-slot adapter of its own rank and targets; {} = zeros), with the given AdamW
         moments or zeros; its gradient accumulator zeroed."""
         put_slot = self.progs.put_slot
+        slot = self.progs.put(np.int32(index))  # traced: one program serves every slot
         # A released slot (scale 0) is written as zeros at any scale: the config only folds scale ratios into B.
-        self.lora = put_slot(self.lora, P.slot_config(self.stack, scale or single_cfg.scale), index, single,
+        self.lora = put_slot(self.lora, P.slot_config(self.stack, scale or single_cfg.scale), slot, single,
                              single_cfg)
         unit = P.slot_config(self.stack, single_cfg.scale)  # moments are stored unscaled: copied as they are
         m, v = moments if moments is not None else ({}, {})
-        self.m = put_slot(self.m, unit, index, m, single_cfg)
-        self.v = put_slot(self.v, unit, index, v, single_cfg)
-        self.grads = put_slot(self.grads, unit, index, {}, single_cfg)
+        self.m = put_slot(self.m, unit, slot, m, single_cfg)
+        self.v = put_slot(self.v, unit, slot, v, single_cfg)
+        self.grads = put_slot(self.grads, unit, slot, {}, single_cfg)
         self.scale_S[index] = scale
 
     def read_slot(self, index: int, rank: int, targets: tuple[str, ...]) -> tuple[Any, Any, Any]:

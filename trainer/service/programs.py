@@ -229,7 +229,7 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
                                  out_shardings=(lora_sh, rep, rep), donate_argnums=(2,)),
         optim_step=jit(optim_step, in_shardings=(lora_sh, lora_sh, lora_sh, lora_sh, rep, rep, rep),
                            out_shardings=(lora_sh, lora_sh, lora_sh, lora_sh, rep), donate_argnums=(0, 1, 2, 3)),
-        put_slot=jit(L.put_slot, static_argnums=(1, 2, 4), donate_argnums=(0,), out_shardings=lora_sh),
+        put_slot=jit(L.put_slot, static_argnums=(1, 4), donate_argnums=(0,), out_shardings=lora_sh),
         take_slot=jit(take_slot, out_shardings=rep),
         sample=jit(sample_rows, in_shardings=(param_sh, lora_sh, rep, b2, b2, b1, rep),
                    out_shardings=Samples(rep, rep, rep), static_argnums=tuple(range(7, 14))),
