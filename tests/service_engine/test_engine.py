@@ -293,3 +293,22 @@ def test_topk_prompt_logprobs_are_the_likeliest_tokens(live: LiveService) -> Non
         assert [t for t, _ in topk[i]] == want.tolist()
         np.testing.assert_allclose([lp for _, lp in topk[i]], full[i - 1][want], atol=2e-5)
         assert out.prompt_logprobs[i] == pytest.approx(float(full[i - 1][tokens[i]]), abs=2e-5)
+
+
+def test_a_model_of_another_base_model_is_refused(live: LiveService) -> None:
+    """An API may list base models this engine does not hold (several engines on one database): the engine refuses
+    such a model rather than training it on the wrong weights."""
+    from tinker import types as t
+
+    from trainer.service import auth, protocol
+
+    key_row, _ = auth.create_key(live.store, "other")
+    session = live.store.create_session(key_row.id)
+    model = live.store.create_model(key_row.id, session.id, 0, "acme/other-model", {"rank": 4})
+    request = t.CreateModelRequest(session_id=session.id, model_seq_id=0, base_model="acme/other-model",
+                                   lora_config=t.LoraConfig(rank=4))
+    body = protocol.canonical_json(request)
+    row = live.store.submit(key_row.id, protocol.CREATE_MODEL, body, model_id=model.id, seq_id=0)
+    done = live.store.wait(key_row.id, row.request_id, 60)
+    assert done.status == "failed" and done.error_category == "user"
+    assert "'acme/other-model' is not served by this engine (it serves 'tiny/random')" in (done.error_message or "")

@@ -310,8 +310,15 @@ class Engine:
 
     # -- models --------------------------------------------------------------------------------------------------
 
+    def _served(self, base_model: str) -> None:
+        # One engine serves one base model; an API that lists more needs an engine for each (issue 19 routes them).
+        if base_model != self.service.base_model:
+            raise UserError(f"base model {base_model!r} is not served by this engine (it serves "
+                            f"{self.service.base_model!r})")
+
     def _create_model(self, row: Request) -> bytes:
         model = self.store.get_model(row.owner_id, row.model_id or "")
+        self._served(model.base_model)
         lc = types.LoraConfig.model_validate(model.lora_config or {"rank": 32})
         self._check_rank(lc.rank)
         targets = P.tinker_targets(lc.train_attn, lc.train_mlp, lc.train_unembed)
@@ -343,6 +350,7 @@ class Engine:
                                 "optimizer")
             moments, step = self._read_moments(root, single_cfg)
         model = self.store.get_model(row.owner_id, row.model_id or "")
+        self._served(model.base_model)
         try:
             index = self._model_slot(model.id).index
         except UserError:  # create-via-load (the model's seq 0), or a model whose state was lost
@@ -598,6 +606,7 @@ class Engine:
         if prompt.min() < 0 or prompt.max() >= self.mcfg.vocab_size:
             raise UserError(f"prompt token ids must be in [0, {self.mcfg.vocab_size})")
         sampler = self.store.get_sampling_session(row.owner_id, req.sampling_session_id or "")
+        self._served(sampler.base_model)
         slot = self._sampler_slot(row.owner_id, sampler.model_path)
         stop_ids, stop_strs = self._stops(sp.stop)
         seed = sp.seed if sp.seed is not None else _stable_int(row.request_id)
