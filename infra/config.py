@@ -459,12 +459,12 @@ class TrainerSpec(_Model):
     @model_validator(mode="after")
     def _config(self) -> TrainerSpec:
         # The image holds the trainer package and trainer.code, so the pod can only name a config in one of them.
-        from trainer.config import default_config_path
+        from trainer.config import bundled_run_configs
 
         v = self.config
-        if v is None or self.config_in_code or ("/" not in v and default_config_path(v).is_file()):
+        bundled = bundled_run_configs()  # a service config is not a run: the trainer refuses it
+        if v is None or self.config_in_code or ("/" not in v and v in bundled):
             return self
-        bundled = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
         inside = f", or a file inside trainer.code ({self.code})" if self.code else ""
         raise ValueError(f"trainer.config: {v!r} is not a trainer config under trainer/configs/{inside}; allowed: "
                          f"{', '.join(bundled)}")

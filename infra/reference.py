@@ -181,10 +181,9 @@ def _stack_extra() -> dict[str, Callable[[], str]]:
         return _codes(JOBSET_CHART_PODS)
 
     def trainer_configs() -> str:
-        from trainer.config import default_config_path
+        from trainer.config import bundled_run_configs
 
-        return "a file under trainer/configs/: " + _codes(
-            sorted(p.name for p in default_config_path().parent.glob("*.yaml")))
+        return "a file under trainer/configs/: " + _codes(bundled_run_configs())
 
     return {
         "cluster.systemPool.machineType": machine_types,

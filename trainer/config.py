@@ -391,6 +391,17 @@ def default_config_path(name: str = DEMO_CONFIG) -> Path:
     return Path(__file__).resolve().parent / "configs" / name
 
 
+def bundled_run_configs() -> list[str]:
+    """The bundled configs (trainer/configs/) that are RL training runs: those with a service section configure the
+    post-training service's engine instead, which `python -m trainer` refuses."""
+    out = []
+    for path in sorted(default_config_path().parent.glob("*.yaml")):
+        data = yamlfile.load(path) or {}
+        if not (isinstance(data, dict) and "service" in data):
+            out.append(path.name)
+    return out
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value (e.g. rl.group_size=8)")

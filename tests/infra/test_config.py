@@ -68,6 +68,9 @@ BAD = [
      r"gke-tpu-rl:network\.dranet\.networks: 4, but the DRANET machines here \(ct6e-standard-4t\) have 2 NICs"),
     ("trainer config not bundled", "dev", "trainer.config", "mine.yaml",
      r"gke-tpu-rl:trainer\.config: 'mine\.yaml' is not a trainer config under trainer/configs/; allowed: demo\.yaml, "),
+    ("a service config is no training run", "dev", "trainer.config", "qwen3-8b-service-v6e-4x4.yaml",
+     r"gke-tpu-rl:trainer\.config: 'qwen3-8b-service-v6e-4x4\.yaml' is not a trainer config under trainer/configs/; "
+     r"allowed: demo\.yaml, (?:(?!service)[^ ]+, )*qwen3-8b-grpo-v6e-4x4\.yaml$"),
     ("trainer config as a path", "dev", "trainer.config", "trainer/configs/demo.yaml",
      r"gke-tpu-rl:trainer\.config: 'trainer/configs/demo\.yaml' is not a trainer config under trainer/configs/"),
 ]
