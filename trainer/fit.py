@@ -85,6 +85,7 @@ from trainer.fit_report import (
     Target,
 )
 from trainer.flops import StepFlops, param_count
+from trainer.service.shapes import rows as shape_rows
 
 # The report and FLOPs types live in fit_report.py and flops.py; callers import them from here.
 __all__ = ["GiB", "WARN_FRACTION", "CompileCache", "FitError", "FitReport", "ProgramFit", "StepFlops", "Suggestion",
@@ -554,7 +555,7 @@ def service_suggestions(ps: E.Pass | None, cfg: TrainConfig) -> list[Suggestion]
     data = mesh.slices * mesh.fsdp
     if ps is not None:
         half = svc.max_batch_tokens // 2
-        if half >= E.engine_rows(1, data) * svc.min_bucket:
+        if half >= shape_rows(1, data) * svc.min_bucket:
             longest = E.service_longest_datum(cfg.model_copy(update={"service": svc.model_copy(
                 update={"max_batch_tokens": half})}), data)
             add(f"service.max_batch_tokens={half}", f" (now {svc.max_batch_tokens}): fewer tokens per pass (the "
@@ -588,7 +589,7 @@ def estimate_service_savings(p: ProgramFit, ps: E.Pass | None, cfg: TrainConfig,
     def same(changed: TrainConfig, layout: E.Layout) -> E.Pass | None:
         if ps is None:
             return None
-        passes = E.service_passes(changed, E.engine_rows(1, layout.data))
+        passes = E.service_passes(changed, shape_rows(1, layout.data))
         if ps.kind.startswith("longest"):
             return passes[-1]
         if ps.kind == "most rows":

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from trainer.config import ConfigError, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.flops import StepFlops, _fwd_flops, param_count
 from trainer.flops import step_flops as _dense_step_flops
+from trainer.service.shapes import rows as shape_rows
+from trainer.service.shapes import stack_config
 
 F32 = 4
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -324,15 +326,6 @@ class Pass:
         return f"forward_backward {self.rows}x{self.length}"
 
 
-def engine_rows(n: int, data_parallel: int) -> int:
-    """The engine's row bucket for n rows (service/programs.py EnginePrograms.rows): a power of two, rounded up to
-    a multiple of the data-parallel size."""
-    b = 1
-    while b < n:
-        b *= 2
-    return -(-b // data_parallel) * data_parallel
-
-
 def service_buckets(cfg: TrainConfig) -> list[int]:
     """The sequence lengths the engine pads to: service.min_bucket x 2^k, the last capped at model.max_seq_len
     (service/programs.py `bucket`)."""
@@ -348,7 +341,7 @@ def service_pass(cfg: TrainConfig, length: int, data_parallel: int) -> Pass:
     """The largest pass the engine runs at one bucketed length: max_batch_tokens // length datums (at least one),
     rounded up to its row bucket (engine.py `_fused`, programs.py `rows`)."""
     assert cfg.service is not None
-    rows = engine_rows(max(1, cfg.service.max_batch_tokens // length), data_parallel)
+    rows = shape_rows(max(1, cfg.service.max_batch_tokens // length), data_parallel)
     return Pass("", rows, length)
 
 
@@ -368,7 +361,7 @@ def service_passes(cfg: TrainConfig, data_parallel: int) -> list[Pass]:
     """
     assert cfg.service is not None
     M = cfg.service.max_batch_tokens
-    one = engine_rows(1, data_parallel)
+    one = shape_rows(1, data_parallel)
     held = [b for b in service_buckets(cfg) if one * b <= M]
     if not held:
         raise ConfigError(
@@ -384,14 +377,6 @@ def service_passes(cfg: TrainConfig, data_parallel: int) -> list[Pass]:
 def service_longest_datum(cfg: TrainConfig, data_parallel: int) -> int:
     """The longest datum (tokens) a forward_backward pass of service.max_batch_tokens holds (see service_passes)."""
     return service_passes(cfg, data_parallel)[-1].length
-
-
-def _service_stack(cfg: TrainConfig) -> LoraConfig:
-    """The engine's slot stack (service/programs.py `stack_config`): every target, lora.rank, lora.slots."""
-    assert cfg.lora is not None
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-    return LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets, rslora=cfg.lora.rslora,
-                      slots=cfg.lora.slots)
 
 
 @dataclass(frozen=True)
@@ -413,7 +398,7 @@ class ServiceState:
 
 def service_state(cfg: TrainConfig, lay: Layout | None = None) -> ServiceState:
     lay = lay or Layout.of(cfg)
-    m, stack = cfg.model_cfg, _service_stack(cfg)
+    m, stack = cfg.model_cfg, stack_config(cfg)
     return ServiceState(_params(m) * _b(m.param_dtype) / lay.shards, lora_per_device(m, stack, lay) * F32,
                         lora_param_count(m, stack))
 
@@ -430,7 +415,7 @@ def service_memory(cfg: TrainConfig, program: str, p: Pass | None = None, lay: L
     r, T, D, L = p.rows / lay.data, p.length, m.d_model, m.n_layers
     V = _split(m.vocab_size, lay.tensor)
     C = min(c.logprob_chunk, T)
-    stack = _service_stack(cfg)
+    stack = stack_config(cfg)
     ws = _layer(m, lay, r, T, T, cb, _low_rank(stack))
     keep = _kept(m, lay, r, T, cb, c.remat, ws)
     inputs = r * T * D * cb
@@ -445,7 +430,7 @@ def service_flops(cfg: TrainConfig, p: Pass) -> tuple[float, float]:
     head over padded chunks (recomputed in the backward), remat, the adapters for every slot; no gradient of the
     frozen base. Model FLOPs: causal attention, no remat, the row's own slot."""
     m, c = cfg.model_cfg, cfg.compute
-    stack = _service_stack(cfg)
+    stack = stack_config(cfg)
     T = p.length
     chunk = min(c.logprob_chunk, T)
     n_head = -(-T // chunk) * chunk

@@ -216,6 +216,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def api_in_thread(store: Store, config: ServerConfig) -> Iterator[str]:
+    """The API on 127.0.0.1 in a uvicorn thread, on a socket bound before it starts (so the port is known and nobody
+    can take it first); yields its URL, and stops it on exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(store, config), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 15
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "the API server did not stop"
+        sock.close()
+
+
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     db_url = f"sqlite:///{Path(tmp_path_factory.mktemp('service_api')) / 'service.db'}"
@@ -227,29 +251,16 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         ],
         long_poll_s=LONG_POLL_S,
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound here, so the port is known and nobody can take it first
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(store, config), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
-    thread.start()
     engine = FakeEngine(Store(db_url))
     try:
-        deadline = time.monotonic() + 15
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
-            time.sleep(0.02)
-        engine.start()
-        yield Service(url=f"http://127.0.0.1:{port}", db_url=db_url, store=store, engine=engine)
+        with api_in_thread(store, config) as url:
+            engine.start()
+            try:
+                yield Service(url=url, db_url=db_url, store=store, engine=engine)
+            finally:
+                if engine._thread.is_alive():
+                    engine.stop()
     finally:
-        if engine._thread.is_alive():
-            engine.stop()
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "the API server did not stop"
-        sock.close()
         engine.store.close()
         store.close()
 

@@ -5,9 +5,7 @@ but the database, as separate processes would."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import tinker
-import uvicorn
 
+from tests.service_api.conftest import api_in_thread
 from trainer.config import TrainConfig, config_from_dict
 from trainer.service import auth
-from trainer.service.api import BaseModelSpec, ServerConfig, create_app
+from trainer.service.api import BaseModelSpec, ServerConfig
 from trainer.service.engine import Engine
 from trainer.service.store import Store
 
@@ -93,25 +91,16 @@ def live_service(tmp: Path, cfg: TrainConfig | None = None) -> Iterator[LiveServ
     assert cfg.service is not None
     config = ServerConfig([BaseModelSpec(cfg.service.base_model, max_context_length=cfg.model_cfg.max_seq_len)],
                           long_poll_s=5.0)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(store, config), log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
-    thread.start()
-    live = LiveService(f"http://127.0.0.1:{sock.getsockname()[1]}", store, cfg, Engine(Store(db), cfg))
+    live = LiveService("", store, cfg, Engine(Store(db), cfg))
     try:
-        deadline = time.monotonic() + 15
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
-            time.sleep(0.02)
-        live.start_engine()
-        yield live
+        with api_in_thread(store, config) as url:
+            live.url = url
+            live.start_engine()
+            try:
+                yield live
+            finally:
+                live.close_clients()
+                live.stop_engine()
     finally:
-        live.close_clients()
-        live.stop_engine()
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
         live.engine.store.close()
         store.close()

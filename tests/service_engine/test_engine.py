@@ -22,6 +22,7 @@ from trainer import lora as L
 from trainer import model as M
 from trainer.service import programs as P
 from trainer.service.engine import MODEL_STATE_LOST
+from trainer.service.shapes import ATTN_TARGETS, MLP_TARGETS
 
 BASE = "tiny/random"
 
@@ -117,6 +118,11 @@ def test_users_batched_together_train_exactly_as_alone(live: LiveService) -> Non
     assert sizes, "no forward/backward batch ran"
 
 
+def _slot(tree: dict, i: int) -> dict:
+    """Slot i of an adapter-shaped tree (NumPy)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: np.take(np.asarray(x), i, axis=L._slot_axis(p)), tree)
+
+
 def test_adamw_matches_optax_on_its_slot_only(live: LiveService) -> None:
     """optim_step is torch's AdamW (= optax.adamw, decoupled decay) after clipping the slot's global norm, applied to
     one slot; every other slot, its moments and its gradient stay as they were."""
@@ -130,27 +136,25 @@ def test_adamw_matches_optax_on_its_slot_only(live: LiveService) -> None:
     slot, t = 2, 3
     new, nm, nv, ng, norm = progs.optim_step(put(lora), put(m), put(v), put(g), progs.put(np.int32(slot)),
                                              progs.put(np.int32(t)), progs.put(hyper.array()))
-    take = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda p, x: np.take(np.asarray(x), slot, axis=L._slot_axis(p)), tree)
     opt = optax.chain(optax.clip_by_global_norm(hyper.grad_clip_norm),
                       optax.adamw(hyper.learning_rate, hyper.beta1, hyper.beta2, hyper.eps,
                                   weight_decay=hyper.weight_decay))
-    state = opt.init(take(lora))
+    state = opt.init(_slot(lora, slot))
     # optax's adam state at count t-1 with our moments: the next update is step t.
-    state = (state[0], (optax.ScaleByAdamState(count=jnp.int32(t - 1), mu=take(m), nu=take(v)), *state[1][1:]))
-    upd, _ = opt.update(take(g), state, take(lora))
-    want = optax.apply_updates(take(lora), upd)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6), take(jax.device_get(new)), want)
-    gn = math.sqrt(sum(float(np.sum(x**2)) for x in jax.tree.leaves(take(g))))
+    adam = optax.ScaleByAdamState(count=jnp.int32(t - 1), mu=_slot(m, slot), nu=_slot(v, slot))
+    state = (state[0], (adam, *state[1][1:]))
+    upd, _ = opt.update(_slot(g, slot), state, _slot(lora, slot))
+    want = optax.apply_updates(_slot(lora, slot), upd)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6), _slot(jax.device_get(new), slot),
+                 want)
+    gn = math.sqrt(sum(float(np.sum(x**2)) for x in jax.tree.leaves(_slot(g, slot))))
     assert float(norm) == pytest.approx(gn, rel=1e-5)
     for i in range(progs.stack.slots):
         if i == slot:
             continue
-        pick = lambda tree, i=i: jax.tree_util.tree_map_with_path(  # noqa: E731
-            lambda p, x: np.take(np.asarray(x), i, axis=L._slot_axis(p)), tree)
         for before, after in ((lora, new), (m, nm), (v, nv), (g, ng)):
-            jax.tree.map(np.testing.assert_array_equal, pick(before), pick(jax.device_get(after)))
-    assert all(not np.any(x) for x in jax.tree.leaves(take(jax.device_get(ng))))
+            jax.tree.map(np.testing.assert_array_equal, _slot(before, i), _slot(jax.device_get(after), i))
+    assert all(not np.any(x) for x in jax.tree.leaves(_slot(jax.device_get(ng), slot)))
 
 
 def test_save_and_load_state_continue_exactly(live: LiveService) -> None:
@@ -173,7 +177,7 @@ def test_save_and_load_state_continue_exactly(live: LiveService) -> None:
     storage = Path(live.store.get_checkpoint(live.store.get_model(_owner(live, tc), tc.model_id).owner_id,
                                              path).storage_path)
     weights, lcfg = L.import_peft(storage, live.engine.mcfg)  # a PEFT adapter, readable by PEFT's own layout
-    assert lcfg.rank == 4 and "lm_head" not in lcfg.targets and set(lcfg.targets) == set(P.ATTN_TARGETS + P.MLP_TARGETS)
+    assert lcfg.rank == 4 and "lm_head" not in lcfg.targets and set(lcfg.targets) == set(ATTN_TARGETS + MLP_TARGETS)
 
 
 def _owner(live: LiveService, tc: tinker.TrainingClient) -> str:

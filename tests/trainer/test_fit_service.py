@@ -27,6 +27,7 @@ from trainer import fit_estimate as E
 from trainer.config import ConfigError, LoraConfig, config_from_dict, load_config, resolve_mesh
 from trainer.lora import lora_axes, lora_shapes
 from trainer.service import programs as SP
+from trainer.service import shapes
 from trainer.sharding import logical_to_spec
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -71,7 +72,7 @@ def test_the_passes_are_the_engines_own_shapes() -> None:
     assert [p.kind for p in passes] == ["most rows", "", "", "", "", "longest"]
     assert E.service_longest_datum(cfg, 2) == 1024 and all(p.tokens <= 2048 for p in passes)
     for p in passes:  # as engine.py `_fused` packs them: max_batch_tokens // length datums, the programs' row bucket
-        assert SP.bucket(p.length, 32, TINY["max_seq_len"]) == p.length
+        assert shapes.bucket(p.length, 32, TINY["max_seq_len"]) == p.length
         assert p.rows == _engine_rows(max(1, 2048 // p.length), 2)
     # 4 data-parallel rows of the longest datum; a max_batch_tokens no power-of-two multiple of a bucket rounds its
     # rows up, as the engine does (312 datums of 32 tokens run as 512 rows).
@@ -87,7 +88,7 @@ def test_the_passes_are_the_engines_own_shapes() -> None:
 
 def test_the_service_state_estimate_of_qwen3_8b_on_v6e_4x4() -> None:
     cfg = resolve_mesh(F.resolve_model(load_config("qwen3-8b-service-v6e-4x4.yaml"))[0], 16, exact=True)
-    m, stack = cfg.model_cfg, SP.stack_config(cfg)
+    m, stack = cfg.model_cfg, shapes.stack_config(cfg)
     st = E.service_state(cfg)
     assert st.stack_params == 16 * 32 * 2_883_968 == 1_476_591_616  # every target, lm_head too, 16 slots of rank 32
     # The adapters shard over one mesh axis (their in or out dim), not two: a quarter of a stack per chip.
@@ -169,8 +170,8 @@ def test_a_service_config_sizes_the_engines_programs(tiny: F.FitReport) -> None:
     assert sv.passes == {"forward_backward 2x512": "longest", "forward_backward 32x32": "most rows"}
     assert [p.name for p in tiny.programs] == [*sv.passes, "optim_step"]
     cfg = resolve_mesh(_aligned(), 4, exact=True)
-    stack = SP.stack_config(cfg)
-    assert stack.targets == tuple(SP.ALL_TARGETS) and stack.slots == 2 and stack.rank == 128
+    stack = shapes.stack_config(cfg)
+    assert stack.targets == tuple(shapes.ALL_TARGETS) and stack.slots == 2 and stack.rank == 128
     assert sv.stack == _stack_bytes(cfg.model_cfg, stack, {"slices": 1, "fsdp": 2, "tensor": 2}) == sv.stack_estimate
     assert sv.base == pytest.approx(F.param_count(cfg.model_cfg) * 4 / 4, rel=0.01) and sv.base_estimate > 0
     assert sv.resident == sv.base + 4 * sv.stack

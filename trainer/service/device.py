@@ -150,7 +150,6 @@ class Leader:
             # that outlived the service (on process 0) would abort polling it.
             log.info("engine: followers stopped")
             jax.distributed.shutdown()
-            log.info("engine: shut down")
 
 
 def _ops(poll_ms: int = 60_000) -> Iterator[tuple[str, tuple[Any, ...]]]:
@@ -173,8 +172,6 @@ def follow(state: DeviceState) -> None:
         if op == STOP:
             log.info("engine follower: stop")
             _client().wait_at_barrier(f"{PREFIX}/stopped", STOP_TIMEOUT_MS)
-            log.info("engine follower: passed the barrier")
             jax.distributed.shutdown()
-            log.info("engine follower: shut down")
             return
         getattr(state, op)(*args)

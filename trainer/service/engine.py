@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import threading
 import time
@@ -52,6 +51,7 @@ from trainer.fit_estimate import service_longest_datum
 from trainer.service import device, losses, protocol
 from trainer.service import programs as P
 from trainer.service.device import DeviceState
+from trainer.service.shapes import bucket, tinker_targets
 from trainer.service.store import Checkpoint, Conflict, NotFound, Request, Store, default_data_dir, tinker_path
 from trainer.sharding import make_mesh
 
@@ -321,7 +321,7 @@ class Engine:
         self._served(model.base_model)
         lc = types.LoraConfig.model_validate(model.lora_config or {"rank": 32})
         self._check_rank(lc.rank)
-        targets = P.tinker_targets(lc.train_attn, lc.train_mlp, lc.train_unembed)
+        targets = tinker_targets(lc.train_attn, lc.train_mlp, lc.train_unembed)
         if not targets:
             raise UserError("lora_config trains nothing: set train_attn, train_mlp or train_unembed")
         index = self._free_slot()
@@ -432,7 +432,7 @@ class Engine:
         out_loss: list[np.ndarray] = [np.zeros(len(b.data)) for _, b, _ in accepted]
         groups: dict[tuple[bool, int], list[Any]] = {}
         for item in items:
-            length = P.bucket(max(len(item[3].tokens), 1), svc.min_bucket, self.mcfg.max_seq_len)
+            length = bucket(max(len(item[3].tokens), 1), svc.min_bucket, self.mcfg.max_seq_len)
             groups.setdefault((item[2], length), []).append(item)
         for (backward, length), group in sorted(groups.items()):
             per_pass = max(1, svc.max_batch_tokens // length)
@@ -614,7 +614,7 @@ class Engine:
         n = req.num_samples
         chunk = min(self.service.sample_max_sequences, self.progs.rows(n))
         rows = -(-self.progs.rows(n) // chunk) * chunk
-        plen = P.bucket(len(prompt), self.service.min_bucket, self.mcfg.max_seq_len - sp.max_tokens)
+        plen = bucket(len(prompt), self.service.min_bucket, self.mcfg.max_seq_len - sp.max_tokens)
         prompt_BP = np.zeros((rows, plen), np.int32)
         valid_BP = np.zeros((rows, plen), bool)
         prompt_BP[:, :len(prompt)] = prompt
@@ -638,13 +638,9 @@ class Engine:
         logprobs = np.full((len(prompt), k), protocol.TOPK_MASK_LOGPROB, np.float32)
         if n == 0:
             return ids, logprobs
-        length = P.bucket(n, self.service.min_bucket, self.mcfg.max_seq_len)
-        rows = self.progs.rows(1)
-        tokens = np.zeros((rows, length), np.int32)
-        valid = np.zeros((rows, length), bool)
-        tokens[0, :n], valid[0, :n] = prompt[:-1], True
-        slot_B = np.full((rows,), -1, np.int32)
-        slot_B[0] = slot
+        tokens, slot_B = self._prompt_row(prompt, slot)
+        valid = np.zeros(tokens.shape, bool)
+        valid[0, :n] = True
         top_ids, top_lp = self.dev("prompt_topk", tokens, slot_B, valid, k)
         ids[1:], logprobs[1:] = top_ids[0, :n], top_lp[0, :n]
         return ids, logprobs
@@ -668,20 +664,20 @@ class Engine:
         out = np.full(len(prompt), np.nan, np.float32)
         if n == 0:
             return out
-        length = P.bucket(n, self.service.min_bucket, self.mcfg.max_seq_len)
-        rows = self.progs.rows(1)
+        tokens, slot_B = self._prompt_row(prompt, slot)
         packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": prompt[1:],
                                                                 "weights": np.zeros(n, np.float32)})],
-                                  length=length, num_rows=rows, vocab_size=self.mcfg.vocab_size)
-        tokens = np.zeros((rows, length), np.int32)
-        tokens[0, :n] = prompt[:-1]
-        slot_B = np.full((rows,), -1, np.int32)
-        slot_B[0] = slot
+                                  length=tokens.shape[1], num_rows=tokens.shape[0], vocab_size=self.mcfg.vocab_size)
         lp, _ = self.dev("run_pass", tokens, slot_B, packed, False)
         out[1:] = np.asarray(lp)[0, :n]
         return out
 
-
-def engine_from_config(store: Store, cfg: TrainConfig, **kw: Any) -> Engine:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return Engine(store, cfg, **kw)
+    def _prompt_row(self, prompt: np.ndarray, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """A one-prompt batch for the prompt's own predictions: row 0 holds prompt[:-1] on `slot`, bucketed; the
+        other rows (data-parallel padding) are empty on the base model."""
+        n = len(prompt) - 1
+        tokens = np.zeros((self.progs.rows(1), bucket(n, self.service.min_bucket, self.mcfg.max_seq_len)), np.int32)
+        tokens[0, :n] = prompt[:-1]
+        slot_B = np.full((tokens.shape[0],), -1, np.int32)
+        slot_B[0] = slot
+        return tokens, slot_B

@@ -29,38 +29,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from trainer import lora as L
 from trainer import model as M
-from trainer.config import LORA_LINEAR_TARGETS, LoraConfig, ModelConfig, TrainConfig
+from trainer.config import LoraConfig, ModelConfig, TrainConfig
 from trainer.sampler import Samples, sample
 from trainer.service.losses import LossInputs, tinker_losses
+from trainer.service.shapes import rows, stack_config
 from trainer.sharding import DATA_AXES, RULES, RULES_ACROSS_SLICES, batch_sharding, named_shardings, replicated
 
 f32 = jnp.float32
-ALL_TARGETS: tuple[str, ...] = (*LORA_LINEAR_TARGETS, "lm_head")
-ATTN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
-
-
-def stack_config(cfg: TrainConfig) -> LoraConfig:
-    """The slot stack: every target (a client picks its own subset), lora.rank columns, lora.slots slots."""
-    assert cfg.lora is not None
-    return LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=list(ALL_TARGETS), rslora=cfg.lora.rslora,
-                      slots=cfg.lora.slots)
-
-
-def tinker_targets(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
-    """A Tinker LoraConfig's train_* flags as PEFT target module names."""
-    out = (ATTN_TARGETS if train_attn else ()) + (MLP_TARGETS if train_mlp else ())
-    return out + (("lm_head",) if train_unembed else ())
-
-
-def bucket(n: int, smallest: int, largest: int) -> int:
-    """`smallest` x a power of two >= n, capped at `largest` (one compiled program per bucket)."""
-    b = smallest
-    while b < n:
-        b *= 2
-    return min(b, largest)
-
-
 @dataclass(frozen=True)
 class AdamHyper:
     """Tinker's AdamParams as the program's traced scalars (so a new learning rate does not recompile)."""
@@ -101,11 +76,8 @@ class EnginePrograms:
         return jax.make_array_from_callback(arr.shape, sh, lambda idx: arr[idx])
 
     def rows(self, n: int) -> int:
-        """The row bucket for n rows: a power of two, a multiple of the data-parallel size."""
-        b = 1
-        while b < n:
-            b *= 2
-        return -(-b // self.data_parallel) * self.data_parallel
+        """The row bucket for n rows (shapes.rows on this mesh)."""
+        return rows(n, self.data_parallel)
 
     def zeros_like_stack(self) -> Any:
         shapes = L.lora_shapes(self.mcfg, self.stack)
