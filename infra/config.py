@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 from typing import Any, Literal
 
@@ -470,6 +471,126 @@ class TrainerSpec(_Model):
                          f"{', '.join(bundled)}")
 
 
+_SQL_TIER = re.compile(r"^db-custom-(\d+)-(\d+)$")
+
+
+class DatabaseSpec(_Model):
+    """The service's Cloud SQL for PostgreSQL instance: private IP in the environment's VPC, IAM database
+    authentication only (no built-in users, no passwords), automated backups with point-in-time recovery."""
+
+    tier: str = Field("db-custom-1-3840", description="Cloud SQL machine tier db-custom-<vCPUs>-<MiB of memory> "
+                      "(Enterprise edition; 0.9 to 6.5 GiB per vCPU, memory a multiple of 256 MiB)")
+    version: Literal["POSTGRES_16", "POSTGRES_17"] = Field("POSTGRES_17", description="PostgreSQL major version")
+    disk_gb: int = Field(10, ge=10, le=65536, description="SSD storage in GB; Cloud SQL grows it automatically")
+    availability: Literal["zonal", "regional"] = Field(
+        "zonal", description="'regional': a standby in another zone of the region takes over on a zone failure "
+        "(twice the price)")
+    backup_retention_days: int = Field(7, ge=1, le=365, description="days of automated daily backups kept "
+                                       "(point-in-time recovery covers the same window)")
+    protect: bool | None = Field(None, description="Cloud SQL deletion protection and retain on `pulumi destroy`; "
+                                 "as storage.protect when unset")
+    private_service_cidr: str = Field("10.24.0.0/20", description="the range reserved in the VPC for Google's "
+                                      "private services (Cloud SQL's private IP); like every range of the "
+                                      "environment it must not overlap the others")
+
+    @field_validator("tier")
+    @classmethod
+    def _tier(cls, v: str) -> str:
+        m = _SQL_TIER.match(v)
+        if not m:
+            raise ValueError(f"{v!r} is not a Cloud SQL custom tier like db-custom-1-3840 (db-custom-<vCPUs>-<MiB>); "
+                             "shared-core tiers (db-f1-micro, db-g1-small) have no SLA")
+        cpus, mib = int(m[1]), int(m[2])
+        if not (cpus == 1 or (cpus % 2 == 0 and 2 <= cpus <= 96)):
+            raise ValueError(f"{v!r}: vCPUs must be 1 or an even number from 2 to 96")
+        if mib % 256 or not 0.9 * 1024 * cpus <= mib <= 6.5 * 1024 * cpus:
+            raise ValueError(f"{v!r}: memory must be a multiple of 256 MiB and 0.9 to 6.5 GiB per vCPU "
+                             f"({math.ceil(0.9 * 1024 * cpus / 256) * 256}..{int(6.5 * 1024 * cpus) // 256 * 256} MiB "
+                             f"for {cpus} vCPU)")
+        return v
+
+    @field_validator("private_service_cidr")
+    @classmethod
+    def _psa(cls, v: str) -> str:
+        cidr = _subnet(v)
+        if ipaddress.ip_network(cidr).prefixlen > 24:
+            raise ValueError(f"{cidr}: private services access needs at least a /24")
+        return cidr
+
+    @property
+    def cpus(self) -> int:
+        return int(_SQL_TIER.match(self.tier)[1])  # type: ignore[index]
+
+    @property
+    def memory_gib(self) -> float:
+        return int(_SQL_TIER.match(self.tier)[2]) / 1024  # type: ignore[index]
+
+
+class ServiceAccessSpec(_Model):
+    internal_load_balancer: bool = Field(False, description="also expose the API on an internal passthrough "
+                                         "Network Load Balancer in the VPC (off: `kubectl port-forward` only)")
+    allowed_cidrs: list[str] = Field(default_factory=list, description="VPC ranges allowed to reach the API "
+                                     "through the internal load balancer (its source ranges and the API's "
+                                     "NetworkPolicy); required with internalLoadBalancer")
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        return [_cidr(c) for c in v]
+
+    @model_validator(mode="after")
+    def _pair(self) -> ServiceAccessSpec:
+        if self.internal_load_balancer and not self.allowed_cidrs:
+            raise ValueError("access.internalLoadBalancer needs access.allowedCidrs (the VPC ranges of the API's "
+                             "clients)")
+        if self.allowed_cidrs and not self.internal_load_balancer:
+            raise ValueError("access.allowedCidrs admits clients through the internal load balancer; set "
+                             "access.internalLoadBalancer: true or remove it")
+        return self
+
+
+class ServiceSpec(_Model):
+    """The Tinker-compatible post-training service (trainer/service): the API as a Deployment on the CPU system
+    pool, the engine as a Kueue-queued JobSet on a TPU slice group, the store in Cloud SQL."""
+
+    name: str = Field("tinker", description="prefix of the service's objects: <name>-api (Deployment, Service, "
+                      "service account), <name>-engine (JobSet, service account), the Cloud SQL instance")
+    config: str = Field(description="the engine's config: a bundled service config under trainer/configs/ (one "
+                        "with a service section)")
+    slice_group: str | None = Field(None, description="which slice group runs the engine; the first when unset")
+    suspend: bool = Field(False, description="true: no engine (its slice is free for other work); the API keeps "
+                          "accepting requests, which run when the engine is back; nothing is lost")
+    priority: str = Field("default", description="the engine's Kueue priority class, a key of "
+                          "queues.priorityClasses")
+    max_restarts: int = Field(100, ge=0, le=10000, description="restarts of the engine JobSet (preemptions, node "
+                              "loss) before it fails; every restart restores every model from the bucket")
+    termination_grace_seconds: int = Field(120, ge=30, le=3600, description="the engine pods' grace period: the "
+                                           "request in flight finishes or is re-run after the restart")
+    api_replicas: int = Field(2, ge=1, le=20, description="API pods (stateless; spread over the system pool's nodes)")
+    args: list[str] = Field(default_factory=list, description="arguments appended to the engine's command line, "
+                            "e.g. [\"--set\", \"service.idle_unload_s=1800\"]")
+    stage_model: bool = Field(True, description="stage the config's service.base_model from Hugging Face into the "
+                              "bucket with a Job before the engine starts (gated repos need gke-tpu-rl:hfToken)")
+    database: DatabaseSpec = Field(DatabaseSpec(), description="the store: Cloud SQL for PostgreSQL")
+    access: ServiceAccessSpec = Field(ServiceAccessSpec(), description="how clients reach the API")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _short_name(v, "it prefixes the service's Kubernetes objects, service accounts and Cloud SQL instance")
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, v: str) -> str:
+        from trainer.config import bundled_service_configs
+
+        allowed = bundled_service_configs()
+        if v not in allowed:
+            raise ValueError(f"{v!r} is not a bundled service config under trainer/configs/; allowed: "
+                             f"{', '.join(allowed)}")
+        return v
+
+
 class EnvironmentSpec(_Model):
     env: str = Field(description="the environment (stack) name")
     project: str = Field(description="the GCP project id")
@@ -487,6 +608,8 @@ class EnvironmentSpec(_Model):
     queues: QueuesSpec = Field(QueuesSpec(), description="Kueue's queues and priority classes for the training job")
     trainer: TrainerSpec = Field(TrainerSpec(), description="the training job: a JobSet, or an elastic RayJob with "
                                  "launcher 'ray'")
+    service: ServiceSpec | None = Field(None, description="the Tinker-compatible post-training service: an "
+                                        "always-up API, a TPU engine and a Cloud SQL store; none when unset")
 
     @field_validator("env")
     @classmethod
@@ -561,7 +684,34 @@ class EnvironmentSpec(_Model):
                 raise ValueError(f"trainer.name: {t.name!r} is too long: the JobSet's pod names ({pod}) would "
                                  f"exceed {rules.DNS_LABEL_MAX} characters; use at most "
                                  f"{len(t.name) - (len(pod) - rules.DNS_LABEL_MAX)}")
+        if self.service is not None:
+            self._check_service()
         return self
+
+    def _check_service(self) -> None:
+        svc = self.service
+        assert svc is not None
+        names = [g.name for g in self.slices]
+        group = self.service_group
+        if group is None:
+            raise ValueError(f"service.sliceGroup: {svc.slice_group!r} is not a slice group; allowed: {names}")
+        if svc.priority not in self.queues.priority_classes:
+            raise ValueError(f"service.priority: {svc.priority!r} is not a priority class; "
+                             f"allowed: {sorted(self.queues.priority_classes)}")
+        if self.trainer.enabled and self.trainer.name in (self.service_api_name, self.service_engine_name):
+            raise ValueError(f"trainer.name: {self.trainer.name!r} is also a name of the service's objects; "
+                             "rename one")
+        pod = f"{self.service_engine_name}-{REPLICATED_JOB}-0-{group.shape.hosts - 1}-abcde"
+        if len(pod) > rules.DNS_LABEL_MAX:
+            raise ValueError(f"service.name: {svc.name!r} is too long: the engine's pod names ({pod}) would exceed "
+                             f"{rules.DNS_LABEL_MAX} characters; use at most "
+                             f"{len(svc.name) - (len(pod) - rules.DNS_LABEL_MAX)}")
+        for role, account in self.service_gcp_accounts.items():
+            if not rules.SERVICE_ACCOUNT_ID.match(account):
+                raise ValueError(f"service.name: {svc.name!r} with stack {self.env!r} makes the {role}'s Google "
+                                 f"service account id {account!r}, which must be 6-30 characters; use a shorter "
+                                 "name")
+        rules.gcp_name(self.sql_instance_name, 98, "service.name: the Cloud SQL instance name")
 
     def _check_ray(self) -> None:
         t = self.trainer
@@ -595,6 +745,8 @@ class EnvironmentSpec(_Model):
         for i, cidr in enumerate(net.dranet.subnet_cidrs(n)):
             named.append((f"network.dranet.cidrs[{i}]" + ("" if given else " (derived; set network.dranet.cidrs)"),
                           cidr))
+        if self.service is not None:
+            named.append(("service.database.privateServiceCidr", self.service.database.private_service_cidr))
         clash = rules.overlaps(named)
         if clash:
             ka, a, kb, b = clash[0]
@@ -699,6 +851,45 @@ class EnvironmentSpec(_Model):
         """The oldest GKE version this environment can run on (managed DRANET's minimum), checked at deploy time
         against the version the channel and prefix resolve to."""
         return DRANET_MIN_GKE if self.network.dranet.enabled else None
+
+    @property
+    def service_group(self) -> SliceGroupSpec | None:
+        svc = self.service
+        if svc is None:
+            return None
+        if svc.slice_group is None:
+            return self.slices[0]
+        return next((g for g in self.slices if g.name == svc.slice_group), None)
+
+    @property
+    def service_api_name(self) -> str:
+        """The API's Deployment, Service and Kubernetes service account."""
+        assert self.service is not None
+        return f"{self.service.name}-api"
+
+    @property
+    def service_engine_name(self) -> str:
+        """The engine's JobSet and Kubernetes service account."""
+        assert self.service is not None
+        return f"{self.service.name}-engine"
+
+    @property
+    def service_gcp_accounts(self) -> dict[str, str]:
+        """The Google service accounts (ids) the API and the engine act as: Cloud SQL IAM database users must be
+        service accounts, so their Kubernetes accounts impersonate these through workload identity."""
+        assert self.service is not None
+        return {"api": f"{self.env}-{self.service.name}-api", "engine": f"{self.env}-{self.service.name}-eng"}
+
+    @property
+    def sql_instance_name(self) -> str:
+        assert self.service is not None
+        return f"{self.cluster_name}-{self.service.name}"
+
+    @property
+    def sql_protected(self) -> bool:
+        assert self.service is not None
+        p = self.service.database.protect
+        return self.storage.protect if p is None else p
 
     @property
     def cluster_name(self) -> str:

@@ -391,15 +391,24 @@ def default_config_path(name: str = DEMO_CONFIG) -> Path:
     return Path(__file__).resolve().parent / "configs" / name
 
 
+def _bundled_configs() -> dict[str, bool]:
+    """Each bundled config (trainer/configs/) by file name: whether it has a service section."""
+    out = {}
+    for path in sorted(default_config_path().parent.glob("*.yaml")):
+        data = yamlfile.load(path) or {}
+        out[path.name] = isinstance(data, dict) and "service" in data
+    return out
+
+
+def bundled_service_configs() -> list[str]:
+    """The bundled configs that configure the post-training service's engine (a service section)."""
+    return [name for name, service in _bundled_configs().items() if service]
+
+
 def bundled_run_configs() -> list[str]:
     """The bundled configs (trainer/configs/) that are RL training runs: those with a service section configure the
     post-training service's engine instead, which `python -m trainer` refuses."""
-    out = []
-    for path in sorted(default_config_path().parent.glob("*.yaml")):
-        data = yamlfile.load(path) or {}
-        if not (isinstance(data, dict) and "service" in data):
-            out.append(path.name)
-    return out
+    return [name for name, service in _bundled_configs().items() if not service]
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
