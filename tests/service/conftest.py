@@ -9,6 +9,7 @@ import tempfile
 import uuid
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,14 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'service.db'}"
         return
-    server_url = normalize_url(request.getfixturevalue("pg_server_url"))
+    with pg_database(request.getfixturevalue("pg_server_url")) as url:
+        yield url
+
+
+@contextmanager
+def pg_database(pg_server: str) -> Iterator[str]:
+    """A fresh database on the shared server, its URL; dropped afterwards."""
+    server_url = normalize_url(pg_server)
     name = f"t_{uuid.uuid4().hex[:12]}"
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:

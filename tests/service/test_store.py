@@ -23,9 +23,11 @@ from trainer.service.store import (
     NotFound,
     SessionFinished,
     StaleClaim,
+    StateUpdate,
     Store,
     StoreError,
     parse_tinker_path,
+    sampling_session_id_for,
     tinker_path,
 )
 
@@ -374,3 +376,73 @@ def test_schema_creation_races_and_version_guard(db_url: str) -> None:
     st.close()
     with pytest.raises(StoreError, match="newer than this code"):
         Store(db_url)
+
+
+def test_a_schema_1_database_is_migrated_in_place(db_url: str, owners: tuple[str, str]) -> None:
+    """A database written by schema 1 (no workers.base_model, no model_states) opens, keeps its rows and gains both."""
+    st = Store(db_url)
+    alice, _ = owners
+    model = _model(st, alice)
+    with st.engine.begin() as conn:  # schema 1, as the previous release left it
+        conn.execute(text("DROP TABLE model_states"))
+        conn.execute(text("ALTER TABLE workers DROP COLUMN base_model"))
+        conn.execute(text("UPDATE store_meta SET value = '1'"))
+    st.close()
+    st = Store(db_url)
+    try:
+        with st.engine.begin() as conn:
+            assert conn.execute(text("SELECT value FROM store_meta")).scalars().all() == [str(SCHEMA_VERSION)]
+        assert st.get_model(alice, model.id).id == model.id
+        worker = st.register_worker(base_model="tiny/base")
+        assert st.engine_up("tiny/base") and not st.engine_up("other/base")
+        st.submit(alice, "create_model", b"{}", model_id=model.id, seq_id=0)
+        [row] = st.claim(worker)
+        st.complete(row.request_id, b"ok", worker_id=worker, state=StateUpdate(model.id, 0, 0, None))
+        assert st.model_state(model.id).seq_id == 0  # type: ignore[union-attr]
+    finally:
+        st.close()
+
+
+def test_state_and_checkpoints_commit_with_the_request_that_made_them(store: Store, owners: tuple[str, str]) -> None:
+    """A model's state moves only with its request's completion, and a save's checkpoint row (and its sampler) only
+    with the save's: a save that conflicts leaves the request running and nothing behind."""
+    alice, _ = owners
+    model = _model(store, alice)
+    worker = store.register_worker(base_model="tiny/base")
+    for seq, kind in enumerate(("create_model", "optim_step", "save_weights_for_sampler", "save_weights_for_sampler")):
+        store.submit(alice, kind, f"{seq}".encode(), model_id=model.id, seq_id=seq)
+    [create] = store.claim(worker)
+    store.complete(create.request_id, b"ok", worker_id=worker, state=StateUpdate(model.id, 0, 0, None))
+    [step] = store.claim(worker)
+    store.complete(step.request_id, b"ok", worker_id=worker, state=StateUpdate(model.id, 1, 1, "/snap/1"))
+    state = store.model_state(model.id)
+    assert state is not None and (state.seq_id, state.step, state.storage_path) == (1, 1, "/snap/1")
+    [save] = store.claim(worker)
+    store.add_checkpoint(alice, model.id, "s1", "sampler", "/ckpt/a", sampler_seq_id=5,
+                         completes=(save.request_id, worker, b"saved"))
+    assert store.get_request(alice, save.request_id).status == DONE
+    sampler = store.get_sampling_session(alice, sampling_session_id_for(model.session_id, 5))
+    assert sampler.model_path == tinker_path(model.id, "sampler", "s1")
+    [again] = store.claim(worker)
+    with pytest.raises(Conflict):
+        store.add_checkpoint(alice, model.id, "s1", "sampler", "/ckpt/b", sampler_seq_id=6,
+                             completes=(again.request_id, worker, b"saved"))
+    assert store.get_request(alice, again.request_id).status == RUNNING
+    with pytest.raises(NotFound):
+        store.get_sampling_session(alice, sampling_session_id_for(model.session_id, 6))
+    assert store.get_checkpoint(alice, tinker_path(model.id, "sampler", "s1")).storage_path == "/ckpt/a"
+    assert [r.seq_id for r in store.replay_log(model.id, 0, {"optim_step"})] == [1]
+
+
+def test_engine_up_follows_heartbeats_and_retirement(store: Store) -> None:
+    assert not store.engine_up(None)
+    worker = store.register_worker(base_model="tiny/base")
+    assert store.engine_up("tiny/base") and store.engine_up(None) and not store.engine_up("other/base")
+    with store.engine.begin() as conn:  # its last beat 11 s ago: gone (ENGINE_GONE_AFTER_S)
+        conn.execute(text("UPDATE workers SET heartbeat_at = :t"),
+                     {"t": (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=11)).replace(tzinfo=None)})
+    assert not store.engine_up("tiny/base")
+    store.worker_heartbeat(worker)
+    assert store.engine_up("tiny/base")
+    store.retire_worker(worker)
+    assert not store.engine_up("tiny/base")

@@ -8,6 +8,8 @@ import jax
 import pytest
 import tinker
 
+from tests.service.conftest import pg_server_url  # noqa: F401 - the real PostgreSQL server, shared
+
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -18,7 +18,7 @@ from tests.service_api.conftest import api_in_thread
 from trainer.config import TrainConfig, config_from_dict
 from trainer.service import auth
 from trainer.service.api import BaseModelSpec, ServerConfig
-from trainer.service.engine import Engine
+from trainer.service.engine import Engine, recover
 from trainer.service.store import Store
 
 TINY_MODEL: dict[str, Any] = {
@@ -59,7 +59,7 @@ class LiveService:
     def restart_engine(self) -> Engine:
         """A new engine on the same database and storage, as after a crash: nothing of the old one's memory."""
         self.stop_engine()
-        self.store.recover()
+        recover(self.store)
         self.engine = Engine(Store(str(self.store.url.render_as_string(hide_password=False))), self.cfg)
         self.start_engine()
         return self.engine

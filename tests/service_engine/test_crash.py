@@ -1,6 +1,6 @@
 """SIGKILL of `serve --config` (API and engine in one process) with requests queued and in flight, then a restart on
-the same database and storage: every accepted request completes or fails with an error that says why, and the session,
-its checkpoints and its sampler adapter saved before the kill all work."""
+the same database and storage: every accepted request completes, each optim_step applied once (the model's step
+counts them), and the session, its checkpoints and its sampler adapter saved before the kill all work."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from tinker import types
 
 from tests.service_api.conftest import free_port, wait_healthy
 from tests.service_engine.service import TINY_MODEL
-from trainer.service.engine import MODEL_STATE_LOST
-from trainer.service.store import SERVER_RESTARTED
+from trainer.service.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,22 +81,13 @@ def test_sigkill_with_requests_in_flight_loses_nothing(tmp_path: Path) -> None:
 
     proc = _start(tmp_path, port, "second.log")  # same port, database and storage
     try:
-        outcomes: dict[str, list[str]] = {}
         for kind, future in pending:
-            try:
-                result = future.result(timeout=180)
-            except tinker.RequestFailedError as e:
-                message = str(e)
-                # Why, in words: the request may have been running at the kill, or its model's state is gone.
-                assert SERVER_RESTARTED.split(";")[0][:40] in message or MODEL_STATE_LOST[:40] in message, message
-                outcomes.setdefault(kind, []).append("failed")
-            else:
-                outcomes.setdefault(kind, []).append("done")
-                if kind == "sample":
-                    assert result.sequences[0].tokens == tokens_before
-        print("outcomes after the restart:", outcomes)
-        assert sum(len(v) for v in outcomes.values()) == len(pending)
-        assert outcomes["sample"] == ["done"] * 3, outcomes  # the saved adapter serves after the restart
+            result = future.result(timeout=180)  # none is lost: a failure would raise RequestFailedError here
+            if kind == "sample":
+                assert result.sequences[0].tokens == tokens_before  # the saved adapter serves after the restart
+        # Each optim_step took effect exactly once: 2 before the kill, 6 accepted around it.
+        saved = Store(f"sqlite:///{tmp_path / 'service.db'}").model_state(tc.model_id)
+        assert saved is not None and saved.step == 8
 
         # The session and what it saved are all there: the checkpoint continues where it was.
         restored = sc.create_training_client_from_state_with_optimizer(state).result()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -244,40 +246,63 @@ def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:
     assert tc.forward_backward(_data(6), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
-def test_slots_run_out_with_a_clear_error_and_come_back_when_a_session_ends(tmp_path: Path) -> None:
+def _train_twice(tc: Any, first: list[types.Datum], second: list[types.Datum]) -> None:
+    """A step, then a forward_backward whose gradient waits in the slot for the next optim_step."""
+    tc.forward_backward(first, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    tc.forward_backward(second, "cross_entropy").result()
+
+
+def test_more_models_than_slots_evicts_the_least_recent_and_rebuilds_it_exactly(tmp_path: Path) -> None:
+    """With every slot taken, a new model takes the least recently used one's slot; that model comes back on its
+    next request from its last snapshot plus the forward_backward done since, and goes on as its twin that was never
+    evicted does."""
     from tests.service_engine.service import tiny_config
 
     cfg = tiny_config(tmp_path / "ckpt", idle_unload_s=3600)
-    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"slots": 2})})  # type: ignore[union-attr]
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"slots": 3})})  # type: ignore[union-attr]
     with live_service(tmp_path, cfg) as live:
-        first = live.client("first")
-        a = first.create_lora_training_client(base_model=BASE, rank=2).result()
-        second = live.client("second")
-        b = second.create_lora_training_client(base_model=BASE, rank=2).result()
-        with pytest.raises(tinker.RequestFailedError, match=r"all 2 adapter slots .*lora.slots"):
-            live.client("third").create_lora_training_client(base_model=BASE, rank=2).result()
-        assert b.forward_backward(_data(7), "cross_entropy").result().metrics["loss:sum"] > 0
-        del a
-        first.close("success").result()  # ends the session: the engine gives its model's slot back
-        live.engine._last_housekeeping = 0.0
-        c = live.client("fourth").create_lora_training_client(base_model=BASE, rank=2).result()
-        assert c.forward_backward(_data(7), "cross_entropy").result().metrics["loss:sum"] > 0
+        sc = live.client("first")
+        a = sc.create_lora_training_client(base_model=BASE, rank=2, seed=7).result()
+        twin = sc.create_lora_training_client(base_model=BASE, rank=2, seed=7).result()
+        for tc in (a, twin):
+            _train_twice(tc, _data(7), _data(8))
+        want = twin.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
+        want_loss = twin.forward(_data(9), "cross_entropy").result().metrics["loss:sum"]
+        others = [live.client(f"other{i}").create_lora_training_client(base_model=BASE, rank=2).result()
+                  for i in range(2)]
+        assert a.model_id not in {s.model_id for s in live.engine.slots.values()}  # evicted: least recently used
+        got = a.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
+        assert live.engine.restores[-1][:2] == (a.model_id, 1)  # rebuilt: the snapshot, then one replayed request
+        assert got == pytest.approx(want, rel=1e-5)
+        assert a.forward(_data(9), "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5)
+        for tc in others:  # the models that took the slots still train
+            assert tc.forward_backward(_data(7), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
-def test_after_a_restart_models_say_their_state_is_lost_and_checkpoints_load(live: LiveService) -> None:
+def test_after_a_restart_models_continue_where_they_were(live: LiveService) -> None:
+    """An engine restart loses no model: the first request of each rebuilds it (snapshot + replayed gradients), and
+    saved checkpoints still load."""
     sc = live.client()
-    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
-    data = _data(8)
-    tc.forward_backward(data, "cross_entropy").result()
-    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    twin = sc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    for t in (tc, twin):
+        _train_twice(t, _data(8), _data(9))
     path = tc.save_state("before-restart").result().path
-    want = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    want = twin.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
     live.restart_engine()
-    with pytest.raises(tinker.RequestFailedError, match="state is not in the engine"):
-        tc.forward(data, "cross_entropy").result()
-    assert "create_training_client_from_state" in MODEL_STATE_LOST
+    deadline = time.monotonic() + 60
+    while {tc.model_id, twin.model_id} - {s.model_id for s in list(live.engine.slots.values())}:
+        assert time.monotonic() < deadline, "the new engine did not restore the open session's models at start"
+        time.sleep(0.05)
+    got = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
+    assert got == pytest.approx(want, rel=1e-5)
+    data = _data(8)
+    assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        twin.forward(data, "cross_entropy").result().metrics["loss:sum"], rel=1e-5)
     restored = sc.create_training_client_from_state_with_optimizer(path).result()
-    assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want, rel=1e-6)
+    assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+    assert "create_training_client_from_state" in MODEL_STATE_LOST
 
 
 def test_topk_prompt_logprobs_are_the_likeliest_tokens(live: LiveService) -> None:

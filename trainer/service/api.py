@@ -63,6 +63,14 @@ DEFAULT_LONG_POLL_S: Final = 40.0
 # (5 MB by default, which /client/config keeps) before protobuf encoding, so this leaves ample headroom.
 DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 LIST_LIMIT_MAX: Final = 1000
+# How long a retrieve_future waits before it answers paused_capacity while no engine runs.
+PAUSED_POLL_S: Final = 5.0
+
+
+def paused_reason(base_model: str | None) -> str:
+    what = f"base model {base_model}" if base_model else "this request"
+    return (f"no engine is running for {what} (its TPU slice is starting, preempted or suspended); the request is "
+            "queued and runs in order when the engine is back")
 
 
 @dataclass(frozen=True)
@@ -567,15 +575,27 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
         # 482-483, 591-596), JSON otherwise.
         return Response(content=row.result or b"", media_type=spec.result_content_type if spec else protocol.JSON)
 
+    def engine_state(row: Request) -> tuple[bool, str | None]:
+        base_model = store.request_base_model(row)
+        return store.engine_up(base_model), base_model
+
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(req: types.FutureRetrieveRequest, owner: Owner) -> Response:
         row = await run_in_threadpool(store.get_request, owner, req.request_id)
         if row.status not in FINISHED:
-            if not await watcher.wait(row.request_id, config.long_poll_s):
-                # Not an HTTP error: the SDK polls again at once (lib/api_future_impl.py:487-493).
-                return JSONResponse(
-                    TryAgainResponse(request_id=row.request_id, queue_state="active").model_dump(mode="json")
-                )
+            up, base_model = await run_in_threadpool(engine_state, row)
+            # Without an engine the answer comes sooner, so the client learns why it waits.
+            wait_s = config.long_poll_s if up else min(config.long_poll_s, PAUSED_POLL_S)
+            if not await watcher.wait(row.request_id, wait_s):
+                if not up:
+                    up, base_model = await run_in_threadpool(engine_state, row)
+                # Not an HTTP error: the SDK polls again at once (lib/api_future_impl.py:487-493) and shows a paused
+                # queue_state with its queue_state_reason (:488-493, lib/queue_state_logger.py).
+                body = TryAgainResponse(request_id=row.request_id, queue_state="active" if up else "paused_capacity")
+                answer = body.model_dump(mode="json")
+                if not up:
+                    answer["queue_state_reason"] = paused_reason(base_model)
+                return JSONResponse(answer)
             row = await run_in_threadpool(store.get_request, owner, req.request_id)
         return outcome(row)
 

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from trainer.cli import EXIT_STOPPED
 from trainer.config import ConfigError
 from trainer.service import auth
 from trainer.service.store import NotFound, Store, default_db_url
@@ -206,12 +207,9 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
 def _start_engine(store: Store, cfg: TrainConfig, args: argparse.Namespace) -> tuple[Any, threading.Event]:
     """Settle what a previous engine left running (this is the only engine on the database), then run a new one in a
     thread."""
-    from trainer.service.engine import Engine
+    from trainer.service.engine import Engine, recover
 
-    recovered = store.recover()
-    if recovered.requeued or recovered.failed:
-        log.warning("recovered after a restart: %d re-queued, %d failed (SERVER_RESTARTED)",
-                    len(recovered.requeued), len(recovered.failed))
+    recover(store)
     engine = Engine(Store(store.url.render_as_string(hide_password=False)), cfg, storage_dir=args.storage)
     stop = threading.Event()
     thread = threading.Thread(target=engine.run, args=(stop,), name="engine", daemon=True)
@@ -278,14 +276,22 @@ def _engine(store: Store, args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     thread, stop = _start_engine(store, cfg, args)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    terminated = threading.Event()
+
+    def on_sigterm(*_: Any) -> None:
+        terminated.set()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         while thread.is_alive():
             thread.join(0.5)
     except KeyboardInterrupt:
         stop.set()
         thread.join(30)
-    return 0
+    # 143 (128 + SIGTERM), the trainer's code for a preemption: the JobSet restarts the engine on it, where 0 would
+    # complete the JobSet and leave the service without one.
+    return EXIT_STOPPED if terminated.is_set() else 0
 
 
 def _keys(store: Store, args: argparse.Namespace) -> int:

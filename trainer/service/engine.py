@@ -19,8 +19,15 @@ What it adds:
   jax.distributed contract); process 0 runs the Engine (database, storage, decisions) and sends each device op to the
   others, which run it in lock step (`run_follower`, service/device.py).
 
-A model's training state lives in device memory: after an engine restart its slot is gone, and its next request fails
-with MODEL_STATE_LOST (load its last checkpoint: create_training_client_from_state). Saved checkpoints survive.
+* Durability. A model's training state lives in device memory and is persisted as it changes: every request that
+  changes it other than forward_backward (create_model, load_weights, optim_step) writes a snapshot (PEFT adapter,
+  Adam moments, step) under <storage>/<owner>/<model>/state/ and moves the model's `ModelState` to it in the
+  transaction that completes the request. A model not in a slot (an engine restart after a preemption or SIGKILL, an
+  idle unload, an eviction for another model) is rebuilt on its next request from that snapshot, and the
+  forward_backward requests completed since are run again to rebuild the accumulated gradient (their results were
+  delivered; only their gradients are wanted). Requests that were running when the engine died are re-queued
+  (`Store.recover` with every kind re-runnable), so each request takes effect exactly once. At start the engine
+  restores the models of open sessions before it claims anything.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -52,15 +59,27 @@ from trainer.service import device, losses, protocol
 from trainer.service import programs as P
 from trainer.service.device import DeviceState
 from trainer.service.shapes import bucket, tinker_targets
-from trainer.service.store import Checkpoint, Conflict, NotFound, Request, Store, default_data_dir, tinker_path
+from trainer.service.store import (
+    ENGINE_HEARTBEAT_S,
+    Conflict,
+    Model,
+    NotFound,
+    Request,
+    StateUpdate,
+    Store,
+    default_data_dir,
+    sampling_session_id_for,
+    tinker_path,
+)
 from trainer.sharding import make_mesh
 
 log = logging.getLogger(__name__)
 
 MODEL_STATE_LOST: Final = (
-    "this model's training state is not in the engine (the engine restarted, or the model was unloaded after its "
-    "session ended or went quiet); load its last checkpoint with create_training_client_from_state"
+    "this model's training state is not in the engine and has no saved state to rebuild it from (it was created "
+    "by a server before state snapshots); load its last checkpoint with create_training_client_from_state"
 )
+STATE_KIND: Final = "state"  # snapshot directories: <storage>/<owner>/<model>/state/
 OPTIMIZER_FILE: Final = "optimizer.safetensors"
 STATE_FILE: Final = "state.json"
 FWD_KINDS: Final = (protocol.FORWARD, protocol.FORWARD_BACKWARD)
@@ -68,6 +87,17 @@ FWD_KINDS: Final = (protocol.FORWARD, protocol.FORWARD_BACKWARD)
 
 class UserError(Exception):
     """The caller's mistake or a limit it hit: the request fails with category "user"."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A handler's result: the response, the model state it leaves (committed with the completion), or that the
+    handler completed the request itself (with its checkpoint row); `then` runs once the completion is committed."""
+
+    result: bytes = b""
+    state: StateUpdate | None = None
+    completed: bool = False
+    then: Callable[[], None] | None = None
 
 
 @dataclass
@@ -130,6 +160,14 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, DeviceState, str | None]:
     return cfg, DeviceState(cfg, P.build(cfg, mesh), params_host), tok_dir
 
 
+def recover(store: Store) -> None:
+    """Settle what a dead engine left running, before a new one starts on the database: every kind runs again, as
+    nothing it did survived except through a committed completion (see Durability)."""
+    recovered = store.recover(rerunnable_kinds=set(protocol.KINDS))
+    if recovered.requeued:
+        log.warning("re-queued %d requests a previous engine was running", len(recovered.requeued))
+
+
 def run_follower(cfg: TrainConfig) -> None:
     """A process other than 0 of a multi-host engine: build the same state, then run process 0's ops."""
     _, state, _ = prepare(cfg)
@@ -163,11 +201,15 @@ class Engine:
         self.slots: dict[int, Slot] = {}
         self.storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
         self.storage.mkdir(parents=True, exist_ok=True)
-        self.worker_id = store.register_worker(worker_name)
+        self.worker_id = store.register_worker(worker_name, base_model=self.service.base_model)
         self._last_housekeeping = 0.0
+        self._pinned: set[int] = set()  # slots a batch being assembled uses: never evicted for another model
+        # Observability (tests and logs read them): snapshot writes and restores, with their seconds.
+        self.persist_seconds: deque[float] = deque(maxlen=1000)
+        self.restores: list[tuple[str, int, float]] = []  # (model id, forward_backward requests replayed, seconds)
         # Requests per fused forward/backward claim, newest last (observability; tests read it).
         self.fused_sizes: deque[int] = deque(maxlen=1000)
-        self.handlers: dict[str, Callable[[Request], bytes]] = {
+        self.handlers: dict[str, Callable[[Request], bytes | Outcome]] = {
             protocol.CREATE_MODEL: self._create_model,
             protocol.LOAD_WEIGHTS: self._load_weights,
             protocol.OPTIM_STEP: self._optim_step,
@@ -195,8 +237,27 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
+    def _heartbeat(self, stop: threading.Event) -> None:
+        # Its own thread: a compile or a long pass must not make the API think the engine is gone.
+        while not stop.wait(ENGINE_HEARTBEAT_S):
+            try:
+                self.store.worker_heartbeat(self.worker_id)
+            except Exception:  # noqa: BLE001 - the database briefly unreachable: the next beat retries
+                log.warning("engine heartbeat failed", exc_info=True)
+
+    def restore_live(self) -> None:
+        """Rebuild the models of open, recently active sessions (up to the slot count) before taking new work."""
+        for model in self.store.live_models(quiet_s=self.service.idle_unload_s)[:self.stack.slots]:
+            try:
+                self._model_slot(model.id)
+            except Exception:  # noqa: BLE001 - one model's bad snapshot must not keep the engine down
+                log.exception("restoring %s failed; its next request will try again", model.id)
+
     def run(self, stop: threading.Event, *, idle_sleep_s: float = 0.01) -> None:
+        beat = threading.Thread(target=self._heartbeat, args=(stop,), name="engine-heartbeat", daemon=True)
+        beat.start()
         try:
+            self.restore_live()
             while not stop.is_set():
                 try:
                     busy = self.step()
@@ -207,6 +268,9 @@ class Engine:
                 if not busy:
                     stop.wait(idle_sleep_s)
         finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                self.store.retire_worker(self.worker_id)
             self.dev.stop()
 
     def step(self) -> bool:
@@ -214,7 +278,6 @@ class Engine:
         now = time.monotonic()
         if now - self._last_housekeeping > 5.0:
             self._last_housekeeping = now
-            self.store.worker_heartbeat(self.worker_id)
             self.housekeeping()
         rows = self.store.claim(self.worker_id, max_batch=64)
         if not rows:
@@ -234,7 +297,7 @@ class Engine:
 
     def _run_one(self, row: Request) -> None:
         try:
-            result = self.handlers[row.kind](row)
+            out = self.handlers[row.kind](row)
         except (UserError, NotFound, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
             self._fail(row, str(e), "user")
             return
@@ -242,7 +305,11 @@ class Engine:
             log.exception("request %s (%s) failed", row.request_id, row.kind)
             self._fail(row, f"engine error: {e!r}", "server")
             return
-        self.store.complete(row.request_id, result, worker_id=self.worker_id)
+        out = out if isinstance(out, Outcome) else Outcome(out)
+        if not out.completed:
+            self.store.complete(row.request_id, out.result, worker_id=self.worker_id, state=out.state)
+        if out.then is not None:
+            out.then()
 
     def _fail(self, row: Request, message: str, category: str) -> None:
         self.store.fail(row.request_id, message, category=category, worker_id=self.worker_id)  # type: ignore[arg-type]
@@ -273,24 +340,32 @@ class Engine:
 
     # -- slots ---------------------------------------------------------------------------------------------------
 
-    def _model_slot(self, model_id: str) -> Slot:
+    def _find_slot(self, model_id: str) -> Slot | None:
         for slot in self.slots.values():
             if slot.model_id == model_id:
                 slot.last_used = time.monotonic()
                 return slot
-        raise UserError(MODEL_STATE_LOST)
+        return None
+
+    def _model_slot(self, model_id: str) -> Slot:
+        """The model's slot, rebuilt from its saved state if it is not in one (see Durability above)."""
+        return self._find_slot(model_id) or self._restore(model_id)
 
     def _free_slot(self) -> int:
+        """A free slot; else one taken from a sampler, then from the least recently used training model (its state
+        is saved, so it comes back on its next request), never from a slot the batch being assembled uses."""
         for i in range(self.stack.slots):
             if i not in self.slots:
                 return i
-        samplers = [s for s in self.slots.values() if s.model_id is None]
-        if samplers:
-            victim = min(samplers, key=lambda s: s.last_used)
-            self._release(victim.index)
-            return victim.index
-        raise UserError(f"all {self.stack.slots} adapter slots of this server hold training models (lora.slots); "
-                        "finish a session (ServiceClient.close) or wait for idle models to be unloaded")
+        for training in (False, True):
+            victims = [s for s in self.slots.values()
+                       if (s.model_id is not None) == training and s.index not in self._pinned]
+            if victims:
+                victim = min(victims, key=lambda s: s.last_used)
+                log.info("evicting %s from slot %d", victim.model_id or victim.storage_path, victim.index)
+                self._release(victim.index)
+                return victim.index
+        raise UserError(f"all {self.stack.slots} adapter slots of this server are in use by this batch (lora.slots)")
 
     def _release(self, index: int) -> None:
         self.slots.pop(index, None)
@@ -316,15 +391,22 @@ class Engine:
             raise UserError(f"base model {base_model!r} is not served by this engine (it serves "
                             f"{self.service.base_model!r})")
 
-    def _create_model(self, row: Request) -> bytes:
+    def _create_model(self, row: Request) -> Outcome:
         model = self.store.get_model(row.owner_id, row.model_id or "")
         self._served(model.base_model)
+        if (old := self._find_slot(model.id)) is not None:  # a re-run after a restart that restored it
+            self._release(old.index)
+        self._init_adapter(model, self._free_slot())
+        state = StateUpdate(model.id, row.seq_id or 0, 0, None)
+        return Outcome(protocol.json_result(types.CreateModelResponse(model_id=model.id)), state)
+
+    def _init_adapter(self, model: Model, index: int) -> Slot:
+        """The model's initial adapter (its lora_config and seed) in slot `index`: create_model, and its restore."""
         lc = types.LoraConfig.model_validate(model.lora_config or {"rank": 32})
         self._check_rank(lc.rank)
         targets = tinker_targets(lc.train_attn, lc.train_mlp, lc.train_unembed)
         if not targets:
             raise UserError("lora_config trains nothing: set train_attn, train_mlp or train_unembed")
-        index = self._free_slot()
         scale = self._scale(lc.rank)
         single_cfg = LoraConfig(rank=lc.rank, alpha=self.stack.alpha, targets=list(targets),
                                 rslora=self.stack.rslora, slots=1)
@@ -332,37 +414,85 @@ class Engine:
         single = jax.device_get(L.init_lora(self.mcfg, single_cfg, jax.random.PRNGKey(seed)))
         single = jax.tree.map(lambda x: np.asarray(x, np.float32), single)
         self.dev("write_slot", index, scale, single, single_cfg)
-        self.slots[index] = Slot(index, lc.rank, targets, scale, model_id=model.id, owner_id=model.owner_id,
-                                 session_id=model.session_id)
-        return protocol.json_result(types.CreateModelResponse(model_id=model.id))
+        slot = Slot(index, lc.rank, targets, scale, model_id=model.id, owner_id=model.owner_id,
+                    session_id=model.session_id)
+        self.slots[index] = slot
+        return slot
 
-    def _load_weights(self, row: Request) -> bytes:
-        req = protocol.decode_json(row.kind, row.body)
-        ckpt = self.store.get_checkpoint(row.owner_id, req.path)
-        root = Path(ckpt.storage_path)
+    def _restore(self, model_id: str) -> Slot:
+        """Rebuild a model that is in no slot: its saved state, then the forward_backward requests done since."""
+        t0 = time.perf_counter()
+        state = self.store.model_state(model_id)
+        if state is None:
+            raise UserError(MODEL_STATE_LOST)
+        with self.store._read() as s:  # noqa: SLF001 - a trusted engine-side read of the model row
+            model = s.get(Model, model_id)
+        if model is None:
+            raise NotFound(f"no model {model_id!r}")
+        self._served(model.base_model)
+        index = self._free_slot()
+        if state.storage_path is None:
+            slot = self._init_adapter(model, index)
+        else:
+            slot = self._load_dir(model, index, Path(state.storage_path), with_optimizer=True)
+        slot.step = state.step
+        replay = self.store.replay_log(model_id, state.seq_id, (protocol.FORWARD_BACKWARD,))
+        if replay:
+            self._pinned.add(index)
+            try:
+                self._fused([(r, protocol.decode_forward_backward(r.body), index) for r in replay])
+            finally:
+                self._pinned.discard(index)
+        seconds = time.perf_counter() - t0
+        self.restores.append((model_id, len(replay), seconds))
+        log.info("restored %s at step %d (after seq %d) and replayed %d forward_backward in %.2f s", model_id,
+                 state.step, state.seq_id, len(replay), seconds)
+        return slot
+
+    def _load_dir(self, model: Model, index: int, root: Path, *, with_optimizer: bool) -> Slot:
+        """A saved adapter (and its Adam moments and step) into slot `index` for `model`."""
         single, single_cfg = L.import_peft(root, self.mcfg)
         self._check_rank(single_cfg.rank)
-        moments = None
-        step = 0
-        if req.optimizer:
-            if not (root / OPTIMIZER_FILE).is_file():
-                raise UserError(f"{req.path} holds no optimizer state (a sampler checkpoint); load it without the "
-                                "optimizer")
-            moments, step = self._read_moments(root, single_cfg)
-        model = self.store.get_model(row.owner_id, row.model_id or "")
-        self._served(model.base_model)
-        try:
-            index = self._model_slot(model.id).index
-        except UserError:  # create-via-load (the model's seq 0), or a model whose state was lost
-            index = self._free_slot()
+        moments, step = self._read_moments(root, single_cfg) if with_optimizer else (None, 0)
         scale = single_cfg.scale
         self.dev("write_slot", index, scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg,
                  moments)
-        self.slots[index] = Slot(index, single_cfg.rank, tuple(single_cfg.targets), scale, model_id=model.id,
-                                 owner_id=model.owner_id, session_id=model.session_id, step=step)
-        return protocol.json_result(types.LoadWeightsResponse(path=req.path, model_id=model.id))
+        slot = Slot(index, single_cfg.rank, tuple(single_cfg.targets), scale, model_id=model.id,
+                    owner_id=model.owner_id, session_id=model.session_id, step=step)
+        self.slots[index] = slot
+        return slot
 
-    def _optim_step(self, row: Request) -> bytes:
+    def _persist(self, row: Request, slot: Slot) -> Outcome:
+        """Snapshot the slot's state after `row` (to be committed with its completion); the snapshot it replaces is
+        deleted once that is committed."""
+        t0 = time.perf_counter()
+        previous = self.store.model_state(slot.model_id or "")
+        path = self._save_adapter(row, STATE_KIND, f"seq{row.seq_id or 0:08d}", with_optimizer=True)
+        self.persist_seconds.append(time.perf_counter() - t0)
+        state = StateUpdate(slot.model_id or "", row.seq_id or 0, slot.step, str(path))
+        old = previous.storage_path if previous is not None else None
+        then = (lambda: self._remove_files(old)) if old and Path(old).parent.name == STATE_KIND else None
+        return Outcome(state=state, then=then)
+
+    def _load_weights(self, row: Request) -> Outcome:
+        req = protocol.decode_json(row.kind, row.body)
+        ckpt = self.store.get_checkpoint(row.owner_id, req.path)
+        root = Path(ckpt.storage_path)
+        if req.optimizer and not (root / OPTIMIZER_FILE).is_file():
+            raise UserError(f"{req.path} holds no optimizer state (a sampler checkpoint); load it without the "
+                            "optimizer")
+        model = self.store.get_model(row.owner_id, row.model_id or "")
+        self._served(model.base_model)
+        # The load replaces the whole state: no need to rebuild the old one first.
+        old = self._find_slot(model.id)
+        slot = self._load_dir(model, old.index if old is not None else self._free_slot(), root,
+                              with_optimizer=req.optimizer)
+        # A copy of its own as the model's state: the user may delete the checkpoint it came from.
+        persisted = self._persist(row, slot)
+        return replace(persisted, result=protocol.json_result(types.LoadWeightsResponse(path=req.path,
+                                                                                         model_id=model.id)))
+
+    def _optim_step(self, row: Request) -> Outcome:
         req = protocol.decode_json(row.kind, row.body)
         p = req.optim_params
         if not isinstance(p, types.AdamParams):
@@ -375,17 +505,40 @@ class Engine:
         hyper = P.AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
         norm = self.dev("optim", slot.index, slot.step, hyper.array())
         metrics = {"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate}
-        return protocol.json_result(types.OptimStepResponse(metrics=metrics))
+        persisted = self._persist(row, slot)
+        return replace(persisted, result=protocol.json_result(types.OptimStepResponse(metrics=metrics)))
 
     # -- forward / forward_backward -----------------------------------------------------------------------------
 
     def _run_forward(self, rows: list[Request]) -> None:
         """Validate each request, fuse the valid ones' datums, run them in bucketed passes, answer each request."""
         accepted: list[tuple[Request, protocol.FwdBwdBody, int]] = []
+        try:
+            self._validate_forward(rows, accepted)
+        finally:
+            self._pinned.clear()
+        if not accepted:
+            return
+        self.fused_sizes.append(len(accepted))
+        try:
+            outputs = self._fused(accepted)
+        except Exception as e:  # noqa: BLE001
+            log.exception("forward/backward batch failed")
+            for row, _, _ in accepted:
+                self._fail(row, f"engine error: {e!r}", "server")
+            return
+        for (row, _, _), (logps, row_losses) in zip(accepted, outputs, strict=True):
+            result = protocol.encode_forward_backward_output(
+                [{"logprobs": lp} for lp in logps], losses.request_metrics(row_losses, slice(None)))
+            self.store.complete(row.request_id, result, worker_id=self.worker_id)
+
+    def _validate_forward(self, rows: list[Request], accepted: list[tuple[Request, protocol.FwdBwdBody, int]]
+                          ) -> None:
         for row in rows:
             try:
                 body = protocol.decode_forward_backward(row.body)
                 slot = self._model_slot(row.model_id or "")
+                self._pinned.add(slot.index)
                 for i, d in enumerate(body.data):
                     if len(d.tokens) > self.max_datum:
                         raise UserError(
@@ -402,22 +555,8 @@ class Engine:
                         raise UserError(f"datum {i}: loss_fn_inputs have {len(d.loss_fn_inputs['target_tokens'])} "
                                         f"positions, model_input has {len(d.tokens)}")
                 accepted.append((row, body, slot.index))
-            except (UserError, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
+            except (UserError, NotFound, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
                 self._fail(row, str(e), "user")
-        if not accepted:
-            return
-        self.fused_sizes.append(len(accepted))
-        try:
-            outputs = self._fused(accepted)
-        except Exception as e:  # noqa: BLE001
-            log.exception("forward/backward batch failed")
-            for row, _, _ in accepted:
-                self._fail(row, f"engine error: {e!r}", "server")
-            return
-        for (row, _, _), (logps, row_losses) in zip(accepted, outputs, strict=True):
-            result = protocol.encode_forward_backward_output(
-                [{"logprobs": lp} for lp in logps], losses.request_metrics(row_losses, slice(None)))
-            self.store.complete(row.request_id, result, worker_id=self.worker_id)
 
     def _fused(self, accepted: list[tuple[Request, protocol.FwdBwdBody, int]]
                ) -> list[tuple[list[np.ndarray], np.ndarray]]:
@@ -478,8 +617,10 @@ class Engine:
             if slot.storage_path == storage_path:
                 self._release(slot.index)
 
-    def _record(self, row: Request, name: str, kind: str, path: Path, req: Any) -> Checkpoint:
-        """Add the checkpoint row; on overwrite the files it replaces are deleted, on a conflict ours are."""
+    def _record(self, row: Request, name: str, kind: str, path: Path, req: Any, result: bytes,
+                sampler_seq_id: int | None = None) -> Outcome:
+        """Add the checkpoint row and complete the request in one transaction; on overwrite the files it replaces are
+        deleted, on a conflict ours are."""
         previous = None
         with contextlib.suppress(NotFound):
             previous = self.store.get_checkpoint(row.owner_id, tinker_path(row.model_id or "", kind, name))  # type: ignore[arg-type]
@@ -487,16 +628,19 @@ class Engine:
             ckpt = self.store.add_checkpoint(
                 row.owner_id, row.model_id or "", name, kind, str(path), size_bytes=_dir_size(path),  # type: ignore[arg-type]
                 ttl_seconds=req.ttl_seconds, overwrite=getattr(req, "overwrite", False),
-                user_metadata=req.user_metadata)
+                user_metadata=req.user_metadata, sampler_seq_id=sampler_seq_id,
+                completes=(row.request_id, self.worker_id, result))
         except Conflict as e:
             self._remove_files(str(path))
             raise UserError(f"{e}; pass overwrite=True to replace it") from None
         except ValueError:
             self._remove_files(str(path))
             raise
+        assert ckpt.tinker_path == tinker_path(row.model_id or "", kind, name)  # type: ignore[arg-type]
+        then = None
         if previous is not None and previous.storage_path != str(path):
-            self._remove_files(previous.storage_path)
-        return ckpt
+            then = lambda: self._remove_files(previous.storage_path)  # noqa: E731
+        return Outcome(completed=True, then=then)
 
     def _save_adapter(self, row: Request, kind: str, name: str, *, with_optimizer: bool) -> Path:
         slot = self._model_slot(row.model_id or "")
@@ -525,29 +669,30 @@ class Engine:
             for prefix in ("exp_avg.", "exp_avg_sq."))
         return (moments[0], moments[1]), int(state["step"])
 
-    def _save_weights(self, row: Request) -> bytes:
+    def _save_weights(self, row: Request) -> Outcome:
         req = protocol.decode_json(row.kind, row.body)
         name = req.path or f"step{self._model_slot(row.model_id or '').step:06d}"
         path = self._save_adapter(row, "weights", name, with_optimizer=True)
-        ckpt = self._record(row, name, "training", path, req)
-        return protocol.json_result(types.SaveWeightsResponse(path=ckpt.tinker_path))
+        result = protocol.json_result(types.SaveWeightsResponse(path=tinker_path(row.model_id or "", "training",
+                                                                                 name)))
+        return self._record(row, name, "training", path, req, result)
 
-    def _save_weights_for_sampler(self, row: Request) -> bytes:
+    def _save_weights_for_sampler(self, row: Request) -> Outcome:
         req = protocol.decode_json(row.kind, row.body)
+        model_id = row.model_id or ""
         if req.path is not None:
             path = self._save_adapter(row, "sampler_weights", req.path, with_optimizer=False)
-            return protocol.json_result({"path": self._record(row, req.path, "sampler", path, req).tinker_path})
+            result = protocol.json_result({"path": tinker_path(model_id, "sampler", req.path)})
+            return self._record(row, req.path, "sampler", path, req, result)
         if req.sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
         name = protocol.ephemeral_sampler_name(req.sampling_session_seq_id, row.seq_id or 0)
         path = self._save_adapter(row, "sampler_weights", name, with_optimizer=False)
-        ckpt = self._record(row, name, "sampler", path, req)
-        model = self.store.get_model(row.owner_id, row.model_id or "")
-        sampler = self.store.create_sampling_session(
-            row.owner_id, model.session_id, req.sampling_session_seq_id, base_model=model.base_model,
-            model_path=ckpt.tinker_path)
-        # The slot's weights are exactly what was saved: sample from this slot while the model does not change.
-        return protocol.json_result({"sampling_session_id": sampler.id, "path": ckpt.tinker_path})
+        model = self.store.get_model(row.owner_id, model_id)
+        sampler_id = sampling_session_id_for(model.session_id, req.sampling_session_seq_id)
+        result = protocol.json_result({"sampling_session_id": sampler_id,
+                                       "path": tinker_path(model_id, "sampler", name)})
+        return self._record(row, name, "sampler", path, req, result, sampler_seq_id=req.sampling_session_seq_id)
 
     def _delete_checkpoint(self, row: Request) -> bytes:
         req = protocol.decode_json(row.kind, row.body)

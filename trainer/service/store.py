@@ -2,8 +2,14 @@
 
 Everything the service accepts is a row here before the client hears back, so a killed server loses nothing: a
 new process on the same database finds every session, model, checkpoint and request, and `Store.recover()` settles
-the requests the dead process had claimed. SQLAlchemy 2.0 over a sqlite file (the default) or PostgreSQL (by URL,
-driver psycopg 3).
+the requests the dead process had claimed. SQLAlchemy 2.0 over a sqlite file (the default), PostgreSQL (by URL,
+driver psycopg 3), or Cloud SQL for PostgreSQL through the Cloud SQL Python Connector (`cloudsql_settings`: private
+IP, IAM database authentication as the pod's Google service account, no password).
+
+Durable model state: `ModelState` says where each model's training state can be rebuilt from (a snapshot the engine
+wrote after the request `seq_id`, or the model's initial adapter), and it changes in the same transaction that
+completes that request, so a model's state and its completed requests never disagree: after a crash the engine
+rebuilds the state and replays the forward_backward requests completed since (their gradients were in memory).
 
 Ownership: every user-facing lookup and listing takes the caller's owner id (the API key id, see `auth`) and a row
 of another owner is treated exactly like a missing one (`NotFound`, same message), so ids leak nothing across keys.
@@ -63,9 +69,21 @@ from sqlalchemy.sql import Select
 
 DB_ENV: Final = "GKE_TPU_RL_SERVICE_DB"
 # Bump with every schema change, and teach create_schema() to migrate from the previous version.
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 _SCHEMA_LOCK: Final = 0x6B7470757273  # PostgreSQL advisory lock key for create_schema: any constant, same everywhere
 DATA_DIR_ENV: Final = "GKE_TPU_RL_SERVICE_HOME"
+# Cloud SQL through the connector (what the stack's pods set): the instance connection name PROJECT:REGION:INSTANCE,
+# the IAM database user (the Google service account's email without ".gserviceaccount.com") and the database.
+CLOUDSQL_INSTANCE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_INSTANCE"
+CLOUDSQL_USER_ENV: Final = "GKE_TPU_RL_CLOUDSQL_USER"
+CLOUDSQL_DATABASE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_DATABASE"
+# Another SQL Admin API endpoint and IP type (tests run the connector against a local stand-in of the API).
+CLOUDSQL_ADMIN_ENDPOINT_ENV: Final = "GKE_TPU_RL_CLOUDSQL_ADMIN_ENDPOINT"
+CLOUDSQL_IP_TYPE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_IP_TYPE"
+# An engine whose heartbeat is older than this is taken for gone (it beats every ENGINE_HEARTBEAT_S from a thread of
+# its own, so a long compile or device op does not silence it).
+ENGINE_HEARTBEAT_S: Final = 2.0
+ENGINE_GONE_AFTER_S: Final = 10.0
 
 # Request lifecycle.
 QUEUED: Final = "queued"
@@ -278,14 +296,39 @@ class Meta(Base):
 
 
 class Worker(Base):
-    """An engine process; its heartbeat tells `recover(stale_after_s=...)` whose claims are orphaned."""
+    """An engine process; its heartbeat tells `recover(stale_after_s=...)` whose claims are orphaned, and the API
+    whether any engine serves a base model (else its futures answer try_again with queue_state paused_capacity)."""
 
     __tablename__ = "workers"
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int] = mapped_column(Integer)
+    base_model: Mapped[str | None] = mapped_column(String(500), default=None)  # schema 2
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ModelState(Base):
+    """Where a model's training state can be rebuilt from (schema 2): the state right after its request `seq_id`
+    completed, as a snapshot directory (LoRA weights, Adam moments, step) or, with storage_path None, the model's
+    initial adapter (re-made from its lora_config and seed)."""
+
+    __tablename__ = "model_states"
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id"), primary_key=True)
+    seq_id: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    storage_path: Mapped[str | None] = mapped_column(Text, default=None)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+@dataclass(frozen=True)
+class StateUpdate:
+    """The model state a request leaves behind, committed with its completion."""
+
+    model_id: str
+    seq_id: int
+    step: int
+    storage_path: str | None
 
 
 T = TypeVar("T")
@@ -315,6 +358,31 @@ def default_db_url() -> str:
     if url := os.environ.get(DB_ENV):
         return url
     return f"sqlite:///{default_data_dir() / 'service.db'}"
+
+
+@dataclass(frozen=True)
+class CloudSqlSettings:
+    instance: str  # PROJECT:REGION:INSTANCE
+    user: str  # the IAM database user
+    database: str
+    ip_type: str = "PRIVATE"
+    admin_endpoint: str | None = None
+
+
+def cloudsql_settings() -> CloudSqlSettings | None:
+    """The Cloud SQL connection the environment names (the stack's pods), or None."""
+    instance = os.environ.get(CLOUDSQL_INSTANCE_ENV)
+    if not instance:
+        return None
+    missing = [k for k in (CLOUDSQL_USER_ENV, CLOUDSQL_DATABASE_ENV) if not os.environ.get(k)]
+    if missing:
+        raise StoreError(f"{CLOUDSQL_INSTANCE_ENV} is set but {', '.join(missing)} is not")
+    if instance.count(":") != 2:
+        raise StoreError(f"{CLOUDSQL_INSTANCE_ENV}={instance!r} is not an instance connection name "
+                         "PROJECT:REGION:INSTANCE")
+    return CloudSqlSettings(instance, os.environ[CLOUDSQL_USER_ENV], os.environ[CLOUDSQL_DATABASE_ENV],
+                            os.environ.get(CLOUDSQL_IP_TYPE_ENV, "PRIVATE"),
+                            os.environ.get(CLOUDSQL_ADMIN_ENDPOINT_ENV) or None)
 
 
 def default_data_dir() -> Path:
@@ -372,8 +440,18 @@ class Store:
     Returned rows are detached snapshots (read them freely, change state only through these methods).
     """
 
-    def __init__(self, url: str | None = None, *, poll_interval_s: float = 0.05, create: bool = True) -> None:
-        self.url = normalize_url(url or default_db_url())
+    def __init__(self, url: str | None = None, *, poll_interval_s: float = 0.05, create: bool = True,
+                 cloudsql: CloudSqlSettings | None = None) -> None:
+        """url: a database URL; else Cloud SQL (`cloudsql`, or what the environment names: `cloudsql_settings`);
+        else $GKE_TPU_RL_SERVICE_DB or the default sqlite file."""
+        if url is None and cloudsql is None:
+            cloudsql = cloudsql_settings()
+        self.cloudsql = cloudsql if url is None else None
+        self._connector: Any = None
+        if self.cloudsql is not None:
+            self.url = URL.create("postgresql+pg8000", username=self.cloudsql.user, database=self.cloudsql.database)
+        else:
+            self.url = normalize_url(url or default_db_url())
         self.poll_interval_s = poll_interval_s
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
         self.engine: Engine = self._make_engine(self.url)
@@ -394,6 +472,8 @@ class Store:
     # -- plumbing -----------------------------------------------------------------------------------------------
 
     def _make_engine(self, url: URL) -> Engine:
+        if self.cloudsql is not None:
+            return create_engine(url, creator=self._cloudsql_connect, pool_pre_ping=True)
         if url.get_backend_name() != "sqlite":
             return create_engine(url, pool_pre_ping=True)
         if not url.database or url.database == ":memory:":
@@ -422,6 +502,22 @@ class Store:
 
         return engine
 
+    def _cloudsql_connect(self) -> Any:
+        """A pg8000 connection through the Cloud SQL Python Connector: it fetches the instance's address and CA and
+        an ephemeral client certificate from the SQL Admin API as the pod's Google identity (Application Default
+        Credentials: workload identity on GKE) and, with enable_iam_auth, logs in as the IAM user with an OAuth token
+        in place of a password."""
+        from google.cloud.sql.connector import Connector
+
+        cs = self.cloudsql
+        assert cs is not None
+        if self._connector is None:
+            # lazy: refresh the certificate when a connection needs it, not from a background task that a pod
+            # without CPU throttling room would starve (the connector's advice for serverless and bursty hosts).
+            self._connector = Connector(ip_type=cs.ip_type, enable_iam_auth=True, refresh_strategy="lazy",
+                                        sqladmin_api_endpoint=cs.admin_endpoint)
+        return self._connector.connect(cs.instance, "pg8000", user=cs.user, db=cs.database)
+
     def create_schema(self) -> None:
         """Create the tables if missing; refuse a database written by a newer schema. Safe to race: the API and
         the engine processes may start at the same moment (PostgreSQL: an advisory lock; sqlite: the write lock)."""
@@ -435,9 +531,20 @@ class Store:
                 conn.execute(insert(Meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
             elif int(found) > SCHEMA_VERSION:
                 raise StoreError(f"database schema version {found} is newer than this code's ({SCHEMA_VERSION})")
+            elif int(found) < SCHEMA_VERSION:
+                self._migrate(conn, int(found))
+
+    @staticmethod
+    def _migrate(conn: Connection, found: int) -> None:
+        """Bring an older schema up to date (create_all above already added the new tables)."""
+        if found < 2:  # 2: workers.base_model; the model_states table is new
+            conn.execute(text("ALTER TABLE workers ADD COLUMN base_model VARCHAR(500)"))
+        conn.execute(Meta.__table__.update().where(Meta.key == "schema_version").values(value=str(SCHEMA_VERSION)))
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._connector is not None:
+            self._connector.close()
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
@@ -688,11 +795,37 @@ class Store:
 
     # -- the engine's side -------------------------------------------------------------------------------------
 
-    def register_worker(self, name: str | None = None) -> str:
+    def register_worker(self, name: str | None = None, *, base_model: str | None = None) -> str:
         worker_id = name or f"{socket.gethostname()}:{os.getpid()}:{_new_id()[:8]}"
         with self._write() as s:
-            s.merge(Worker(id=worker_id, host=socket.gethostname(), pid=os.getpid()))
+            s.merge(Worker(id=worker_id, host=socket.gethostname(), pid=os.getpid(), base_model=base_model,
+                           heartbeat_at=utcnow()))
         return worker_id
+
+    def retire_worker(self, worker_id: str) -> None:
+        """An engine that stops on purpose says so: the API reports no engine at once, not 30 s later."""
+        with self._write() as s:
+            if (row := s.get(Worker, worker_id)) is not None:
+                s.delete(row)
+
+    def engine_up(self, base_model: str | None, *, within_s: float = ENGINE_GONE_AFTER_S) -> bool:
+        """Whether an engine serving `base_model` (any engine, with None) has beaten its heart within `within_s`."""
+        cutoff = utcnow() - dt.timedelta(seconds=within_s)
+        with self._read() as s:
+            q = select(func.count()).select_from(Worker).where(Worker.heartbeat_at >= cutoff)
+            if base_model is not None:
+                q = q.where(or_(Worker.base_model.is_(None), Worker.base_model == base_model))
+            return bool(s.scalar(q))
+
+    def request_base_model(self, request: Request) -> str | None:
+        """The base model a request runs on (its model's or its sampler's), None for model-less work."""
+        with self._read() as s:
+            if request.model_id is not None:
+                return s.scalar(select(Model.base_model).where(Model.id == request.model_id))
+            if request.sampling_session_id is not None:
+                return s.scalar(select(SamplingSession.base_model).where(
+                    SamplingSession.id == request.sampling_session_id))
+        return None
 
     def worker_heartbeat(self, worker_id: str) -> None:
         with self._write() as s:
@@ -763,8 +896,32 @@ class Store:
         q = base.where(or_(Request.model_id.is_(None), Request.seq_id.is_(None)), Request.id > first.id)
         return list(s.scalars(self._lock(q.order_by(Request.id).limit(more), skip_locked=True)))
 
-    def complete(self, request_id: str, result: bytes, *, worker_id: str) -> Request:
-        return self._finish(request_id, DONE, worker_id=worker_id, result=result)
+    def complete(self, request_id: str, result: bytes, *, worker_id: str, state: StateUpdate | None = None) -> Request:
+        """Done, with its result; `state` (the model's state after it) is committed in the same transaction."""
+        return self._finish(request_id, DONE, worker_id=worker_id, result=result, state=state)
+
+    def model_state(self, model_id: str) -> ModelState | None:
+        with self._read() as s:
+            return s.get(ModelState, model_id)
+
+    def replay_log(self, model_id: str, after_seq_id: int, kinds: Collection[str]) -> list[Request]:
+        """The model's completed requests of these kinds after `after_seq_id`, in seq_id order: what the engine
+        runs again on top of a restored state (forward_backward: the gradients accumulated since)."""
+        with self._read() as s:
+            q = select(Request).where(Request.model_id == model_id, Request.seq_id > after_seq_id,
+                                      Request.status == DONE, Request.kind.in_(list(kinds))).order_by(Request.seq_id)
+            return list(s.scalars(q))
+
+    def live_models(self, *, quiet_s: float) -> list[Model]:
+        """Models with a saved state whose session is open and has beaten within quiet_s (what an engine restores
+        when it starts), most recently used first."""
+        cutoff = utcnow() - dt.timedelta(seconds=quiet_s)
+        with self._read() as s:
+            q = (select(Model).join(ClientSession, Model.session_id == ClientSession.id)
+                 .join(ModelState, ModelState.model_id == Model.id)
+                 .where(ClientSession.finished_at.is_(None), ClientSession.heartbeat_at >= cutoff)
+                 .order_by(Model.last_request_at.desc()))
+            return list(s.scalars(q))
 
     def fail(
         self, request_id: str, message: str, *, category: ErrorCategory = "server", worker_id: str | None = None
@@ -783,20 +940,40 @@ class Store:
         result: bytes | None = None,
         message: str | None = None,
         category: str | None = None,
+        state: StateUpdate | None = None,
     ) -> Request:
         with self._write() as s:
-            row: Request | None = s.scalars(self._lock(select(Request).where(Request.request_id == request_id))).first()
-            if row is None:
-                raise NotFound(f"no request {request_id!r}")
-            allowed = {RUNNING} if worker_id is not None or status == DONE else {RUNNING, QUEUED}
-            if row.status not in allowed or (worker_id is not None and row.worker_id != worker_id):
-                raise StaleClaim(
-                    f"request {request_id} is {row.status} (worker {row.worker_id}), not running for {worker_id}"
-                )
-            row.status, row.finished_at = status, utcnow()
-            row.result, row.error_message, row.error_category = result, message, category
-            self._advance(s, row)
+            row = self._finish_in(s, request_id, status, worker_id=worker_id, result=result, message=message,
+                                  category=category, state=state)
         self._notify()
+        return row
+
+    def _finish_in(
+        self,
+        s: Session,
+        request_id: str,
+        status: str,
+        *,
+        worker_id: str | None,
+        result: bytes | None = None,
+        message: str | None = None,
+        category: str | None = None,
+        state: StateUpdate | None = None,
+    ) -> Request:
+        row: Request | None = s.scalars(self._lock(select(Request).where(Request.request_id == request_id))).first()
+        if row is None:
+            raise NotFound(f"no request {request_id!r}")
+        allowed = {RUNNING} if worker_id is not None or status == DONE else {RUNNING, QUEUED}
+        if row.status not in allowed or (worker_id is not None and row.worker_id != worker_id):
+            raise StaleClaim(
+                f"request {request_id} is {row.status} (worker {row.worker_id}), not running for {worker_id}"
+            )
+        row.status, row.finished_at = status, utcnow()
+        row.result, row.error_message, row.error_category = result, message, category
+        self._advance(s, row)
+        if state is not None:
+            s.merge(ModelState(model_id=state.model_id, seq_id=state.seq_id, step=state.step,
+                               storage_path=state.storage_path, updated_at=utcnow()))
         return row
 
     def _advance(self, s: Session, row: Request) -> None:
@@ -881,8 +1058,15 @@ class Store:
         ttl_seconds: float | None = None,
         overwrite: bool = False,
         user_metadata: dict[str, Any] | None = None,
+        sampler_seq_id: int | None = None,
+        completes: tuple[str, str, bytes] | None = None,
     ) -> Checkpoint:
-        """Record a checkpoint the engine has written. A live one of the same name -> Conflict unless overwrite."""
+        """Record a checkpoint the engine has written. A live one of the same name -> Conflict unless overwrite.
+
+        In the same transaction: with sampler_seq_id, the model's session gets that sampling session on the new
+        checkpoint (save_weights_for_sampler without a path); with completes (request_id, worker_id, result), the
+        request that saved it is done. So a save killed half-way leaves no row, and its re-run does not conflict
+        with itself."""
         if kind not in _SEGMENT_FOR_KIND:
             raise ValueError(f"checkpoint kind must be 'training' or 'sampler', not {kind!r}")
         if not _CHECKPOINT_NAME.fullmatch(name):
@@ -900,6 +1084,20 @@ class Store:
                 s.add(row)
             row.storage_path, row.size_bytes, row.created_at, row.expires_at = storage_path, size_bytes, now, expires
             row.user_metadata = dict(user_metadata or {})
+            if sampler_seq_id is not None:
+                model = s.get(Model, model_id)
+                assert model is not None
+                sampler_id = sampling_session_id_for(model.session_id, sampler_seq_id)
+                if s.get(SamplingSession, sampler_id) is None:
+                    s.add(SamplingSession(
+                        id=sampler_id, owner_id=owner_id, session_id=model.session_id,
+                        sampling_session_seq_id=sampler_seq_id, base_model=model.base_model, model_path=path,
+                        model_id=model_id))
+            if completes is not None:
+                request_id, worker_id, result = completes
+                self._finish_in(s, request_id, DONE, worker_id=worker_id, result=result)
+        if completes is not None:
+            self._notify()
         return row
 
     @staticmethod
