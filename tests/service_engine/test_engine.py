@@ -341,3 +341,31 @@ def test_a_model_of_another_base_model_is_refused(live: LiveService) -> None:
     done = live.store.wait(key_row.id, row.request_id, 60)
     assert done.status == "failed" and done.error_category == "user"
     assert "'acme/other-model' is not served by this engine (it serves 'tiny/random')" in (done.error_message or "")
+
+
+def test_a_failed_snapshot_runs_the_step_again_on_the_rebuilt_model(live: LiveService) -> None:
+    """The bucket refuses one snapshot write: the optim_step is not lost and not applied twice (the slot, ahead of
+    the committed state, is dropped and the step runs again on the model rebuilt from it)."""
+    sc = live.client()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()
+    twin = sc.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()
+    for t in (tc, twin):
+        _train_twice(t, _data(3), _data(4))
+    want = twin.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
+    engine = live.engine
+    real = engine._write_adapter
+    failures: list[str] = []
+
+    def flaky(row: Any, kind: str, *args: Any, **kwargs: Any) -> Any:
+        if kind == "state" and not failures:
+            failures.append(row.request_id)
+            raise OSError("the bucket said no")
+        return real(row, kind, *args, **kwargs)
+
+    engine._write_adapter = flaky  # type: ignore[method-assign]
+    got = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
+    assert failures and got == pytest.approx(want, rel=1e-5)
+    assert engine.restores[-1][:2] == (tc.model_id, 1)  # rebuilt: step-1 snapshot plus the pending forward_backward
+    data = _data(6)
+    assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        twin.forward(data, "cross_entropy").result().metrics["loss:sum"], rel=1e-5)

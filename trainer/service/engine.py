@@ -37,12 +37,14 @@ import hashlib
 import json
 import logging
 import math
+import queue
 import shutil
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
@@ -80,6 +82,7 @@ MODEL_STATE_LOST: Final = (
     "by a server before state snapshots); load its last checkpoint with create_training_client_from_state"
 )
 STATE_KIND: Final = "state"  # snapshot directories: <storage>/<owner>/<model>/state/
+MAX_SNAPSHOT_ATTEMPTS: Final = 3  # a request whose state cannot be saved this often fails (server error)
 OPTIMIZER_FILE: Final = "optimizer.safetensors"
 STATE_FILE: Final = "state.json"
 FWD_KINDS: Final = (protocol.FORWARD, protocol.FORWARD_BACKWARD)
@@ -204,6 +207,11 @@ class Engine:
         self.worker_id = store.register_worker(worker_name, base_model=self.service.base_model)
         self._last_housekeeping = 0.0
         self._pinned: set[int] = set()  # slots a batch being assembled uses: never evicted for another model
+        # Snapshots being written (slot -> model id; never evicted or unloaded meanwhile), one thread writing them in
+        # order, and the ones that failed, for the main loop to settle.
+        self._writing: dict[int, str] = {}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
+        self._failed_writes: queue.Queue[tuple[Request, int, Exception]] = queue.Queue()
         # Observability (tests and logs read them): snapshot writes and restores, with their seconds.
         self.persist_seconds: deque[float] = deque(maxlen=1000)
         self.restores: list[tuple[str, int, float]] = []  # (model id, forward_backward requests replayed, seconds)
@@ -269,12 +277,15 @@ class Engine:
                     stop.wait(idle_sleep_s)
         finally:
             stop.set()
+            # Snapshots in flight complete their requests; a failed one stays running for the next engine's recover.
+            self._writer.shutdown(wait=True)
             with contextlib.suppress(Exception):
                 self.store.retire_worker(self.worker_id)
             self.dev.stop()
 
     def step(self) -> bool:
         """Claim and run one batch; False when nothing was runnable."""
+        self._settle_writes()
         now = time.monotonic()
         if now - self._last_housekeeping > 5.0:
             self._last_housekeeping = now
@@ -319,7 +330,7 @@ class Engine:
         idle = self.service.idle_unload_s
         now = time.time()
         for slot in list(self.slots.values()):
-            if slot.model_id is None or slot.owner_id is None or slot.session_id is None:
+            if slot.model_id is None or slot.owner_id is None or slot.session_id is None or slot.index in self._writing:
                 continue
             try:
                 session = self.store.get_session(slot.owner_id, slot.session_id)
@@ -358,8 +369,8 @@ class Engine:
             if i not in self.slots:
                 return i
         for training in (False, True):
-            victims = [s for s in self.slots.values()
-                       if (s.model_id is not None) == training and s.index not in self._pinned]
+            victims = [s for s in self.slots.values() if (s.model_id is not None) == training
+                       and s.index not in self._pinned and s.index not in self._writing]
             if victims:
                 victim = min(victims, key=lambda s: s.last_used)
                 log.info("evicting %s from slot %d", victim.model_id or victim.storage_path, victim.index)
@@ -462,17 +473,53 @@ class Engine:
         self.slots[index] = slot
         return slot
 
-    def _persist(self, row: Request, slot: Slot) -> Outcome:
-        """Snapshot the slot's state after `row` (to be committed with its completion); the snapshot it replaces is
-        deleted once that is committed."""
-        t0 = time.perf_counter()
-        previous = self.store.model_state(slot.model_id or "")
-        path = self._save_adapter(row, STATE_KIND, f"seq{row.seq_id or 0:08d}", with_optimizer=True)
-        self.persist_seconds.append(time.perf_counter() - t0)
-        state = StateUpdate(slot.model_id or "", row.seq_id or 0, slot.step, str(path))
-        old = previous.storage_path if previous is not None else None
-        then = (lambda: self._remove_files(old)) if old and Path(old).parent.name == STATE_KIND else None
-        return Outcome(state=state, then=then)
+    def _persist(self, row: Request, slot: Slot, result: bytes) -> Outcome:
+        """Snapshot the slot's state after `row` and complete `row` with it, the snapshot it replaces deleted after.
+
+        The slot is read to the host now; the files are written and the completion committed by the snapshot thread,
+        so the engine goes on with other models meanwhile (the model's own next request waits: its seq_id is not
+        claimable before this one completes). Until then the slot is neither evicted nor unloaded. A write that fails
+        is handed back to the main loop, which drops the slot (its state ran ahead of the committed one) and queues
+        the request again (`_settle_writes`)."""
+        host = self._read_adapter(slot)
+        model_id, index = slot.model_id or "", slot.index
+        self._writing[index] = model_id
+
+        def write_and_commit() -> None:
+            t0 = time.perf_counter()
+            try:
+                previous = self.store.model_state(model_id)
+                path = self._write_adapter(row, STATE_KIND, f"seq{row.seq_id or 0:08d}", host, with_optimizer=True)
+                self.store.complete(row.request_id, result, worker_id=self.worker_id,
+                                    state=StateUpdate(model_id, row.seq_id or 0, host[4], str(path)))
+            except Exception as e:  # noqa: BLE001 - e.g. the bucket or the database unreachable for a moment
+                log.exception("snapshot of %s after seq %s failed", model_id, row.seq_id)
+                self._failed_writes.put((row, index, e))
+                return
+            finally:
+                self.persist_seconds.append(time.perf_counter() - t0)
+                self._writing.pop(index, None)
+            old = previous.storage_path if previous is not None else None
+            if old and Path(old).parent.name == STATE_KIND:
+                self._remove_files(old, release=False)
+
+        self._writer.submit(write_and_commit)
+        return Outcome(completed=True)
+
+    def _settle_writes(self) -> None:
+        """On the main loop: requests whose snapshot failed run again on the model rebuilt from its committed state."""
+        while True:
+            try:
+                row, index, error = self._failed_writes.get_nowait()
+            except queue.Empty:
+                return
+            slot = self.slots.get(index)
+            if slot is not None and slot.model_id == row.model_id:
+                self._release(index)
+            if row.attempts >= MAX_SNAPSHOT_ATTEMPTS:
+                self._fail(row, f"saving the model's state failed {row.attempts} times: {error!r}", "server")
+            else:
+                self.store.requeue(row.request_id, worker_id=self.worker_id)
 
     def _load_weights(self, row: Request) -> Outcome:
         req = protocol.decode_json(row.kind, row.body)
@@ -488,9 +535,8 @@ class Engine:
         slot = self._load_dir(model, old.index if old is not None else self._free_slot(), root,
                               with_optimizer=req.optimizer)
         # A copy of its own as the model's state: the user may delete the checkpoint it came from.
-        persisted = self._persist(row, slot)
-        return replace(persisted, result=protocol.json_result(types.LoadWeightsResponse(path=req.path,
-                                                                                         model_id=model.id)))
+        return self._persist(row, slot, protocol.json_result(types.LoadWeightsResponse(path=req.path,
+                                                                                        model_id=model.id)))
 
     def _optim_step(self, row: Request) -> Outcome:
         req = protocol.decode_json(row.kind, row.body)
@@ -505,8 +551,7 @@ class Engine:
         hyper = P.AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
         norm = self.dev("optim", slot.index, slot.step, hyper.array())
         metrics = {"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate}
-        persisted = self._persist(row, slot)
-        return replace(persisted, result=protocol.json_result(types.OptimStepResponse(metrics=metrics)))
+        return self._persist(row, slot, protocol.json_result(types.OptimStepResponse(metrics=metrics)))
 
     # -- forward / forward_backward -----------------------------------------------------------------------------
 
@@ -609,13 +654,14 @@ class Engine:
             raise
         return final
 
-    def _remove_files(self, storage_path: str) -> None:
+    def _remove_files(self, storage_path: str, *, release: bool = True) -> None:
         path = Path(storage_path)
         if self.storage in path.parents:  # never delete outside our own storage
             shutil.rmtree(path, ignore_errors=True)
-        for slot in list(self.slots.values()):
-            if slot.storage_path == storage_path:
-                self._release(slot.index)
+        if release:  # a sampler slot loaded from these files (main thread only: a device op)
+            for slot in list(self.slots.values()):
+                if slot.storage_path == storage_path:
+                    self._release(slot.index)
 
     def _record(self, row: Request, name: str, kind: str, path: Path, req: Any, result: bytes,
                 sampler_seq_id: int | None = None) -> Outcome:
@@ -643,9 +689,18 @@ class Engine:
         return Outcome(completed=True, then=then)
 
     def _save_adapter(self, row: Request, kind: str, name: str, *, with_optimizer: bool) -> Path:
-        slot = self._model_slot(row.model_id or "")
+        return self._write_adapter(row, kind, name, self._read_adapter(self._model_slot(row.model_id or "")),
+                                   with_optimizer=with_optimizer)
+
+    def _read_adapter(self, slot: Slot) -> tuple[Any, Any, Any, LoraConfig, int, Slot]:
+        """The slot's weights and Adam moments on the host (a device op: the main thread, before the slot changes)."""
         single, m, v = self.dev("read_slot", slot.index, slot.rank, slot.targets)
-        single_cfg = self._single_cfg(slot)
+        return single, m, v, self._single_cfg(slot), slot.step, replace(slot)
+
+    def _write_adapter(self, row: Request, kind: str, name: str, host: tuple[Any, Any, Any, LoraConfig, int, Slot], *,
+                       with_optimizer: bool) -> Path:
+        """Write what _read_adapter read as a PEFT directory (plus optimizer and state files); any thread."""
+        single, m, v, single_cfg, step, slot = host
         base = self.store.get_model(row.owner_id, row.model_id or "").base_model
 
         def write(d: Path) -> None:
@@ -654,7 +709,7 @@ class Engine:
                 tensors = {f"exp_avg.{k}": t for k, t in L.peft_tensors(m).items()}
                 tensors |= {f"exp_avg_sq.{k}": t for k, t in L.peft_tensors(v).items()}
                 hf.write_safetensors(d / OPTIMIZER_FILE, tensors, {"format": "pt"})
-                state = {"step": slot.step, "rank": slot.rank, "targets": list(slot.targets), "scale": slot.scale}
+                state = {"step": step, "rank": slot.rank, "targets": list(slot.targets), "scale": slot.scale}
                 (d / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
         return self._write_dir(row.owner_id, row.model_id or "", kind, name, write)

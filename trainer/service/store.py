@@ -900,6 +900,18 @@ class Store:
         """Done, with its result; `state` (the model's state after it) is committed in the same transaction."""
         return self._finish(request_id, DONE, worker_id=worker_id, result=result, state=state)
 
+    def requeue(self, request_id: str, *, worker_id: str) -> Request:
+        """Put a request this worker is running back in the queue, in its place in its model's order."""
+        with self._write() as s:
+            row: Request | None = s.scalars(self._lock(select(Request).where(Request.request_id == request_id))).first()
+            if row is None:
+                raise NotFound(f"no request {request_id!r}")
+            if row.status != RUNNING or row.worker_id != worker_id:
+                raise StaleClaim(f"request {request_id} is {row.status} (worker {row.worker_id}), not running for "
+                                 f"{worker_id}")
+            row.status, row.worker_id, row.started_at = QUEUED, None, None
+        return row
+
     def model_state(self, model_id: str) -> ModelState | None:
         with self._read() as s:
             return s.get(ModelState, model_id)
