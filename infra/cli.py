@@ -247,12 +247,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
-    """`plan --fit`: the environment's trainer, as `fit ENV` compiles it (None when the trainer is disabled)."""
+    """`plan --fit`: the environment's trainer (or, without one, its service's engine), as `fit ENV` compiles it;
+    None when it has neither."""
     from infra.config import ConfigError
     from infra.fit import env_job
     from trainer.config import ConfigError as TrainerConfigError
 
-    if not spec.trainer.enabled:
+    if not spec.trainer.enabled and spec.service is None:
         return None
     try:
         return _run_fit(env_job(spec))

@@ -712,6 +712,10 @@ class EnvironmentSpec(_Model):
                                  f"service account id {account!r}, which must be 6-30 characters; use a shorter "
                                  "name")
         rules.gcp_name(self.sql_instance_name, 98, "service.name: the Cloud SQL instance name")
+        if not rules.BUCKET_NAME.match(self.service_state_bucket):
+            raise ValueError(f"service.name: the service's state bucket name {self.service_state_bucket!r} "
+                             "(<project>-<stack>-<service>-state) is longer than Cloud Storage's 63 characters; use a "
+                             "shorter service name")
 
     def _check_ray(self) -> None:
         t = self.trainer
@@ -879,6 +883,12 @@ class EnvironmentSpec(_Model):
         service accounts, so their Kubernetes accounts impersonate these through workload identity."""
         assert self.service is not None
         return {"api": f"{self.env}-{self.service.name}-api", "engine": f"{self.env}-{self.service.name}-eng"}
+
+    @property
+    def service_state_bucket(self) -> str:
+        """The bucket of the engine's model-state snapshots (service.state_dir)."""
+        assert self.service is not None
+        return f"{self.project}-{self.env}-{self.service.name}-state"
 
     @property
     def sql_instance_name(self) -> str:

@@ -1,6 +1,7 @@
 """List prices of an environment: its TPU slices from the price table in infra/tpu_prices.yaml, and what it costs
-besides them (the CPU system pool's VMs and the GKE cluster management fee) from infra/gke_prices.yaml, both copied from
-Google's prices with their source and date. A combination a table lacks has no price: never a guess."""
+besides them (the CPU system pool's VMs and the GKE cluster management fee) from infra/gke_prices.yaml and, with a
+service, its Cloud SQL instance from infra/sql_prices.yaml, all copied from Google's prices with their source and date.
+A combination a table lacks has no price: never a guess."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 
 PRICES = Path(__file__).with_name("tpu_prices.yaml")
 GKE_PRICES = Path(__file__).with_name("gke_prices.yaml")
+SQL_PRICES = Path(__file__).with_name("sql_prices.yaml")
 HOURS_PER_MONTH = 730  # Google's price pages convert hourly to monthly with 730 hours
 # The price-table columns each capacity kind is billed at, first found wins. A reservation is billed at the
 # committed-use rate when a commitment covers it, else at the on-demand rate (Compute Engine reservations);
@@ -91,6 +93,7 @@ class OtherCost:
 class EnvironmentCost:
     groups: list[SliceGroupCost]
     others: list[OtherCost] = field(default_factory=list)  # empty: the TPU slices alone were priced
+    service: dict[str, Any] | None = None  # the service's record (service_record); None: no service
 
     @property
     def priced(self) -> list[SliceGroupCost]:
@@ -132,7 +135,50 @@ class EnvironmentCost:
         parts += [f"{o.label} not priced (no price for {o.lacking}), not counted" for o in self.unpriced_others]
         if any(g.capacity == "flex-start" for g in self.groups):
             parts.append("flex-start pools are billed only while provisioned")
+        note = self.suspend_note()
+        if note:
+            parts.append(note)
         return "; ".join(parts)
+
+    @property
+    def engine_group(self) -> SliceGroupCost | None:
+        """The slice group the service's engine runs on."""
+        name = (self.service or {}).get("slice_group")
+        return next((g for g in self.groups if g.group == name), None)
+
+    @property
+    def suspended_usd_per_hour(self) -> float | None:
+        """The price with the engine suspended (service.suspend): the same as running, but for a flex-start engine
+        group the trainer does not share. Every other TPU node pool of this stack has a fixed node count
+        (infra/slices.py sets node_count to the slice's hosts): its VMs exist, and are billed, whether a pod runs on
+        them or not. A flex-start pool is autoscaled from 0 (queued provisioning): without a workload its nodes go
+        away. None without a service."""
+        group = self.engine_group
+        if group is None:
+            return None
+        return self.usd_per_hour - ((group.usd_per_hour or 0.0) if self._scales_down(group) else 0.0)
+
+    def _scales_down(self, group: SliceGroupCost) -> bool:
+        return group.capacity == "flex-start" and not (self.service or {}).get("shared")
+
+    def suspend_note(self) -> str | None:
+        """What suspending the service's engine saves, and what not (one clause of the plan's cost line)."""
+        group = self.engine_group
+        if group is None:
+            return None
+        suspended = bool((self.service or {}).get("suspend"))
+        g = f"the engine's slice group {group.group} ({group.capacity})"
+        if self._scales_down(group):
+            if suspended:
+                return f"service.suspend is on: {g} scales to 0 nodes, billed only while provisioned"
+            saved = "" if group.usd_per_hour is None else f" {usd(self.suspended_usd_per_hour or 0.0)}/hour"
+            return f"with service.suspend{saved}: {g} scales to 0 nodes without the engine"
+        why = ("the trainer runs on it too" if group.capacity == "flex-start"
+               else "it has a fixed node count, billed whether the engine runs or not")
+        if suspended:
+            return f"service.suspend is on: {g} is still billed ({why}); suspending frees the slice, not the bill"
+        return (f"with service.suspend the same {usd(self.usd_per_hour)}/hour: {g} is billed all the same ({why}); "
+                "suspending frees the slice for other work")
 
 
 def slice_cost(group: str, tpu_type: str, region: str, capacity: str, chips: int,
@@ -154,10 +200,30 @@ def slice_groups(spec: Any) -> list[dict[str, Any]]:
 
 
 def system_pool(spec: Any) -> dict[str, Any]:
-    """An EnvironmentSpec's CPU system pool as the plain record pricing and `plan --diff` compare (the diff's runner
-    writes the same record from an older revision's spec)."""
+    """An EnvironmentSpec's costs besides its TPU slices as the plain record pricing and `plan --diff` compare (the
+    diff's runner writes the same record from an older revision's spec): the CPU system pool {machine_type, nodes},
+    and with a service its record under "service" (service_record), whose Cloud SQL instance is priced beside the
+    pool's VMs."""
     pool = spec.cluster.system_pool
-    return {"machine_type": pool.machine_type, "nodes": pool.nodes}
+    record: dict[str, Any] = {"machine_type": pool.machine_type, "nodes": pool.nodes}
+    service = service_record(spec)
+    if service is not None:
+        record["service"] = service
+    return record
+
+
+def service_record(spec: Any) -> dict[str, Any] | None:
+    """The service's part of the price as a plain record: its engine's slice group (and whether the engine is
+    suspended, whether the trainer shares the group) and its Cloud SQL instance. None without a service."""
+    svc = getattr(spec, "service", None)
+    if svc is None:
+        return None
+    db, group = svc.database, spec.service_group
+    trainer = spec.trainer_group if spec.trainer.enabled else None
+    return {"slice_group": group.name, "suspend": svc.suspend,
+            "shared": trainer is not None and trainer.name == group.name,
+            "database": {"tier": db.tier, "cpus": db.cpus, "memory_gib": db.memory_gib, "disk_gb": db.disk_gb,
+                         "availability": db.availability}}
 
 
 # ---------------------------------------------------------------- besides the TPU slices
@@ -185,24 +251,75 @@ def default_gke_table() -> GkeTable:
     return parse_gke_table(yaml.safe_load(GKE_PRICES.read_text()))
 
 
-def cluster_costs(pool: dict[str, Any], region: str, table: GkeTable | None = None) -> list[OtherCost]:
-    """The system pool's VMs (on-demand: the pool takes no spot or reservation setting) and the cluster's management
-    fee. pool: {machine_type, nodes}, as system_pool() gives it."""
+def cluster_costs(pool: dict[str, Any], region: str, table: GkeTable | None = None,
+                  sql: SqlTable | None = None) -> list[OtherCost]:
+    """The system pool's VMs (on-demand: the pool takes no spot or reservation setting), the cluster's management
+    fee and, with a service, its Cloud SQL instance. pool: {machine_type, nodes, service?}, as system_pool() gives
+    it."""
     table = table or default_gke_table()
     machine, nodes = pool["machine_type"], pool["nodes"]
     rate = table.machine_rate(machine, region)
-    return [OtherCost("system pool", f"{nodes} x {machine}", None if rate is None else rate * nodes,
-                      f"{machine} in {region}"),
-            OtherCost("GKE cluster fee", "", table.cluster_fee_usd_per_hour, "the cluster fee")]
+    out = [OtherCost("system pool", f"{nodes} x {machine}", None if rate is None else rate * nodes,
+                     f"{machine} in {region}"),
+           OtherCost("GKE cluster fee", "", table.cluster_fee_usd_per_hour, "the cluster fee")]
+    database = (pool.get("service") or {}).get("database")
+    if database is not None:
+        out.append(database_cost(database, region, sql))
+    return out
 
 
 def environment_cost(slices: list[dict[str, Any]], region: str, table: PriceTable | None = None,
-                     pool: dict[str, Any] | None = None, gke: GkeTable | None = None) -> EnvironmentCost:
+                     pool: dict[str, Any] | None = None, gke: GkeTable | None = None,
+                     sql: SqlTable | None = None) -> EnvironmentCost:
     """slices: [{name, tpu_type, capacity, chips}] with chips = every slice of the group. With `pool` (the system
-    pool's record) the cluster's costs besides the TPU slices are counted too; without it, the slices alone."""
+    pool's record, and the service's in it) the environment's costs besides the TPU slices are counted too; without
+    it, the slices alone."""
     return EnvironmentCost([slice_cost(s["name"], s["tpu_type"], region, s["capacity"], s["chips"], table)
                             for s in slices],
-                           [] if pool is None else cluster_costs(pool, region, gke))
+                           [] if pool is None else cluster_costs(pool, region, gke, sql),
+                           None if pool is None else pool.get("service"))
+
+
+# ---------------------------------------------------------------- the service's Cloud SQL instance
+
+# A regional (high-availability) instance has a standby in a second zone with the same vCPUs, memory and disk, billed
+# as much again (infra/sql_prices.yaml).
+SQL_AVAILABILITY_FACTOR = {"zonal": 1, "regional": 2}
+
+
+@dataclass(frozen=True)
+class SqlTable:
+    regions: dict[str, dict[str, float]]  # region -> {vcpu_hour, memory_gib_hour, ssd_gb_month}, zonal, Enterprise
+    sources: list[dict[str, Any]]
+
+    def rates(self, region: str) -> dict[str, float] | None:
+        found = self.regions.get(region)
+        if not found or not {"vcpu_hour", "memory_gib_hour", "ssd_gb_month"} <= set(found):
+            return None
+        return {k: float(v) for k, v in found.items()}
+
+
+def parse_sql_table(doc: dict[str, Any]) -> SqlTable:
+    return SqlTable(regions=doc.get("regions") or {}, sources=list(doc.get("sources") or []))
+
+
+@cache
+def default_sql_table() -> SqlTable:
+    return parse_sql_table(yaml.safe_load(SQL_PRICES.read_text()))
+
+
+def database_cost(db: dict[str, Any], region: str, table: SqlTable | None = None) -> OtherCost:
+    """The instance's vCPUs, memory and SSD (the configured disk_gb; autoresize may grow it), twice for a regional
+    instance. Backups, point-in-time-recovery logs and egress are not counted (infra/sql_prices.yaml).
+    db: {tier, cpus, memory_gib, disk_gb, availability}, as service_record() gives it."""
+    table = table or default_sql_table()
+    detail = f"{db['tier']} {db['availability']}, {db['disk_gb']} GB SSD"
+    rates = table.rates(region)
+    if rates is None:
+        return OtherCost("Cloud SQL", detail, None, f"Cloud SQL Enterprise in {region}")
+    per_hour = (db["cpus"] * rates["vcpu_hour"] + db["memory_gib"] * rates["memory_gib_hour"]
+                + db["disk_gb"] * rates["ssd_gb_month"] / HOURS_PER_MONTH)
+    return OtherCost("Cloud SQL", detail, per_hour * SQL_AVAILABILITY_FACTOR[db["availability"]])
 
 
 def usd(value: float, signed: bool = False) -> str:

@@ -43,6 +43,14 @@ slices = [{"name": g.name, "tpu_type": g.tpu_type, "topology": g.topology, "capa
            "count": g.count, "chips": g.count * g.shape.chips} for g in spec.slices]
 pool = getattr(getattr(spec, "cluster", None), "system_pool", None)
 system_pool = None if pool is None else {"machine_type": pool.machine_type, "nodes": pool.nodes}
+svc = getattr(spec, "service", None)  # today's infra.cost.service_record, restated for a tree that may lack it
+if system_pool is not None and svc is not None:
+    db, group = svc.database, spec.service_group
+    trainer = spec.trainer_group if spec.trainer.enabled else None
+    system_pool["service"] = {
+        "slice_group": group.name, "suspend": svc.suspend, "shared": trainer is not None and trainer.name == group.name,
+        "database": {"tier": db.tier, "cpus": db.cpus, "memory_gib": db.memory_gib, "disk_gb": db.disk_gb,
+                     "availability": db.availability}}
 print(json.dumps({"region": spec.region, "slices": slices, "system_pool": system_pool, "outputs": result.outputs,
                   "resources": [{"urn": r.urn, "type": r.type, "name": r.name, "custom": r.custom,
                                  "inputs": r.inputs, "options": r.options} for r in result.resources]},
@@ -62,7 +70,7 @@ class Snapshot:
     resources: dict[str, dict[str, Any]]  # urn -> {type, name, custom, inputs, options}
     missing: str | None = None  # why there is no plan at that revision (the environment did not exist)
     context: str | None = None  # digest of the image build context the stack builds (None: it builds none)
-    system_pool: dict[str, Any] | None = None  # {machine_type, nodes}; None: the slices alone are priced
+    system_pool: dict[str, Any] | None = None  # {machine_type, nodes, service?}; None: the slices alone are priced
 
     @property
     def chips_by_type(self) -> dict[str, int]:

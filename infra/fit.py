@@ -1,4 +1,5 @@
-"""What `gke-tpu-rl fit` compiles: the trainer config as the JobSet's pod loads it, and the slice from the catalog.
+"""What `gke-tpu-rl fit` compiles: the trainer config as the JobSet's pod loads it (or, in an environment with a
+service and no trainer, the service engine's config), and the slice from the catalog.
 
 No JAX here: the compilation itself is trainer/fit.py, imported only when a fit runs.
 """
@@ -14,7 +15,7 @@ from infra.config import NAMESPACE, ConfigError, EnvironmentSpec, parse_spec
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
-    from trainer.fit import Target
+    from trainer.fit import FitReport, Target
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,11 @@ def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[st
 
     t = spec.trainer
     group = spec.trainer_group
+    if not t.enabled and spec.service is not None:
+        return service_job(spec, config, overrides)  # a service environment: its engine is what runs on the TPUs
     if not t.enabled or group is None:
-        raise ConfigError(f"environment {spec.env!r}: trainer.enabled is false; there is no trainer to fit")
+        raise ConfigError(f"environment {spec.env!r}: trainer.enabled is false and there is no service; there is "
+                          "no trainer to fit")
     pod, unknown = build_parser().parse_known_args(trainer_args(spec))
     if unknown:
         raise ConfigError(f"environment {spec.env!r}: trainer.args has arguments the trainer does not take: {unknown}")
@@ -95,6 +99,30 @@ def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[st
     return FitJob(title, cfg, target(group.shape, slices))
 
 
+def service_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[str] | None = None) -> FitJob:
+    """The environment's service engine: one slice of the service's slice group, and its config loaded from the very
+    arguments the engine JobSet gives the pod (workloads.service.engine_args: service.config, the weights' place on
+    the bucket, a mesh over the one slice, then service.args), parsed by the service CLI's own `engine` parser, then
+    `overrides`; `config` replaces service.config. The estimators size a config with a service section as the
+    engine's programs (trainer/fit.py fit_service)."""
+    from trainer.service.cli import build_parser
+    from workloads.service import engine_args
+
+    svc, group = spec.service, spec.service_group
+    if svc is None or group is None:
+        raise ConfigError(f"environment {spec.env!r}: no service to fit")
+    engine, unknown = build_parser().parse_known_args(["engine", *engine_args(spec)])
+    if unknown:
+        raise ConfigError(f"environment {spec.env!r}: service.args has arguments the engine does not take: {unknown}")
+    name = config or engine.config
+    cfg = _trainer_config(name, [*engine.overrides, *(overrides or [])])
+    if cfg.service is None:
+        raise ConfigError(f"--config {name}: no service section; the service's engine needs a service config "
+                          "(e.g. trainer/configs/qwen3-8b-service-v6e-4x4.yaml)")
+    title = f"{spec.env} (service {svc.name} engine on {group.name}, config {name})"
+    return FitJob(title, cfg, target(group.shape, 1))  # one slice: the engine JobSet has one replica
+
+
 def file_job(config: str, tpu_value: str, slices: int, overrides: list[str] | None = None) -> FitJob:
     """A trainer YAML alone on `slices` x `--tpu`, with the mesh overrides the JobSet would pass first."""
     if slices < 1:
@@ -102,3 +130,54 @@ def file_job(config: str, tpu_value: str, slices: int, overrides: list[str] | No
     shape = parse_tpu(tpu_value)
     cfg = _trainer_config(config, [f"mesh.slices={slices}", "mesh.fsdp=-1", *(overrides or [])])
     return FitJob(f"{config} on {slices} x {shape.generation.name} {shape.topology}", cfg, target(shape, slices))
+
+
+def estimate_service(job: FitJob, model: str | None = None) -> FitReport:
+    """A service engine's fit from the analytic model alone (trainer/fit_estimate.py: service_passes,
+    service_memory, service_flops), in seconds and without libtpu: the same passes and report as
+    trainer.fit.fit_service, each program's memory the estimate instead of the compiler's figures, against the
+    catalog's HBM (libtpu's usable share, e.g. 31.25 of a v6e chip's 32 GiB, is only known by compiling), times from
+    peak FLOP/s and HBM bandwidth. `fit` (the compile) is the proof; this is what a test or a quick check affords."""
+    from trainer import fit_estimate as E
+    from trainer.config import ConfigError as TrainerConfigError
+    from trainer.config import resolve_mesh
+    from trainer.fit import _estimate_service_times, resolve_model
+    from trainer.fit_report import FitReport, ProgramFit, ServiceFit
+    from trainer.flops import param_count
+
+    cfg, source = resolve_model(job.cfg, model)
+    if cfg.service is None or cfg.lora is None:
+        raise ConfigError(f"{job.title}: the estimate sizes a service config (service and lora sections)")
+    t = job.target
+    devices = t.chips * (2 if t.tpu_type == "tpu7x" else 1)  # Ironwood shows two devices per chip to JAX
+    try:
+        cfg = resolve_mesh(cfg, devices, exact=True)
+    except TrainerConfigError as err:
+        raise ConfigError(f"{err} (the {devices} devices of {t.label})") from None
+    lay = E.Layout.of(cfg)
+    passes = E.service_passes(cfg, lay.data)
+    st = E.service_state(cfg, lay)
+    adam = "Adam m and v of the adapter stack (2 x float32 stacks)"
+    programs = []
+    for ps in passes:
+        executed, model_flops = E.service_flops(cfg, ps)
+        mem = E.service_memory(cfg, "forward_backward", ps, lay)
+        # Arguments: the base, the adapter weights and the gradient accumulator; Adam's moments stay resident.
+        programs.append(ProgramFit(ps.name, argument=int(st.base + 2 * st.stack), temp=int(mem.temp),
+                                   resident=int(2 * st.stack), resident_what=adam, flops=executed,
+                                   model_flops=model_flops))
+    programs.append(ProgramFit("optim_step", argument=int(st.adapters), resident=int(st.base),
+                               resident_what="the frozen base weights"))
+    _estimate_service_times(t, devices, int(st.stack), programs)
+    m, svc = cfg.model_cfg, cfg.service
+    return FitReport(
+        title=f"{job.title}, estimated", target=t, model=source, params=param_count(m), param_dtype=m.param_dtype,
+        compute_dtype=cfg.compute_dtype, mesh={k: getattr(cfg.mesh, k) for k in ("slices", "fsdp", "tensor")},
+        batch=max(ps.rows for ps in passes), prompt_len=passes[-1].length, new_tokens=0, devices=devices,
+        programs=programs, hbm_usable=None,
+        service=ServiceFit(
+            base_model=svc.base_model, slots=cfg.lora.slots, rank=cfg.lora.rank, max_batch_tokens=svc.max_batch_tokens,
+            min_bucket=svc.min_bucket, data_parallel=lay.data, context=m.max_seq_len,
+            longest_datum=E.service_longest_datum(cfg, lay.data), passes={ps.name: ps.kind for ps in passes},
+            base=int(st.base), stack=int(st.stack), stack_params=st.stack_params, base_estimate=int(st.base),
+            stack_estimate=int(st.stack)))

@@ -46,9 +46,12 @@ class Network(pulumi.ComponentResource):
         spec, net = args.spec, args.spec.network
         child = pulumi.ResourceOptions(parent=self)
 
+        # A protected Cloud SQL instance outlives `pulumi destroy` with its private IP in this VPC (its peering is
+        # kept too, infra/database.py); GCP refuses to delete a network still peered, so the VPC is kept with it.
+        keep = spec.service is not None and spec.sql_protected
         self.vpc = gcp.compute.Network(
             f"{name}-vpc", project=spec.project, auto_create_subnetworks=False, routing_mode="REGIONAL",
-            opts=child)
+            opts=pulumi.ResourceOptions(parent=self, retain_on_delete=keep))
         self.subnet = gcp.compute.Subnetwork(
             f"{name}-nodes", project=spec.project, region=spec.region, network=self.vpc.id,
             ip_cidr_range=net.node_cidr, private_ip_google_access=True,

@@ -6,10 +6,11 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
-from infra import grace, system_pool, user_code
+from infra import grace, service, system_pool, user_code
 from infra.cluster import Cluster, ClusterArgs
 from infra.config import NAMESPACE, EnvironmentSpec, load_spec
 from infra.controllers import Controllers, ControllersArgs
+from infra.database import ServiceDatabase, ServiceDatabaseArgs
 from infra.iam import NodeIdentity, NodeIdentityArgs
 from infra.image import TrainerImage, TrainerImageArgs
 from infra.network import Network, NetworkArgs
@@ -51,6 +52,17 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
     if spec.trainer.enabled:
         TrainerJob(f"{env}-trainer", TrainerJobArgs(spec, image=image, hf_token=hf_token), pulumi.ResourceOptions(
             provider=provider, depends_on=[queues, storage, registry, slices]))
+    if spec.service is not None:
+        # The store, and the Google service accounts the API and the engine act as (with their bucket grant).
+        database = ServiceDatabase(f"{env}-database", ServiceDatabaseArgs(
+            spec, network=network.vpc.id, project_number=project_number, bucket=storage.bucket.name,
+            state_bucket=storage.state_bucket.name if storage.state_bucket is not None else None))
+        svc = service.Service(f"{env}-service", service.ServiceArgs(
+            spec, image=image, hf_token=hf_token, instance=database.connection_name, database=database.database,
+            users=database.users, accounts=database.accounts), pulumi.ResourceOptions(
+            provider=provider, depends_on=[queues, storage, registry, slices, database]))
+        pulumi.export("serviceApi", svc.api_address)
+        pulumi.export("servicePortForward", svc.port_forward)
 
     pulumi.export("clusterName", cluster.cluster.name)
     pulumi.export("clusterEndpoint", cluster.api_endpoint)
@@ -70,4 +82,5 @@ def main() -> None:
     grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
     stage_targets(spec)  # what trainer.stage fetches has a place on the bucket the trainer config reads
     user_code.check(spec)  # the trainer config's own tasks and rewards are in trainer.code
+    service.check(spec)  # the service's engine config loads with the arguments its pods get
     build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))

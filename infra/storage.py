@@ -45,11 +45,31 @@ class Storage(pulumi.ComponentResource):
             labels=spec.resource_labels(),
             opts=bucket_opts,
         )
-        member = workload_principal(args.project_number, spec.project, spec.queues.namespace,
-                                    spec.trainer.service_account)
-        self.iam = gcp.storage.BucketIAMMember(
-            f"{name}-trainer-object-user", bucket=self.bucket.name, role=CHECKPOINT_ROLE, member=member,
-            opts=pulumi.ResourceOptions(parent=self))
+        if spec.trainer.enabled:
+            member = workload_principal(args.project_number, spec.project, spec.queues.namespace,
+                                        spec.trainer.service_account)
+            gcp.storage.BucketIAMMember(
+                f"{name}-trainer-object-user", bucket=self.bucket.name, role=CHECKPOINT_ROLE, member=member,
+                opts=pulumi.ResourceOptions(parent=self))
+        self.state_bucket: gcp.storage.Bucket | None = None
+        if spec.service is not None:
+            # The engine replaces each model's state snapshot (about 1 GiB for a rank-32 LoRA of an 8B model, Adam
+            # moments included) at every optim_step, and deletes the one before. On the checkpoint bucket, versioning
+            # and soft delete would keep every replaced one (TBs a day per active user); here neither is on, so only
+            # the latest of each model is stored. Protected as the checkpoint bucket is: it holds the users' state.
+            self.state_bucket = gcp.storage.Bucket(
+                f"{name}-service-state",
+                name=spec.service_state_bucket,
+                project=spec.project,
+                location=(s.location or spec.region).upper(),
+                uniform_bucket_level_access=True,
+                public_access_prevention="enforced",
+                force_destroy=s.force_destroy,
+                versioning=gcp.storage.BucketVersioningArgs(enabled=False),
+                soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(retention_duration_seconds=0),
+                labels=spec.resource_labels(),
+                opts=bucket_opts,
+            )
         if spec.runs_on_ray:
             head = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                       spec.ray_head_service_account)

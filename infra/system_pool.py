@@ -23,6 +23,7 @@ from infra.machines import (
     requests_of,
 )
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES, SUBMITTER_REQUESTS
+from workloads.service import API_RESOURCES
 from workloads.stage import STAGE_RESOURCES
 from workloads.trainer_pod import GCSFUSE_SIDECAR
 
@@ -141,6 +142,12 @@ def pinned_pods(spec: EnvironmentSpec) -> list[Pod]:
         pods.append(ray_head())
     if spec.trainer.enabled and spec.trainer.stage is not None:
         pods.append(stage_pod())
+    if spec.service is not None:
+        # The API's replicas (spread over nodes by preference only, so packing them anywhere is what can happen),
+        # and the base model's staging Job.
+        pods += [Pod(f"service API {i}", requests_of(API_RESOURCES)) for i in range(spec.service.api_replicas)]
+        if spec.service.stage_model and not spec.service.suspend:
+            pods.append(stage_pod())
     return pods
 
 

@@ -263,9 +263,13 @@ class ServiceConfig(_Strict):
     sample_max_sequences: int = Field(64, gt=0, description="sequences decoded at once; a request for more samples "
                                       "runs in chunks")
     idle_unload_s: float = Field(900.0, gt=0, description="a model whose session sent no heartbeat for this long "
-                                 "gives its adapter slot back (its saved checkpoints stay)")
+                                 "gives its adapter slot back (its state is saved: it comes back on its next request)")
     storage_dir: str | None = Field(None, description="where checkpoints are written; unset: checkpoints/ beside "
                                     "the service database ($GKE_TPU_RL_SERVICE_HOME)")
+    state_dir: str | None = Field(None, description="where each model's state snapshot (adapter, Adam moments, "
+                                  "step: written at every optim_step, load and create) goes, the latest one per model "
+                                  "kept; unset: state/ in storage_dir. The stack puts it on a bucket of its own, "
+                                  "without object versioning or soft delete, which would keep every replaced one")
 
 
 class CheckpointConfig(_Strict):

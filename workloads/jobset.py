@@ -1,4 +1,8 @@
-"""The trainer JobSet: one replicated Job per slice group, one pod per TPU host."""
+"""The trainer JobSet: one replicated Job per slice group, one pod per TPU host.
+
+`tpu_jobset` builds it for any TpuJob (workloads/trainer_pod.py): the RL trainer's (`trainer_jobset`) and the
+post-training service's engine (workloads/service.py) share every line of it but their command, args and extra env.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +14,21 @@ from workloads.trainer_pod import (
     CONTAINER_SECURITY,
     HF_TOKEN_KEY,
     TRAINER_UID,
+    TpuJob,
     TrainerRefs,
-    checkpoint_dir,
-    config_args,
-    dranet_nics,
     hf_token_env,
+    job_nics,
+    job_pod,
+    job_resources,
     megascale_interfaces,
     pod_annotations,
-    tpu_pod,
-    tpu_resources,
-    trainer_group,
+    trainer_args,
+    trainer_job,
     volume_mounts,
 )
 
-__all__ = ["HF_TOKEN_KEY", "TRAINER_UID", "TrainerRefs", "trainer_jobset", "pod_env", "trainer_args"]
+__all__ = ["HF_TOKEN_KEY", "TRAINER_UID", "TrainerRefs", "trainer_jobset", "tpu_jobset", "pod_env", "job_env",
+           "trainer_args"]
 
 COORDINATOR_PORT = 8476  # jax.distributed coordinator on process 0
 MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
@@ -42,75 +47,76 @@ def coordinator_host(jobset: str) -> str:
     return f"{jobset}-{REPLICATED_JOB}-0-0.{jobset}"
 
 
-def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
-    """The env contract the trainer reads (trainer/distributed.py) plus libtpu's multislice variables."""
-    t, group = spec.trainer, trainer_group(spec)
-    host = coordinator_host(t.name)
+def job_env(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> list[dict[str, Any]]:
+    """The env contract the trainer and the engine read (trainer/distributed.py) plus libtpu's multislice variables,
+    then the job's own extras."""
+    host = coordinator_host(job.name)
     slice_index = _field(f"metadata.annotations['{L.JOBSET_JOB_INDEX}']")
     env: list[dict[str, Any]] = [
         {"name": "COORDINATOR_ADDRESS", "value": f"{host}:{COORDINATOR_PORT}"},
-        {"name": "NUM_SLICES", "value": str(t.slices)},
+        {"name": "NUM_SLICES", "value": str(job.slices)},
         {"name": "SLICE_INDEX", **slice_index},
-        {"name": "HOSTS_PER_SLICE", "value": str(group.shape.hosts)},
+        {"name": "HOSTS_PER_SLICE", "value": str(job.group.shape.hosts)},
         {"name": "HOST_INDEX", **_field(f"metadata.annotations['{L.JOB_COMPLETION_INDEX}']")},
-        {"name": "CHECKPOINT_DIR", "value": checkpoint_dir(spec)},
+        {"name": "CHECKPOINT_DIR", "value": job.checkpoint_dir},
         {"name": "JOBSET_NAME", **_field(f"metadata.labels['{L.JOBSET_NAME}']")},
     ]
-    if t.slices > 1:
+    if job.slices > 1:
         env += [
             {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": host},
-            {"name": "MEGASCALE_NUM_SLICES", "value": str(t.slices)},
+            {"name": "MEGASCALE_NUM_SLICES", "value": str(job.slices)},
             {"name": "MEGASCALE_SLICE_ID", **slice_index},
             {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_PORT)},
         ]
-        if nics := dranet_nics(spec, refs):
+        if nics := job_nics(spec, job, refs):
             env.append(megascale_interfaces(nics))
-    return env + hf_token_env(refs)
+    return env + list(job.env) + hf_token_env(refs)
 
 
-def trainer_args(spec: EnvironmentSpec) -> list[str]:
-    """The trainer config (bundled, or in trainer.code), metrics next to the checkpoints in the bucket, and a mesh that
-    spans every slice; the config's args come last so they can override any of it."""
-    t = spec.trainer
-    config = config_args(spec)
-    return [*config, "--run-dir", f"{checkpoint_dir(spec)}/run", "--set", f"mesh.slices={t.slices}",
-            "--set", "mesh.fsdp=-1", *t.args]
+def pod_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
+    """The trainer pods' env (job_env of the trainer)."""
+    return job_env(spec, trainer_job(spec, refs), refs)
 
 
-def _container(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    return {
-        "name": "trainer",
-        "image": refs.image,
-        "args": trainer_args(spec),
-        "env": pod_env(spec, refs),
+def _container(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": job.container, "image": refs.image}
+    if job.command:
+        container["command"] = list(job.command)
+    container.update({
+        "args": list(job.args),
+        "env": job_env(spec, job, refs),
         "ports": [
             {"name": "coordinator", "containerPort": COORDINATOR_PORT},
             {"name": "megascale", "containerPort": MEGASCALE_PORT},
         ],
-        "resources": tpu_resources(spec, refs),
+        "resources": job_resources(job.group, refs),
         "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": volume_mounts(),
-    }
+        "volumeMounts": volume_mounts() + [{"name": name, "mountPath": path} for name, _, path in job.buckets],
+    })
+    return container
 
 
-def _pod_spec(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    group = trainer_group(spec)
+def host_network(job: TpuJob, refs: TrainerRefs) -> bool:
     # Without DRANET, TPU hosts reach each other (ICI setup, DCN between slices) over the node's own NICs, as xpk's
     # workloads and GKE's multislice JobSet walkthrough run them.
-    host_network = not refs.claim_template and (group.shape.multi_host or spec.trainer.slices > 1)
-    return tpu_pod(spec, refs, _container(spec, refs), host_network=host_network)
+    return not refs.claim_template and (job.group.shape.multi_host or job.slices > 1)
 
 
-def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    t, group = spec.trainer, trainer_group(spec)
-    hosts = group.shape.hosts
+def _pod_spec(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[str, Any]:
+    return job_pod(job, refs, _container(spec, job, refs), host_network=host_network(job, refs))
+
+
+def tpu_jobset(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[str, Any]:
+    """The JobSet of a TPU job: `job.slices` slices of its group, one pod per host, queued in the environment's
+    LocalQueue at the job's priority."""
+    hosts = job.group.shape.hosts
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
         "kind": "JobSet",
         "metadata": {
-            "name": t.name,
+            "name": job.name,
             "namespace": spec.queues.namespace,
-            "labels": {**L.MANAGED_BY, L.KUEUE_QUEUE: spec.queues.local_queue, L.KUEUE_PRIORITY: t.priority},
+            "labels": {**L.MANAGED_BY, L.KUEUE_QUEUE: spec.queues.local_queue, L.KUEUE_PRIORITY: job.priority},
             # One slice per node pool: JobSet places each replicated Job on its own pool.
             "annotations": {L.JOBSET_EXCLUSIVE: L.NODEPOOL},
         },
@@ -118,14 +124,14 @@ def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
             # A pod that exits with a bug's code fails its Job by podFailurePolicy, and this rule fails the JobSet
             # at once; anything else (preemption, node loss, a transient runtime error) restarts it from the last
             # checkpoint, up to maxRestarts (xpk's split: its workload template and get_restart_exit_codes).
-            "failurePolicy": {"maxRestarts": t.max_restarts, "restartStrategy": "Recreate", "rules": [
+            "failurePolicy": {"maxRestarts": job.max_restarts, "restartStrategy": "Recreate", "rules": [
                 {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
-            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": t.name},
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": job.name},
             "replicatedJobs": [
                 {
                     "name": REPLICATED_JOB,
-                    "replicas": t.slices,
+                    "replicas": job.slices,
                     "template": {
                         "spec": {
                             "parallelism": hosts,
@@ -133,10 +139,11 @@ def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
                             "completionMode": "Indexed",
                             "backoffLimit": 0,
                             "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
-                                "containerName": "trainer", "operator": "NotIn", "values": list(RESTART_EXIT_CODES)}}]},
+                                "containerName": job.container, "operator": "NotIn",
+                                "values": list(RESTART_EXIT_CODES)}}]},
                             "template": {
                                 "metadata": {"annotations": pod_annotations()},
-                                "spec": _pod_spec(spec, refs),
+                                "spec": _pod_spec(spec, job, refs),
                             },
                         }
                     },
@@ -144,3 +151,7 @@ def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
             ],
         },
     }
+
+
+def trainer_jobset(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
+    return tpu_jobset(spec, trainer_job(spec, refs), refs)

@@ -1,9 +1,11 @@
 """The staging Job: `python -m trainer.stage` in the trainer image, on the CPU system pool, with the bucket mounted
-read-write, fetches the Hugging Face model and dataset file the trainer config reads (trainer.stage) before the
-trainer exists. Idempotent: the command skips what its marker says is staged, without a call to the Hub.
+read-write, fetches Hugging Face files into the bucket before the workload that reads them exists: the model and
+dataset file the trainer config reads (trainer.stage, `stage_job`), or the post-training service's base model
+(service.stageModel, workloads/service.py). `fetch_job` builds either from a `Fetch` (what, and where to). Idempotent:
+the command skips what its marker says is staged, without a call to the Hub.
 
 Its life: `pulumi up` creates it and waits for it to complete (pulumi-kubernetes' batch/v1 Job awaiter,
-provider/pkg/await/job.go: Complete, or Failed fails the update), and the trainer depends on it; a changed source
+provider/pkg/await/job.go: Complete, or Failed fails the update), and the workload depends on it; a changed source
 replaces it, as a Job's pod template is immutable. Kueue leaves it alone: it carries no queue-name label.
 """
 
@@ -18,9 +20,9 @@ from workloads.trainer_pod import (
     CHECKPOINT_MOUNT,
     CONTAINER_SECURITY,
     TrainerRefs,
-    base_pod,
     hf_token_env,
     pod_annotations,
+    pod_base,
     volumes,
 )
 
@@ -42,28 +44,58 @@ class StageTargets:
     dataset_file: str | None
 
 
+@dataclass(frozen=True)
+class Fetch:
+    """What a staging Job fetches from the Hugging Face Hub, and where on the bucket's mount it puts it."""
+
+    model: str | None = None  # ORG/NAME
+    revision: str | None = None
+    model_to: str | None = None  # a directory
+    dataset: str | None = None  # ORG/NAME
+    dataset_file: str | None = None  # the file's path in the dataset repo
+    dataset_to: str | None = None  # a file
+
+
 def job_name(spec: EnvironmentSpec) -> str:
     return f"{spec.trainer.name}-stage"
 
 
-def command(spec: EnvironmentSpec, targets: StageTargets) -> list[str]:
+def trainer_fetch(spec: EnvironmentSpec, targets: StageTargets) -> Fetch:
+    """trainer.stage, into the trainer config's own init.path and task.path."""
     stage = spec.trainer.stage
     assert stage is not None  # callers build the Job only when trainer.stage is set
+    return Fetch(model=stage.model, revision=stage.revision, model_to=targets.model_dir, dataset=stage.dataset,
+                 dataset_file=stage.dataset_file, dataset_to=targets.dataset_file)
+
+
+def fetch_command(fetch: Fetch) -> list[str]:
     cmd = ["python", "-m", "trainer.stage"]
-    if stage.model is not None:
-        cmd += ["--model", stage.model, *(["--revision", stage.revision] if stage.revision else []),
-                "--model-to", str(targets.model_dir)]
-    if stage.dataset is not None:
-        cmd += ["--dataset", stage.dataset, "--dataset-file", str(stage.dataset_file),
-                "--dataset-to", str(targets.dataset_file)]
+    if fetch.model is not None:
+        cmd += ["--model", fetch.model, *(["--revision", fetch.revision] if fetch.revision else []),
+                "--model-to", str(fetch.model_to)]
+    if fetch.dataset is not None:
+        cmd += ["--dataset", fetch.dataset, "--dataset-file", str(fetch.dataset_file),
+                "--dataset-to", str(fetch.dataset_to)]
     return cmd
 
 
+def command(spec: EnvironmentSpec, targets: StageTargets) -> list[str]:
+    return fetch_command(trainer_fetch(spec, targets))
+
+
 def stage_job(spec: EnvironmentSpec, refs: TrainerRefs, targets: StageTargets) -> dict[str, Any]:
+    """The trainer's staging Job (trainer.stage), as the trainer's own account."""
+    return fetch_job(job_name(spec), spec.queues.namespace, refs, trainer_fetch(spec, targets),
+                     spec.trainer.termination_grace_seconds)
+
+
+def fetch_job(name: str, namespace: str, refs: TrainerRefs, fetch: Fetch, grace_seconds: int) -> dict[str, Any]:
+    """A staging Job named `name` that fetches `fetch` as refs.service_account, which must be able to write the
+    bucket (roles/storage.objectUser through workload identity)."""
     container = {
         "name": "stage",
         "image": refs.image,
-        "command": command(spec, targets),
+        "command": fetch_command(fetch),
         # huggingface_hub's own cache and locks go to the scratch volume: the image stays read-only.
         "env": [{"name": "HF_HOME", "value": f"{SCRATCH}/hf-home"}, *hf_token_env(refs)],
         "resources": {"requests": dict(STAGE_RESOURCES), "limits": dict(STAGE_RESOURCES)},
@@ -71,14 +103,15 @@ def stage_job(spec: EnvironmentSpec, refs: TrainerRefs, targets: StageTargets) -
         "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
                          {"name": "scratch", "mountPath": SCRATCH}],
     }
-    # The trainer's own account: the one grant on the bucket (roles/storage.objectUser) is what staging needs.
+    # The workload's own account (the trainer's, the engine's): its one grant on the bucket
+    # (roles/storage.objectUser) is what staging needs.
     vols = [v for v in volumes(refs) if v["name"] == "checkpoints"] + [{"name": "scratch", "emptyDir": {}}]
-    pod = base_pod(spec, refs.service_account, [container], vols)
+    pod = pod_base(refs.service_account, grace_seconds, [container], vols)
     pod["nodeSelector"] = dict(L.SYSTEM_POOL)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": job_name(spec), "namespace": spec.queues.namespace, "labels": dict(L.MANAGED_BY)},
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(L.MANAGED_BY)},
         "spec": {
             "backoffLimit": BACKOFF_LIMIT,
             "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {

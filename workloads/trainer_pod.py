@@ -1,6 +1,10 @@
-"""What every trainer pod has, whichever launcher starts it: the image's user, the TPU request and node choice, the
-DRANET claim, the checkpoint bucket mount and the workload-identity service account (workloads/jobset.py and
-workloads/rayjob.py build on this)."""
+"""What every trainer-image pod on a TPU slice has, whichever launcher starts it and whatever it runs: the image's
+user, the TPU request and node choice, the DRANET claim, the checkpoint bucket mount and the workload-identity service
+account (workloads/jobset.py, workloads/rayjob.py and workloads/service.py build on this).
+
+A `TpuJob` describes one such workload as its pods see it: the RL trainer (`trainer_job`) and the post-training
+service's engine (workloads/service.py `engine_job`) each build one, and the same functions turn either into pods, so
+the two cannot drift apart in how they land on the slice."""
 
 from __future__ import annotations
 
@@ -50,10 +54,36 @@ class TrainerRefs:
     claim_template: str | None = None
 
 
+@dataclass(frozen=True)
+class TpuJob:
+    """One workload on TPU slices of one group, as its pods see it; the environment adds the rest (queue, namespace,
+    DRANET networks)."""
+
+    name: str  # the JobSet's name, also its pods' DNS subdomain
+    group: SliceGroupSpec
+    service_account: str  # the Kubernetes account the pods run as (workload identity)
+    priority: str  # Kueue WorkloadPriorityClass
+    max_restarts: int  # whole-job restarts (preemption, node loss, a transient error) before it fails
+    termination_grace_seconds: int  # SIGTERM to SIGKILL
+    checkpoint_dir: str  # CHECKPOINT_DIR in the pods: the job's own directory on the bucket's mount
+    slices: int = 1
+    container: str = "trainer"  # the container's name (and the one podFailurePolicy reads exit codes of)
+    command: tuple[str, ...] = ()  # empty: the image's ENTRYPOINT (`python -m trainer`, trainer/Dockerfile)
+    args: tuple[str, ...] = ()
+    env: tuple[dict[str, Any], ...] = ()  # beyond the env contract (workloads/jobset.py job_env)
+    # Further buckets mounted through GCS FUSE as the checkpoint bucket is: (volume name, bucket name, mount path).
+    buckets: tuple[tuple[str, str, str], ...] = ()
+
+
 def trainer_group(spec: EnvironmentSpec) -> SliceGroupSpec:
     group = spec.trainer_group
     assert group is not None  # spec validation rejects a trainer without a slice group
     return group
+
+
+def job_nics(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> int:
+    """DRANET NICs each of the job's pods claims (0 without a claim template)."""
+    return spec.dranet_networks_for(job.group) if refs.claim_template else 0
 
 
 def dranet_nics(spec: EnvironmentSpec, refs: TrainerRefs) -> int:
@@ -80,7 +110,12 @@ def checkpoint_dir(spec: EnvironmentSpec) -> str:
 
 
 def tpu_resources(spec: EnvironmentSpec, refs: TrainerRefs) -> dict[str, Any]:
-    chips = trainer_group(spec).shape.chips_per_host
+    return job_resources(trainer_group(spec), refs)
+
+
+def job_resources(group: SliceGroupSpec, refs: TrainerRefs) -> dict[str, Any]:
+    """A whole TPU host of the group (every chip), and the DRANET claim when there is one."""
+    chips = group.shape.chips_per_host
     resources: dict[str, Any] = {"requests": {L.TPU_RESOURCE: chips}, "limits": {L.TPU_RESOURCE: chips}}
     if refs.claim_template:
         resources["claims"] = [{"name": "netdev"}]
@@ -92,7 +127,13 @@ def volume_mounts() -> list[dict[str, Any]]:
 
 
 def volumes(refs: TrainerRefs, *, read_only: bool = False, host_network: bool = False) -> list[dict[str, Any]]:
-    attributes = {"bucketName": refs.bucket, "mountOptions": CHECKPOINT_MOUNT_OPTIONS}
+    return [bucket_volume("checkpoints", refs.bucket, read_only=read_only, host_network=host_network),
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+
+
+def bucket_volume(name: str, bucket: str, *, read_only: bool = False, host_network: bool = False) -> dict[str, Any]:
+    """A GCS FUSE CSI ephemeral volume of `bucket`, writable by the image's user."""
+    attributes = {"bucketName": bucket, "mountOptions": CHECKPOINT_MOUNT_OPTIONS}
     if host_network:
         # On the host network the GKE metadata server cannot tell the pod's identity, so the gcsfuse sidecar gets the
         # pod's workload-identity token only when the volume opts in (gcs-fuse-csi-driver pkg/csi_driver/node.go
@@ -102,7 +143,7 @@ def volumes(refs: TrainerRefs, *, read_only: bool = False, host_network: bool = 
     csi: dict[str, Any] = {"driver": L.GCSFUSE_DRIVER, "volumeAttributes": attributes}
     if read_only:
         csi["readOnly"] = True
-    return [{"name": "checkpoints", "csi": csi}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    return {"name": name, "csi": csi}
 
 
 def pod_annotations() -> dict[str, str]:
@@ -111,7 +152,21 @@ def pod_annotations() -> dict[str, str]:
 
 def base_pod(spec: EnvironmentSpec, service_account: str, containers: list[dict[str, Any]],
              vols: list[dict[str, Any]], *, token: bool = False) -> dict[str, Any]:
-    """The pod-level settings every trainer-image pod shares, TPU or not."""
+    """The pod-level settings every trainer-image pod of the RL trainer shares, TPU or not."""
+    return pod_base(service_account, spec.trainer.termination_grace_seconds, containers, vols, token=token)
+
+
+def pod_security() -> dict[str, Any]:
+    """The pod securityContext of every trainer-image pod. The image's user (trainer/Dockerfile); fsGroup makes the
+    checkpoint mount group-writable for it. RuntimeDefault: the container runtime's default syscall filter, as GKE
+    Autopilot applies to TPU pods too."""
+    return {"runAsNonRoot": True, "runAsUser": TRAINER_UID, "runAsGroup": TRAINER_UID, "fsGroup": TRAINER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def pod_base(service_account: str, grace_seconds: int, containers: list[dict[str, Any]], vols: list[dict[str, Any]],
+             *, token: bool = False) -> dict[str, Any]:
+    """The pod-level settings every trainer-image pod shares, TPU or not, whatever it runs."""
     return {
         "serviceAccountName": service_account,
         # The trainer never calls the Kubernetes API and its account holds no RBAC: Workload Identity tokens come from
@@ -120,11 +175,8 @@ def base_pod(spec: EnvironmentSpec, service_account: str, containers: list[dict[
         "automountServiceAccountToken": token,
         "restartPolicy": "Never",
         # Leaves time for the SIGTERM checkpoint to finish before the kubelet kills the pod.
-        "terminationGracePeriodSeconds": spec.trainer.termination_grace_seconds,
-        # The image's user (trainer/Dockerfile); fsGroup makes the checkpoint mount group-writable for it.
-        # RuntimeDefault: the container runtime's default syscall filter, as GKE Autopilot applies to TPU pods too.
-        "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID, "runAsGroup": TRAINER_UID,
-                            "fsGroup": TRAINER_UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": grace_seconds,
+        "securityContext": pod_security(),
         "containers": containers,
         "volumes": vols,
     }
@@ -133,8 +185,15 @@ def base_pod(spec: EnvironmentSpec, service_account: str, containers: list[dict[
 def tpu_pod(spec: EnvironmentSpec, refs: TrainerRefs, container: dict[str, Any], *,
             host_network: bool = False) -> dict[str, Any]:
     """A pod on one TPU host of the trainer's slice group: node choice, tolerations, capacity and DRANET claim."""
-    group = trainer_group(spec)
-    pod = base_pod(spec, refs.service_account, [container], volumes(refs, host_network=host_network))
+    return job_pod(trainer_job(spec, refs), refs, container, host_network=host_network)
+
+
+def job_pod(job: TpuJob, refs: TrainerRefs, container: dict[str, Any], *, host_network: bool = False) -> dict[str, Any]:
+    """A pod on one TPU host of the job's slice group: node choice, tolerations, capacity and DRANET claim."""
+    group = job.group
+    vols = volumes(refs, host_network=host_network)
+    vols += [bucket_volume(name, bucket, host_network=host_network) for name, bucket, _ in job.buckets]
+    pod = pod_base(job.service_account, job.termination_grace_seconds, [container], vols)
     if host_network:
         pod["hostNetwork"] = True
         # Keeps cluster DNS (the JobSet's pod names) resolvable from the host network.
@@ -161,3 +220,22 @@ def config_args(spec: EnvironmentSpec) -> list[str]:
     if t.config is None:
         return []
     return ["--config", f"{USER_CODE_DIR}/{t.config}" if t.config_in_code else t.config]
+
+
+def trainer_args(spec: EnvironmentSpec) -> list[str]:
+    """The trainer config (bundled, or in trainer.code), metrics next to the checkpoints in the bucket, and a mesh that
+    spans every slice; the config's args come last so they can override any of it."""
+    t = spec.trainer
+    config = config_args(spec)
+    return [*config, "--run-dir", f"{checkpoint_dir(spec)}/run", "--set", f"mesh.slices={t.slices}",
+            "--set", "mesh.fsdp=-1", *t.args]
+
+
+def trainer_job(spec: EnvironmentSpec, refs: TrainerRefs) -> TpuJob:
+    """The RL trainer as a TpuJob: `python -m trainer` (the image's ENTRYPOINT) with trainer_args, on
+    trainer.slices slices of its group, as refs.service_account."""
+    t = spec.trainer
+    return TpuJob(name=t.name, group=trainer_group(spec), service_account=refs.service_account, priority=t.priority,
+                  max_restarts=t.max_restarts, termination_grace_seconds=t.termination_grace_seconds,
+                  checkpoint_dir=checkpoint_dir(spec), slices=t.slices, container="trainer",
+                  args=tuple(trainer_args(spec)))

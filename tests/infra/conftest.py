@@ -14,7 +14,7 @@ from infra.mockrun import PlanMocks, PlanResult, RecordingMonitor, _unwrap_secre
 ROOT = Path(__file__).resolve().parents[2]
 # The kit's own example environments, whose properties the tests check. environments/ may hold more (a user copies
 # Pulumi.dev.yaml to Pulumi.qa.yaml): no test may assume these are all of them.
-ENVIRONMENTS = ("dev", "staging", "prod")
+ENVIRONMENTS = ("dev", "staging", "prod", "tinker")
 
 
 def new_env_name() -> str:

@@ -257,9 +257,20 @@ def _duplicate(draw: st.DrawFn, env: str, doc: dict[str, Any], kind: str) -> Cas
 
 
 def _trainer_name_too_long(draw: st.DrawFn, env: str, doc: dict[str, Any], kind: str) -> Case:
-    # <name>-slice-<slices-1>-<hosts-1>-abcde must fit 63 characters (JobSet's webhook).
+    # <name>-slice-<slices-1>-<hosts-1>-abcde must fit 63 characters (JobSet's webhook); checked for a trainer that
+    # is deployed.
     _set(doc, "trainer.name", "t" * draw(st.integers(50, 63)))
+    _set(doc, "trainer.enabled", True)
     return Case(kind, env, doc, _key("trainer.name"))
+
+
+def _service_one(path: str, values: st.SearchStrategy[Any]) -> Any:
+    """A bad service setting, in the environment that runs the service."""
+    def mutate(draw: st.DrawFn, env: str, doc: dict[str, Any], kind: str) -> Case:
+        doc = copy.deepcopy(stack_config("tinker"))
+        _set(doc, path, draw(values))
+        return Case(kind, "tinker", doc, _key(path))
+    return mutate
 
 
 _MUTATIONS: dict[str, Any] = {
@@ -315,6 +326,17 @@ _MUTATIONS: dict[str, Any] = {
     "dranet mtu": _one("network.dranet.mtu", st.one_of(st.integers(max_value=1459), st.integers(min_value=8897))),
     "authorized range": _one("cluster.masterAuthorizedCidrs", NOT_A_CIDR.map(lambda c: [c])),
     "version prefix": _one("cluster.versionPrefix", st.from_regex(r"\A[0-9]\.[0-9]{2}\.[0-9]-gke\Z")),
+    "service config": _service_one("service.config", st.sampled_from(
+        ["qwen3-0.6b-grpo-v6e-2x2.yaml", "missing.yaml", "../x.yaml"])),
+    "service name": _service_one("service.name", st.one_of(BAD_LABEL, st.just("t" * 32))),
+    "service slice group": _service_one("service.sliceGroup", st.sampled_from(["v5p-prod", "nope"])),
+    "service priority": _service_one("service.priority", st.sampled_from(["urgent", "max"])),
+    "database tier": _service_one("service.database.tier", st.sampled_from(
+        ["db-f1-micro", "db-custom-3-7680", "db-custom-1-512", "db-custom-2-7681", "db-n1-standard-1"])),
+    "database range": _service_one("service.database.privateServiceCidr", st.one_of(
+        BAD_SUBNET, st.sampled_from(["10.0.0.0/22", "10.16.0.0/16", "10.24.0.0/25"]))),
+    "service access": _service_one("service.access", st.sampled_from(
+        [{"internalLoadBalancer": True}, {"allowedCidrs": ["10.128.0.0/9"]}])),
 }
 
 

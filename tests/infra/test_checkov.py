@@ -126,7 +126,8 @@ def write_manifests(plans: dict[str, PlanResult], root: Path) -> tuple[int, list
         out.mkdir(parents=True)
         for name, obj in zip(manifest_filenames(objects + jobs), objects + jobs, strict=True):
             (out / name).write_text(yaml.safe_dump(obj, sort_keys=False))
-        documents += len(objects) + len(jobs)
+        # checkov scans a Deployment twice: itself, and its pod template as a Pod of its own.
+        documents += len(objects) + len(jobs) + sum(o["kind"] == "Deployment" for o in objects)
         pod_templates += [f"{env}/{j['kind']}.{j['metadata']['namespace']}.{j['metadata']['name']}"
                           for j in jobs + real]
     return documents, pod_templates

@@ -169,3 +169,118 @@ def test_every_region_with_a_tpu_zone_prices_the_system_pool() -> None:
     table = cost.default_gke_table()
     missing = {(name, r) for name in table.machines for r in regions if table.machine_rate(name, r) is None}
     assert missing == {(name, "us-central2") for name in table.machines}  # the source has no E2 rows there
+
+
+# ---------------------------------------------------------------- the service's Cloud SQL instance and its engine
+
+SQL = cost.parse_sql_table({
+    "sources": [{"url": "https://example.invalid/sql", "retrieved": "2026-11-01"}],
+    "regions": {"us-east5": {"vcpu_hour": 0.05, "memory_gib_hour": 0.01, "ssd_gb_month": 0.2}},
+})
+DB = {"tier": "db-custom-2-7680", "cpus": 2, "memory_gib": 7.5, "disk_gb": 73, "availability": "zonal"}
+
+
+def test_cloud_sql_is_priced_per_vcpu_memory_and_ssd_and_twice_for_high_availability() -> None:
+    zonal = cost.database_cost(DB, "us-east5", SQL)
+    per_hour = 2 * 0.05 + 7.5 * 0.01 + 73 * 0.2 / 730
+    assert zonal.usd_per_hour == pytest.approx(per_hour)
+    assert zonal.label == "Cloud SQL db-custom-2-7680 zonal, 73 GB SSD"
+    regional = cost.database_cost({**DB, "availability": "regional"}, "us-east5", SQL)
+    assert regional.usd_per_hour == pytest.approx(2 * per_hour)  # a standby of the same size in a second zone
+    missing = cost.database_cost(DB, "europe-west4", SQL)
+    assert missing.usd_per_hour is None and missing.lacking == "Cloud SQL Enterprise in europe-west4"
+
+
+def test_the_repo_sql_table_cites_its_sources_and_matches_them() -> None:
+    table = cost.default_sql_table()
+    assert table.sources and all(s["url"].startswith("https://") and s.get("retrieved") for s in table.sources)
+    rates = table.rates("us-central1")
+    assert rates == {"vcpu_hour": 0.0413, "memory_gib_hour": 0.0070, "ssd_gb_month": 0.17}
+    # The infracost golden file it cites: db-custom-1-3840 zonal is $30.15 + $19.16 + $1.70 a month (10 GB SSD).
+    one = cost.database_cost({"tier": "db-custom-1-3840", "cpus": 1, "memory_gib": 3.75, "disk_gb": 10,
+                              "availability": "zonal"}, "us-central1")
+    assert one.usd_per_hour * cost.HOURS_PER_MONTH == pytest.approx(30.15 + 19.16 + 1.70, abs=0.02)
+    for region, found in table.regions.items():
+        assert table.rates(region) is not None and all(0 < v < 1 for v in found.values()), region
+
+
+def _service(group: str = "a", suspend: bool = False, shared: bool = False) -> dict:
+    return {"machine_type": "e2-standard-8", "nodes": 2,
+            "service": {"slice_group": group, "suspend": suspend, "shared": shared, "database": DB}}
+
+
+def test_the_service_adds_its_database_beside_the_pool_and_the_fee() -> None:
+    env = cost.environment_cost(V6E, "us-east5", TABLE, _service(), GKE, SQL)
+    db = 2 * 0.05 + 7.5 * 0.01 + 73 * 0.2 / 730
+    assert [o.name for o in env.others] == ["system pool", "GKE cluster fee", "Cloud SQL"]
+    assert env.usd_per_hour == pytest.approx(4 * 2.7 + 2 * 0.25 + 0.1 + db)
+    assert f"Cloud SQL db-custom-2-7680 zonal, 73 GB SSD {cost.usd(db)}" in env.line()
+    # A region the table lacks: named, not counted, never a neighbour's price.
+    west = cost.environment_cost([], "europe-west4", TABLE, _service(), GKE, SQL)
+    assert ("Cloud SQL db-custom-2-7680 zonal, 73 GB SSD not priced (no price for Cloud SQL Enterprise in "
+            "europe-west4), not counted") in west.line()
+
+
+def test_suspending_an_engine_on_a_fixed_size_pool_saves_nothing() -> None:
+    # Every non-flex-start TPU pool has a fixed node count (infra/slices.py node_count = the slice's hosts).
+    running = cost.environment_cost(V6E, "us-east5", TABLE, _service(), GKE, SQL)
+    assert running.suspended_usd_per_hour == pytest.approx(running.usd_per_hour)
+    assert (f"with service.suspend the same {cost.usd(running.usd_per_hour)}/hour: the engine's slice group a "
+            "(on-demand) is billed all the same (it has a fixed node count, billed whether the engine runs or not); "
+            "suspending frees the slice for other work") in running.line()
+    suspended = cost.environment_cost(V6E, "us-east5", TABLE, _service(suspend=True), GKE, SQL)
+    assert suspended.usd_per_hour == pytest.approx(running.usd_per_hour)
+    assert ("service.suspend is on: the engine's slice group a (on-demand) is still billed (it has a fixed node "
+            "count, billed whether the engine runs or not); suspending frees the slice, not the bill"
+            ) in suspended.line()
+
+
+def test_suspending_an_engine_on_a_flex_start_pool_saves_its_slices() -> None:
+    flex = cost.parse_table({"prices": {"v6e": {"us-east5": {"on-demand": 2.7, "flex-start": 1.5}}}})
+    slices = [{"name": "a", "tpu_type": "v6e", "capacity": "flex-start", "chips": 16}]
+    env = cost.environment_cost(slices, "us-east5", flex, _service(), GKE, SQL)
+    assert env.suspended_usd_per_hour == pytest.approx(env.usd_per_hour - 16 * 1.5)
+    assert (f"with service.suspend {cost.usd(env.usd_per_hour - 24)}/hour: the engine's slice group a (flex-start) "
+            "scales to 0 nodes without the engine") in env.line()
+    on = cost.environment_cost(slices, "us-east5", flex, _service(suspend=True), GKE, SQL)
+    assert "service.suspend is on: the engine's slice group a (flex-start) scales to 0 nodes" in on.line()
+    # The trainer on the same flex-start group may keep its nodes: no saving promised.
+    shared = cost.environment_cost(slices, "us-east5", flex, _service(shared=True), GKE, SQL)
+    assert shared.suspended_usd_per_hour == pytest.approx(shared.usd_per_hour)
+    assert "(the trainer runs on it too)" in shared.line()
+    # No flex-start price in the table: the slices are not counted, so suspending changes no total.
+    unpriced = cost.environment_cost(slices, "us-east5", TABLE, _service(), GKE, SQL)
+    assert "with service.suspend: the engine's slice group a (flex-start) scales to 0 nodes" in unpriced.line()
+
+
+def test_the_tinker_plan_prices_its_database_and_says_what_suspending_saves() -> None:
+    plan = run_stack("tinker", stack_config("tinker"))
+    record = cost.system_pool(plan.spec)
+    assert record["service"] == {"slice_group": "v6e-svc", "suspend": False, "shared": False, "database": {
+        "tier": "db-custom-1-3840", "cpus": 1, "memory_gib": 3.75, "disk_gb": 10, "availability": "zonal"}}
+    line = dict(render.summarize(plan).facts())["Cost"]
+    env = cost.environment_cost(cost.slice_groups(plan.spec), "us-central1", pool=record)
+    assert line == env.line()
+    # 1 vCPU, 3.75 GiB and 10 GB of SSD at infra/sql_prices.yaml's us-central1 rates.
+    sql_hour = 0.0413 + 3.75 * 0.0070 + 10 * 0.17 / 730
+    assert f"Cloud SQL db-custom-1-3840 zonal, 10 GB SSD ${sql_hour:.2f} per hour" in line
+    assert "the engine's slice group v6e-svc (spot) is billed all the same (it has a fixed node count" in line
+    # A region the table lacks is named, not counted (never priced from a neighbouring region).
+    elsewhere = cost.environment_cost(cost.slice_groups(plan.spec), "us-east5", pool=record)
+    assert ("Cloud SQL db-custom-1-3840 zonal, 10 GB SSD not priced (no price for Cloud SQL Enterprise in us-east5), "
+            "not counted") in elsewhere.line()
+
+
+def test_the_diff_shows_a_database_change_per_hour() -> None:
+    raw = stack_config("tinker")
+    bigger = {**raw, "gke-tpu-rl:service": {**raw["gke-tpu-rl:service"],
+                                            "database": {"tier": "db-custom-2-7680", "availability": "regional"}}}
+    d = diff.compare("tinker", "base", diff.snapshot(run_stack("tinker", raw)),
+                     diff.snapshot(run_stack("tinker", bigger)))
+    [price] = [line for line in diff.headline(d) if line.startswith("List price:")]
+    # Twice the vCPUs and memory, and twice again for the standby of a regional instance.
+    before = 0.0413 + 3.75 * 0.0070 + 10 * 0.17 / 730
+    after = 2 * (2 * 0.0413 + 7.5 * 0.0070 + 10 * 0.17 / 730)
+    assert (f"Cloud SQL: db-custom-1-3840 zonal, 10 GB SSD ${before:.2f} → db-custom-2-7680 regional, 10 GB SSD "
+            f"${after:.2f} per hour.") in price
+    assert f"+${after - before:.2f}/hour" in price

@@ -138,6 +138,79 @@ def test_fit_search_prints_settings_that_fit(tmp_path: Path, monkeypatch: pytest
     assert "error: search: nothing found that fits in 1 compile (budget 1)" in err
 
 
+# ---------------------------------------------------------------------------------------------- a service environment
+
+
+def _estimate_instead_of_compiling(monkeypatch: pytest.MonkeyPatch) -> list:
+    """`fit ENV` compiles with libtpu (Qwen3-8B's engine: minutes here); the analytic estimate of the same passes
+    (infra.fit.estimate_service) stands in for the compile. Returns the jobs the CLI asked for."""
+    from infra import fit as infra_fit
+
+    seen: list = []
+    monkeypatch.setattr(cli, "_run_fit", lambda job, model=None: seen.append(job) or
+                        infra_fit.estimate_service(job, model))
+    return seen
+
+
+def test_fit_tinker_sizes_the_service_engine_on_the_service_slice_group(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # tinker has no trainer (trainer.enabled: false): fit checks service.config on service.sliceGroup.
+    seen = _estimate_instead_of_compiling(monkeypatch)
+    assert cli.main(["fit", "tinker"]) == 0
+    out, err = capsys.readouterr()
+    job = seen[0]
+    assert job.title == "tinker (service tinker engine on v6e-svc, config qwen3-8b-service-v6e-4x4.yaml)"
+    assert (job.target.tpu_type, job.target.topology, job.target.slices, job.target.chips) == ("v6e", "4x4", 1, 16)
+    assert job.cfg.service is not None and job.cfg.service.base_model == "Qwen/Qwen3-8B"
+    assert job.cfg.lora is not None and (job.cfg.lora.slots, job.cfg.lora.rank) == (16, 32)
+    # Loaded from the engine pod's own arguments (workloads.service.engine_args): weights on the bucket's mount,
+    # sized here from the bundled Qwen3-8B config.json of the same name.
+    assert job.cfg.init.path == "/checkpoints/tinker/models/Qwen3-8B" and job.cfg.mesh.slices == 1
+    assert "model: Qwen3-8B (bundled config.json" in out
+    assert "fit: tinker (service tinker engine on v6e-svc" in out and "1 x v6e 4x4: 16 chips, 32.00 GiB HBM" in out
+    assert "mesh slices=1 x fsdp=4 x tensor=4" in out and "the service fits 1 x v6e 4x4" in out
+    assert "Traceback" not in err
+
+    assert cli.main(["fit", "tinker", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] and doc["mesh"] == {"slices": 1, "fsdp": 4, "tensor": 4}
+    assert doc["service"]["slots"] == 16 and doc["service"]["longest_datum"] == 4096
+    names = [p["name"] for p in doc["programs"]]
+    assert names[0] == "forward_backward 512x32" and names[-2:] == ["forward_backward 4x4096", "optim_step"]
+    # The config's own header: 12.47 GiB peak per chip compiled (libtpu) of 31.25 usable; the estimate is close.
+    peak = max(p["peak"] for p in doc["programs"])
+    assert 10 << 30 < peak < 14 << 30 and all(p["status"] == "fits" for p in doc["programs"])
+
+
+def test_fit_tinker_applies_service_args_then_set_and_reports_a_service_that_does_not_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = yaml.safe_load((ROOT / "environments" / "Pulumi.tinker.yaml").read_text())
+    raw["config"]["gke-tpu-rl:service"]["args"] = ["--set", "service.max_batch_tokens=8192"]
+    stack = tmp_path / "Pulumi.tinker.yaml"
+    stack.write_text(yaml.safe_dump(raw))
+    seen = _estimate_instead_of_compiling(monkeypatch)
+    assert cli.main(["fit", "--config-file", str(stack), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert seen[-1].cfg.service.max_batch_tokens == 8192 and doc["service"]["max_batch_tokens"] == 8192
+    assert doc["service"]["longest_datum"] == 2048  # 4 data-parallel rows of the longest bucket in 8192 tokens
+
+    # 256 slots of rank 32: four float32 adapter stacks of ~22 GiB per chip cannot fit a v6e chip.
+    assert cli.main(["fit", "--config-file", str(stack), "--set", "lora.slots=256"]) == cli.EXIT_NO_FIT
+    out, err = capsys.readouterr()
+    assert "the service does not fit 1 x v6e 4x4" in out and "does not fit on 1 x v6e 4x4" in err
+    assert "--search" not in err  # search refuses service configs: no hint to run it
+
+
+def test_fit_of_an_environment_without_trainer_or_service_says_so(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    raw = yaml.safe_load((ROOT / "environments" / "Pulumi.tinker.yaml").read_text())
+    del raw["config"]["gke-tpu-rl:service"]
+    stack = tmp_path / "Pulumi.idle.yaml"
+    stack.write_text(yaml.safe_dump(raw))
+    assert cli.main(["fit", "--config-file", str(stack)]) == cli.EXIT_CONFIG
+    assert "trainer.enabled is false and there is no service; there is no trainer to fit" in capsys.readouterr().err
+
+
 BAD = [
     (["--config", "run.yaml", "--tpu", "v9:2x2"],
      "--tpu 'v9:2x2': unknown TPU type 'v9'; allowed: tpu7x, v4, v5e, v5p, v6e"),

@@ -32,7 +32,7 @@ def _jobset_image(plan: PlanResult) -> str:
 def test_stack_builds_and_pushes_the_trainer_image(plans: dict[str, PlanResult]) -> None:
     for env, plan in plans.items():
         [image] = plan.of_type(IMAGE)
-        repo = f"us-east5-docker.pkg.dev/acme-rl-{env}/rl-{env}/trainer"
+        repo = f"{plan.spec.region}-docker.pkg.dev/acme-rl-{env}/rl-{env}/trainer"
         # Relative to infra/, where Pulumi runs the program: the repository root (its .dockerignore keeps trainer/),
         # and trainer.code's stand-in (test_user_code.py).
         assert image.inputs["dockerfile"] == {"location": "../trainer/Dockerfile"}

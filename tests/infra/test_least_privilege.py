@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from infra.database import CONNECTOR_ROLES, instance_condition
 from infra.iam import NODE_ROLES
 from infra.mockrun import SECRET_MASK, PlanResult
 from infra.plan import kubernetes_objects
@@ -22,6 +23,8 @@ def _pod_specs(plan: PlanResult) -> list[dict[str, Any]]:
     for obj in kubernetes_objects(plan):
         if obj["kind"] == "JobSet":
             pods += [rj["template"]["spec"]["template"]["spec"] for rj in obj["spec"]["replicatedJobs"]]
+        elif obj["kind"] in ("Deployment", "Job"):
+            pods.append(obj["spec"]["template"]["spec"])
         elif obj["kind"] == "RayJob":
             cluster = obj["spec"]["rayClusterSpec"]
             pods += [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"]
@@ -35,24 +38,43 @@ def _pod_specs(plan: PlanResult) -> list[dict[str, Any]]:
 def test_identities_hold_only_what_they_need(plans: dict[str, PlanResult], env: str) -> None:
     plan = plans[env]
     project_grants = plan.of_type("gcp:projects/iAMMember:IAMMember")
-    # Project-level roles go to the nodes' own account only, and only the logging/monitoring ones.
+    # Project-level roles go to the nodes' own account (the logging/monitoring ones only) and, with a service, to its
+    # API's and engine's accounts: the Cloud SQL connector's roles, conditioned on the service's own instance.
     assert project_grants and all(r.inputs["member"].startswith("serviceAccount:") for r in project_grants)
-    assert {r.inputs["role"] for r in project_grants} <= set(NODE_ROLES)
+    service_accounts = set()
+    if plan.spec.service is not None:
+        service_accounts = {f"serviceAccount:{a}@{plan.spec.project}.iam.gserviceaccount.com"
+                            for a in plan.spec.service_gcp_accounts.values()}
+    for r in project_grants:
+        if r.inputs["member"] in service_accounts:
+            assert r.inputs["role"] in CONNECTOR_ROLES
+            assert r.inputs["condition"]["expression"] == instance_condition(plan.spec.project,
+                                                                            plan.spec.sql_instance_name)
+        else:
+            assert r.inputs["role"] in NODE_ROLES and "condition" not in r.inputs, r.name
     assert not any(WORKLOAD_PRINCIPAL.match(r.inputs["member"]) for r in project_grants)
     assert not plan.of_type("gcp:projects/iAMBinding:IAMBinding") and not plan.of_type(
         "gcp:projects/iAMPolicy:IAMPolicy")  # nothing that rewrites project policy wholesale
-    # The workload's only grants are on the bucket it writes: the trainer as a per-object user, a Ray head (which
-    # only reads the checkpoint's headers) as a viewer.
-    [bucket] = plan.of_type("gcp:storage/bucket:Bucket")
-    roles = {}
+    # The workloads' only grants are on the buckets they write: the trainer as a per-object user, a Ray head (which
+    # only reads the checkpoint's headers) as a viewer, the service's engine (not its API) on the checkpoint bucket
+    # and on its state bucket.
+    spec = plan.spec
+    buckets = {b.inputs["name"] for b in plan.of_type("gcp:storage/bucket:Bucket")}
+    roles = set()
     for grant in plan.of_type("gcp:storage/bucketIAMMember:BucketIAMMember"):
-        assert grant.inputs["bucket"] == bucket.inputs["name"]
-        roles[grant.inputs["member"].rsplit("/sa/", 1)[1]] = grant.inputs["role"]
-    t = plan.spec.trainer
-    expected = {t.service_account: "roles/storage.objectUser"}
-    if t.launcher == "ray":
-        expected[plan.spec.ray_head_service_account] = "roles/storage.objectViewer"
+        who = grant.inputs["member"]
+        roles.add((grant.inputs["bucket"], who.rsplit("/sa/", 1)[-1], grant.inputs["role"]))
+    expected = set()
+    if spec.trainer.enabled:
+        expected.add((spec.bucket_name, spec.trainer.service_account, "roles/storage.objectUser"))
+        if spec.trainer.launcher == "ray":
+            expected.add((spec.bucket_name, spec.ray_head_service_account, "roles/storage.objectViewer"))
+    if spec.service is not None:
+        engine = f"serviceAccount:{spec.service_gcp_accounts['engine']}@{spec.project}.iam.gserviceaccount.com"
+        expected |= {(spec.bucket_name, engine, "roles/storage.objectUser"),
+                     (spec.service_state_bucket, engine, "roles/storage.objectUser")}
     assert roles == expected
+    assert {b for b, _, _ in roles} <= buckets
     # Registry: the nodes read; nobody else is granted anything there.
     for grant in plan.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember"):
         assert grant.inputs["role"] == "roles/artifactregistry.reader"
@@ -65,8 +87,14 @@ def test_nothing_is_public(plans: dict[str, PlanResult], env: str) -> None:
     [cluster] = plan.of_type("gcp:container/cluster:Cluster")
     assert cluster.inputs["privateClusterConfig"]["enablePrivateNodes"] is True
     assert cluster.inputs["workloadIdentityConfig"]["workloadPool"].endswith(".svc.id.goog")
-    [bucket] = plan.of_type("gcp:storage/bucket:Bucket")
-    assert bucket.inputs["publicAccessPrevention"] == "enforced" and bucket.inputs["uniformBucketLevelAccess"]
+    for bucket in plan.of_type("gcp:storage/bucket:Bucket"):
+        assert bucket.inputs["publicAccessPrevention"] == "enforced" and bucket.inputs["uniformBucketLevelAccess"]
+    for instance in plan.of_type("gcp:sql/databaseInstance:DatabaseInstance"):  # private IP only, TLS only
+        ip = instance.inputs["settings"]["ipConfiguration"]
+        assert ip["ipv4Enabled"] is False and not ip.get("authorizedNetworks") and ip["sslMode"] == "ENCRYPTED_ONLY"
+    assert not plan.of_type("gcp:sql/user:User") or all(
+        u.inputs["type"] == "CLOUD_IAM_SERVICE_ACCOUNT" and "password" not in u.inputs
+        for u in plan.of_type("gcp:sql/user:User"))
     everything = json.dumps([r.inputs for r in plan.resources])
     assert "allUsers" not in everything and "allAuthenticatedUsers" not in everything
     for rule in plan.of_type("gcp:compute/firewall:Firewall"):
@@ -91,11 +119,16 @@ def test_pods_are_unprivileged_and_read_secrets_from_secrets(plans: dict[str, Pl
                 if SECRETISH.search(e["name"]):
                     assert "value" not in e and "secretKeyRef" in e.get("valueFrom", {}), e["name"]
         # The host network only where a JobSet's TPU hosts must reach each other without DRANET (workloads/jobset.py
-        # says why); Ray pods stay on the pod network.
-        group = spec.trainer_group
-        needs_host = bool(group) and (group.shape.multi_host or spec.trainer.slices > 1) and not (
-            spec.dranet_networks_for(group)) and spec.trainer.launcher == "jobset"
-        assert pod.get("hostNetwork", False) is needs_host
+        # says why): the trainer's, or the service engine's; Ray pods and CPU pods stay on the pod network.
+        on_tpu = "cloud.google.com/gke-tpu-topology" in pod.get("nodeSelector", {})
+        if on_tpu and pod["serviceAccountName"] == spec.trainer.service_account and spec.trainer.launcher == "jobset":
+            group, slices = spec.trainer_group, spec.trainer.slices
+        elif on_tpu and spec.service is not None and pod["serviceAccountName"] == spec.service_engine_name:
+            group, slices = spec.service_group, 1
+        else:
+            group, slices = None, 1
+        needs_host = bool(group) and (group.shape.multi_host or slices > 1) and not spec.dranet_networks_for(group)
+        assert pod.get("hostNetwork", False) is needs_host, pod["serviceAccountName"]
         assert not pod.get("hostPID") and not pod.get("hostIPC")
     for obj in kubernetes_objects(plan):
         if obj["kind"] == "Secret":

@@ -133,6 +133,12 @@ def test_engine_sigkill_mid_training_loses_no_request_and_no_step(tmp_path: Path
         finally:
             store.close()
         assert "replayed 1 forward_backward" in (tmp_path / "engine-2.log").read_text()
+        # One snapshot per model is kept (each replaces the last), under the prefix the stack expires old versions of.
+        deadline = time.monotonic() + 10  # the replaced one is deleted just after the commit
+        while len(snapshots := [p.parent.name for p in (tmp_path / "bucket" / "state").glob("*/*/seq*")]) > 2:
+            assert time.monotonic() < deadline, snapshots
+            time.sleep(0.1)
+        assert len(set(snapshots)) == 2, snapshots
         sc.close("success").result(timeout=30)
     finally:
         for proc in (engine, api):

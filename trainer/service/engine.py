@@ -21,7 +21,7 @@ What it adds:
 
 * Durability. A model's training state lives in device memory and is persisted as it changes: every request that
   changes it other than forward_backward (create_model, load_weights, optim_step) writes a snapshot (PEFT adapter,
-  Adam moments, step) under <storage>/<owner>/<model>/state/ and moves the model's `ModelState` to it in the
+  Adam moments, step) under <service.state_dir>/<owner>/<model>/ and moves the model's `ModelState` to it in the
   transaction that completes the request. A model not in a slot (an engine restart after a preemption or SIGKILL, an
   idle unload, an eviction for another model) is rebuilt on its next request from that snapshot, and the
   forward_backward requests completed since are run again to rebuild the accumulated gradient (their results were
@@ -81,7 +81,7 @@ MODEL_STATE_LOST: Final = (
     "this model's training state is not in the engine and has no saved state to rebuild it from (it was created "
     "by a server before state snapshots); load its last checkpoint with create_training_client_from_state"
 )
-STATE_KIND: Final = "state"  # snapshot directories: <storage>/<owner>/<model>/state/
+STATE_KIND: Final = "state"  # snapshot directories: <service.state_dir or storage/state>/<owner>/<model>/
 MAX_SNAPSHOT_ATTEMPTS: Final = 3  # a request whose state cannot be saved this often fails (server error)
 OPTIMIZER_FILE: Final = "optimizer.safetensors"
 STATE_FILE: Final = "state.json"
@@ -204,6 +204,8 @@ class Engine:
         self.slots: dict[int, Slot] = {}
         self.storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
         self.storage.mkdir(parents=True, exist_ok=True)
+        self.state_root = Path(self.service.state_dir) if self.service.state_dir else self.storage / STATE_KIND
+        self.state_root.mkdir(parents=True, exist_ok=True)
         self.worker_id = store.register_worker(worker_name, base_model=self.service.base_model)
         self._last_housekeeping = 0.0
         self._pinned: set[int] = set()  # slots a batch being assembled uses: never evicted for another model
@@ -500,7 +502,7 @@ class Engine:
                 self.persist_seconds.append(time.perf_counter() - t0)
                 self._writing.pop(index, None)
             old = previous.storage_path if previous is not None else None
-            if old and Path(old).parent.name == STATE_KIND:
+            if old and self.state_root in Path(old).parents:
                 self._remove_files(old, release=False)
 
         self._writer.submit(write_and_commit)
@@ -643,7 +645,11 @@ class Engine:
 
     def _write_dir(self, owner_id: str, model_id: str, kind: str, name: str, write: Callable[[Path], None]) -> Path:
         """A fresh directory for one save, filled by `write` under a temporary name and renamed into place."""
-        final = self.storage / owner_id / model_id.replace(":", "_") / kind / f"{name}-{uuid.uuid4().hex[:12]}"
+        model_dir = Path(owner_id) / model_id.replace(":", "_")
+        # Snapshots have a root of their own (service.state_dir): the stack puts it on a bucket that keeps no old
+        # versions, as one is replaced at every optim_step.
+        where = self.state_root / model_dir if kind == STATE_KIND else self.storage / model_dir / kind
+        final = where / f"{name}-{uuid.uuid4().hex[:12]}"
         tmp = final.with_name(final.name + ".partial")
         tmp.mkdir(parents=True)
         try:
@@ -656,7 +662,7 @@ class Engine:
 
     def _remove_files(self, storage_path: str, *, release: bool = True) -> None:
         path = Path(storage_path)
-        if self.storage in path.parents:  # never delete outside our own storage
+        if self.storage in path.parents or self.state_root in path.parents:  # never delete outside our own storage
             shutil.rmtree(path, ignore_errors=True)
         if release:  # a sampler slot loaded from these files (main thread only: a device op)
             for slot in list(self.slots.values()):

@@ -80,6 +80,10 @@ CLOUDSQL_DATABASE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_DATABASE"
 # Another SQL Admin API endpoint and IP type (tests run the connector against a local stand-in of the API).
 CLOUDSQL_ADMIN_ENDPOINT_ENV: Final = "GKE_TPU_RL_CLOUDSQL_ADMIN_ENDPOINT"
 CLOUDSQL_IP_TYPE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_IP_TYPE"
+# The role that owns the tables on Cloud SQL: the API's and the engine's IAM users are both members of it (the stack
+# grants it, infra/database.py), and a table belongs to whoever creates it, so each creates as this role, or the other
+# would be refused the tables it did not create.
+CLOUDSQL_OWNER_ROLE: Final = "cloudsqlsuperuser"
 # An engine whose heartbeat is older than this is taken for gone (it beats every ENGINE_HEARTBEAT_S from a thread of
 # its own, so a long compile or device op does not silence it).
 ENGINE_HEARTBEAT_S: Final = 2.0
@@ -367,6 +371,7 @@ class CloudSqlSettings:
     database: str
     ip_type: str = "PRIVATE"
     admin_endpoint: str | None = None
+    owner_role: str = CLOUDSQL_OWNER_ROLE
 
 
 def cloudsql_settings() -> CloudSqlSettings | None:
@@ -448,6 +453,7 @@ class Store:
             cloudsql = cloudsql_settings()
         self.cloudsql = cloudsql if url is None else None
         self._connector: Any = None
+        self._connector_lock = threading.Lock()  # the pool may open its first connections from several threads
         if self.cloudsql is not None:
             self.url = URL.create("postgresql+pg8000", username=self.cloudsql.user, database=self.cloudsql.database)
         else:
@@ -466,7 +472,7 @@ class Store:
             try:
                 self.create_schema()
             except BaseException:
-                self.engine.dispose()  # no pooled connection outlives a Store that failed to open
+                self.close()  # no pooled connection (nor the connector's thread) outlives a Store that failed to open
                 raise
 
     # -- plumbing -----------------------------------------------------------------------------------------------
@@ -503,19 +509,21 @@ class Store:
         return engine
 
     def _cloudsql_connect(self) -> Any:
-        """A pg8000 connection through the Cloud SQL Python Connector: it fetches the instance's address and CA and
-        an ephemeral client certificate from the SQL Admin API as the pod's Google identity (Application Default
-        Credentials: workload identity on GKE) and, with enable_iam_auth, logs in as the IAM user with an OAuth token
-        in place of a password."""
+        """A pg8000 connection through the Cloud SQL Python Connector: as the pod's Google identity (Application
+        Default Credentials: workload identity on GKE) it fetches the instance's private address and CA and an
+        ephemeral client certificate from the SQL Admin API; with enable_iam_auth that request carries an OAuth token
+        of the IAM user, which the certificate stands for (no password is sent), and the TLS connection to the
+        instance (port 3307) authenticates with it (tests/service/test_cloudsql.py runs it against a stand-in)."""
         from google.cloud.sql.connector import Connector
 
         cs = self.cloudsql
         assert cs is not None
-        if self._connector is None:
-            # lazy: refresh the certificate when a connection needs it, not from a background task that a pod
-            # without CPU throttling room would starve (the connector's advice for serverless and bursty hosts).
-            self._connector = Connector(ip_type=cs.ip_type, enable_iam_auth=True, refresh_strategy="lazy",
-                                        sqladmin_api_endpoint=cs.admin_endpoint)
+        with self._connector_lock:
+            if self._connector is None:
+                # lazy: refresh the certificate when a connection needs it, not from a background task (the
+                # connector's advice where CPU may be throttled between requests).
+                self._connector = Connector(ip_type=cs.ip_type, enable_iam_auth=True, refresh_strategy="lazy",
+                                            sqladmin_api_endpoint=cs.admin_endpoint)
         return self._connector.connect(cs.instance, "pg8000", user=cs.user, db=cs.database)
 
     def create_schema(self) -> None:
@@ -525,6 +533,8 @@ class Store:
         with engine.begin() as conn:
             if not self.is_sqlite:
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
+            if self.cloudsql is not None:
+                conn.execute(text(f'SET LOCAL ROLE "{self.cloudsql.owner_role}"'))
             Base.metadata.create_all(conn)
             found = conn.scalar(select(Meta.value).where(Meta.key == "schema_version"))
             if found is None:
@@ -545,6 +555,7 @@ class Store:
         self.engine.dispose()
         if self._connector is not None:
             self._connector.close()
+            self._connector = None
 
     @contextmanager
     def _read(self) -> Iterator[Session]:

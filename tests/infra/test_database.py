@@ -1,0 +1,228 @@
+"""The service's Cloud SQL store (infra/database.py) under Pulumi mocks: private IP only, IAM database authentication
+and no password anywhere, backups with point-in-time recovery, deletion protection as the spec says, and the grants
+of the API's and the engine's Google service accounts (each narrowed to the instance; the bucket for the engine
+alone). The component runs alone in a program of its own, through the plan's harness (infra.mockrun.run_stack, which
+sets pulumi.runtime's mocks and records every registration with its options)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pulumi
+import pulumi_gcp as gcp
+import pytest
+
+from infra import database
+from infra.config import load_spec, parse_spec
+from infra.mockrun import PlanResult, run_stack
+from tests.infra.conftest import stack_config
+
+INSTANCE = "gcp:sql/databaseInstance:DatabaseInstance"
+USER = "gcp:sql/user:User"
+PROJECT_MEMBER = "gcp:projects/iAMMember:IAMMember"
+SA_MEMBER = "gcp:serviceaccount/iAMMember:IAMMember"
+BUCKET_MEMBER = "gcp:storage/bucketIAMMember:BucketIAMMember"
+ACCOUNT = "gcp:serviceaccount/account:Account"
+VPC_ID = "vpc-id"  # what the mocks give the stand-in VPC as its id
+
+
+def _program() -> None:
+    spec = load_spec()
+    vpc = gcp.compute.Network("vpc", project=spec.project, auto_create_subnetworks=False)
+    db = database.ServiceDatabase(f"{spec.env}-database",
+                                  database.ServiceDatabaseArgs(spec, network=vpc.id, project_number="123456789012"))
+    pulumi.export("connectionName", db.connection_name)
+    pulumi.export("database", db.database)
+    pulumi.export("accounts", db.accounts)
+    pulumi.export("users", db.users)
+
+
+def _tinker(**service: Any) -> dict[str, Any]:
+    config = copy.deepcopy(stack_config("tinker"))
+    for key, value in service.items():
+        if key == "storage":
+            config["gke-tpu-rl:storage"] = {**config["gke-tpu-rl:storage"], **value}
+        else:
+            config["gke-tpu-rl:service"].setdefault("database", {})[key] = value
+    return config
+
+
+def _plan(config: dict[str, Any] | None = None) -> PlanResult:
+    return run_stack("tinker", config or stack_config("tinker"), program=_program)
+
+
+@pytest.fixture(scope="module")
+def plan() -> PlanResult:
+    return _plan()
+
+
+def _instance(plan: PlanResult) -> dict[str, Any]:
+    [instance] = plan.of_type(INSTANCE)
+    return instance.inputs
+
+
+def _walk(value: Any, path: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _walk(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list):
+        return [leaf for i, v in enumerate(value) for leaf in _walk(v, f"{path}[{i}]")]
+    return [(path, value)]
+
+
+def test_the_instance_has_a_private_ip_only(plan: PlanResult) -> None:
+    inputs = _instance(plan)
+    ip = inputs["settings"]["ipConfiguration"]
+    assert ip["ipv4Enabled"] is False and ip["privateNetwork"] == VPC_ID
+    assert ip["sslMode"] == "ENCRYPTED_ONLY" and not ip.get("authorizedNetworks")
+    settings = inputs["settings"]
+    assert settings["connectorEnforcement"] == "REQUIRED" and settings["dataApiAccess"] == "DISALLOW_DATA_API"
+    # Its private IP comes from the private services access range reserved in the environment's VPC.
+    address = plan.get("gcp:compute/globalAddress:GlobalAddress", "tinker-database-psa-range").inputs
+    assert (address["purpose"], address["addressType"], address["network"]) == ("VPC_PEERING", "INTERNAL", VPC_ID)
+    assert (address["address"], address["prefixLength"]) == ("10.24.0.0", 20)  # service.database.privateServiceCidr
+    assert ip["allocatedIpRange"] == address["name"] == "rl-tinker-tinker-psa"
+    connection = plan.get("gcp:servicenetworking/connection:Connection", "tinker-database-psa")
+    assert connection.inputs["service"] == "servicenetworking.googleapis.com"
+    assert connection.inputs["reservedPeeringRanges"] == [address["name"]]
+    assert connection.inputs["deletionPolicy"] == "REMOVE_PEERING"
+    # Created only once the peering exists.
+    [instance] = plan.of_type(INSTANCE)
+    assert connection.urn in instance.options["dependsOn"]
+
+
+def test_the_instance_is_enterprise_postgres_as_the_spec_says(plan: PlanResult) -> None:
+    inputs = _instance(plan)
+    spec = plan.spec
+    assert inputs["name"] == spec.sql_instance_name == "rl-tinker-tinker" and inputs["region"] == "us-central1"
+    assert inputs["databaseVersion"] == "POSTGRES_17"
+    settings = inputs["settings"]
+    assert (settings["edition"], settings["tier"], settings["availabilityType"]) == ("ENTERPRISE", "db-custom-1-3840",
+                                                                                     "ZONAL")
+    assert (settings["diskType"], settings["diskSize"], settings["diskAutoresize"]) == ("PD_SSD", 10, True)
+    assert settings["locationPreference"]["zone"] == "us-central1-b"
+    assert settings["userLabels"] == spec.resource_labels() == {"app": "gke-tpu-rl", "env": "tinker", "team": "rl"}
+    assert settings["maintenanceWindow"] == {"day": 7, "hour": 4, "updateTrack": "stable"}
+    [db] = plan.of_type("gcp:sql/database:Database")
+    assert db.inputs["name"] == "tinker" and db.inputs["instance"] == "rl-tinker-tinker"
+    assert plan.outputs["database"] == "tinker"
+    assert plan.outputs["connectionName"] == "acme-rl-tinker:us-central1:rl-tinker-tinker"
+
+
+def test_iam_database_authentication_and_no_password_anywhere(plan: PlanResult) -> None:
+    flags = _instance(plan)["settings"]["databaseFlags"]
+    assert {"name": "cloudsql.iam_authentication", "value": "on"} in flags
+    for r in plan.resources:
+        for path, _ in _walk(r.inputs):
+            assert "password" not in path.lower(), (r.name, path)
+    users = plan.of_type(USER)
+    assert len(users) == 2 and all(u.inputs["type"] == "CLOUD_IAM_SERVICE_ACCOUNT" for u in users)
+
+
+def test_the_users_are_the_service_accounts_of_the_api_and_the_engine(plan: PlanResult) -> None:
+    accounts = {a.name: a.inputs["accountId"] for a in plan.of_type(ACCOUNT)}
+    assert accounts == {"tinker-database-api": "tinker-tinker-api", "tinker-database-engine": "tinker-tinker-eng"}
+    assert plan.outputs["accounts"] == {"api": "tinker-tinker-api@acme-rl-tinker.iam.gserviceaccount.com",
+                                        "engine": "tinker-tinker-eng@acme-rl-tinker.iam.gserviceaccount.com"}
+    # PostgreSQL IAM users of service accounts: the e-mail without ".gserviceaccount.com".
+    assert plan.outputs["users"] == {"api": "tinker-tinker-api@acme-rl-tinker.iam",
+                                     "engine": "tinker-tinker-eng@acme-rl-tinker.iam"}
+    users = {u.name: u.inputs for u in plan.of_type(USER)}
+    assert {n: u["name"] for n, u in users.items()} == {
+        "tinker-database-api-db-user": "tinker-tinker-api@acme-rl-tinker.iam",
+        "tinker-database-engine-db-user": "tinker-tinker-eng@acme-rl-tinker.iam"}
+    for u in users.values():
+        assert u["instance"] == "rl-tinker-tinker" and u["databaseRoles"] == [database.OWNER_ROLE]
+        assert u["deletionPolicy"] == "ABANDON"
+
+
+def test_each_account_is_bound_to_its_kubernetes_service_account(plan: PlanResult) -> None:
+    bindings = {m.name: m.inputs for m in plan.of_type(SA_MEMBER)}
+    assert bindings == {
+        "tinker-database-api-workload-identity": {
+            "member": "serviceAccount:acme-rl-tinker.svc.id.goog[rl/tinker-api]",
+            "role": "roles/iam.workloadIdentityUser", "serviceAccountId": "tinker-database-api"},
+        "tinker-database-engine-workload-identity": {
+            "member": "serviceAccount:acme-rl-tinker.svc.id.goog[rl/tinker-engine]",
+            "role": "roles/iam.workloadIdentityUser", "serviceAccountId": "tinker-database-engine"}}
+    assert plan.spec.queues.namespace == "rl"
+    assert (plan.spec.service_api_name, plan.spec.service_engine_name) == ("tinker-api", "tinker-engine")
+
+
+def test_the_connector_roles_are_granted_on_the_one_instance_only(plan: PlanResult) -> None:
+    grants = sorted((m.inputs["member"], m.inputs["role"]) for m in plan.of_type(PROJECT_MEMBER))
+    api = "serviceAccount:tinker-tinker-api@acme-rl-tinker.iam.gserviceaccount.com"
+    engine = "serviceAccount:tinker-tinker-eng@acme-rl-tinker.iam.gserviceaccount.com"
+    assert grants == [(api, "roles/cloudsql.client"), (api, "roles/cloudsql.instanceUser"),
+                      (engine, "roles/cloudsql.client"), (engine, "roles/cloudsql.instanceUser")]
+    for m in plan.of_type(PROJECT_MEMBER):
+        assert m.inputs["project"] == "acme-rl-tinker"
+        assert m.inputs["condition"]["expression"] == (
+            "resource.name == 'projects/acme-rl-tinker/instances/rl-tinker-tinker' && "
+            "resource.type == 'sqladmin.googleapis.com/Instance'")
+        assert m.inputs["condition"]["title"]
+
+
+def test_the_buckets_are_granted_to_the_engine_alone(plan: PlanResult) -> None:
+    """The checkpoint bucket (the users' checkpoints) and the state bucket (each model's snapshot)."""
+    engine = "serviceAccount:tinker-tinker-eng@acme-rl-tinker.iam.gserviceaccount.com"
+    assert sorted((g.inputs["bucket"], g.inputs["role"], g.inputs["member"]) for g in plan.of_type(BUCKET_MEMBER)) == [
+        ("acme-rl-tinker-tinker-checkpoints", "roles/storage.objectUser", engine),
+        ("acme-rl-tinker-tinker-tinker-state", "roles/storage.objectUser", engine)]
+
+
+def test_backups_and_point_in_time_recovery(plan: PlanResult) -> None:
+    backup = _instance(plan)["settings"]["backupConfiguration"]
+    assert backup["enabled"] is True and backup["pointInTimeRecoveryEnabled"] is True
+    assert backup["backupRetentionSettings"] == {"retainedBackups": 7, "retentionUnit": "COUNT"}
+    assert backup["transactionLogRetentionDays"] == 7 and backup["startTime"]
+    # More days of backups than Enterprise edition keeps transaction logs: PITR stays at its 7-day maximum.
+    month = _instance(_plan(_tinker(backupRetentionDays=30)))["settings"]["backupConfiguration"]
+    assert month["backupRetentionSettings"]["retainedBackups"] == 30 and month["transactionLogRetentionDays"] == 7
+    short = _instance(_plan(_tinker(backupRetentionDays=3)))["settings"]["backupConfiguration"]
+    assert short["backupRetentionSettings"]["retainedBackups"] == 3 and short["transactionLogRetentionDays"] == 3
+
+
+KEPT = ("gcp:sql/databaseInstance:DatabaseInstance", "gcp:sql/database:Database",
+        "gcp:compute/globalAddress:GlobalAddress", "gcp:servicenetworking/connection:Connection")
+
+
+@pytest.mark.parametrize(("change", "protected"), [
+    ({}, True),  # tinker: storage.protect true, database.protect unset
+    ({"protect": False}, False),
+    ({"storage": {"protect": False}}, False),  # unset follows storage.protect
+    ({"storage": {"protect": False}, "protect": True}, True),
+], ids=["storage-protect", "database-off", "follows-storage-off", "database-on"])
+def test_deletion_protection_follows_the_spec(change: dict[str, Any], protected: bool) -> None:
+    plan = _plan(_tinker(**change))
+    assert plan.spec.sql_protected is protected
+    inputs = _instance(plan)
+    assert inputs["deletionProtection"] is protected
+    assert inputs["settings"]["deletionProtectionEnabled"] is protected
+    for type_ in KEPT:
+        [r] = plan.of_type(type_)
+        assert bool(r.options.get("retainOnDelete")) is protected, type_
+
+
+def test_a_regional_instance_and_another_version() -> None:
+    inputs = _instance(_plan(_tinker(availability="regional", version="POSTGRES_16", tier="db-custom-2-7680",
+                                     diskGb=50)))
+    settings = inputs["settings"]
+    assert inputs["databaseVersion"] == "POSTGRES_16"
+    assert (settings["availabilityType"], settings["tier"], settings["diskSize"]) == ("REGIONAL", "db-custom-2-7680",
+                                                                                      50)
+
+
+def test_an_environment_without_a_service_has_no_database() -> None:
+    config = copy.deepcopy(stack_config("tinker"))
+    del config["gke-tpu-rl:service"]
+    spec = parse_spec({k.removeprefix("gke-tpu-rl:"): v for k, v in config.items()}, "tinker")
+    with pytest.raises(ValueError, match="no service section"):
+        database.ServiceDatabase("x", database.ServiceDatabaseArgs(spec, network="vpc", project_number="1"))
+
+
+def test_helpers() -> None:
+    assert database.iam_user_name("a-b@p.iam.gserviceaccount.com") == "a-b@p.iam"
+    assert database.iam_user_name("someone@example.com") == "someone@example.com"
+    assert database.instance_condition("p", "i") == (
+        "resource.name == 'projects/p/instances/i' && resource.type == 'sqladmin.googleapis.com/Instance'")

@@ -1,0 +1,402 @@
+"""The post-training service's Kubernetes objects (stack config `service:`): the Tinker-compatible API as a Deployment
+on the CPU system pool, its engine as a Kueue-queued JobSet on a TPU slice group, and what they need around them.
+
+- Two Kubernetes service accounts, <service>-api and <service>-engine, each acting as its own Google service account
+  through workload identity (Cloud SQL IAM database users must be service accounts; infra/database.py makes them,
+  their database users and the engine's bucket grant).
+- The API (`python -m trainer.service serve --base-model ...`, API only): stateless, `service.apiReplicas` pods
+  spread over the system pool's nodes, rolled one at a time; a ClusterIP Service, and with
+  access.internalLoadBalancer an internal passthrough Network Load Balancer for the VPC's allowed ranges.
+- The engine (`python -m trainer.service engine --config ...`): the same pod contract as the trainer JobSet
+  (workloads/jobset.py tpu_jobset on a TpuJob), on one slice of service.sliceGroup. On a multi-host slice its
+  processes join jax.distributed through the trainer's env contract (COORDINATOR_ADDRESS, HOST_INDEX, ...).
+- Both reach the store (Cloud SQL for PostgreSQL, private IP, IAM database authentication through the Cloud SQL Python
+  Connector, trainer/service/store.py cloudsql_settings) through GKE_TPU_RL_CLOUDSQL_INSTANCE, _USER and _DATABASE.
+- The engine loads the base model from `model_dir` on the bucket. With service.stageModel a staging Job
+  (workloads/stage.py) fetches service.base_model there before the engine starts; without it the engine still reads
+  that directory, and the team puts the model there itself.
+- NetworkPolicies: who may open a connection to the API's and the engine's pods (see `network_policies`).
+
+With service.suspend the engine JobSet and the staging Job are not rendered: the API keeps taking requests into the
+store, and they run when the engine is back.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from infra.config import NAMESPACE, ConfigError, EnvironmentSpec, ServiceSpec, SliceGroupSpec
+from trainer.service.store import CLOUDSQL_DATABASE_ENV, CLOUDSQL_INSTANCE_ENV, CLOUDSQL_USER_ENV
+from workloads import core, stage
+from workloads import labels as L
+from workloads.jobset import tpu_jobset
+from workloads.trainer_pod import (
+    CHECKPOINT_MOUNT,
+    CONTAINER_SECURITY,
+    TpuJob,
+    TrainerRefs,
+    pod_base,
+)
+
+API_PORT = 8000
+PORT_NAME = "http"
+HEALTHZ = "/api/v1/healthz"  # no key needed; 200 {"status": "ok"} (trainer/service/api.py)
+ROLES = ("api", "engine")
+# One API pod is one uvicorn process (trainer/service/cli.py _serve: one event loop, no workers), so it never uses
+# more than about one core; its work is JSON in and out, long-polls and store queries, the TPU work is the engine's.
+# Importing it (FastAPI, the tinker SDK's types, SQLAlchemy, the Cloud SQL connector) takes about 320 MiB of resident
+# memory (measured here: `python -c "import trainer.service.api, trainer.service.cli, uvicorn, sqlalchemy"`, max RSS
+# 329 MB); 1 GiB leaves room for request bodies (a forward_backward carries its tokens and loss inputs) and the
+# connector's pool. Requests = limits: Guaranteed QoS, as the Ray head, so the system pool's controllers are never
+# squeezed by it (infra/system_pool.py packs every pod pinned there by its requests).
+API_RESOURCES = {"cpu": "1", "memory": "1Gi"}
+# uvicorn stops within its own graceful-shutdown timeout (trainer/service/cli.py: timeout_graceful_shutdown=3); an
+# open long-poll is cut, and the SDK retries it on its own. The preStop pause lets the endpoint controller take the
+# pod out of the Services (and the load balancer's backends) before uvicorn stops accepting connections.
+API_GRACE_S = 30
+API_PRESTOP_S = 5
+SCRATCH = "/tmp"
+# GKE: an internal passthrough Network Load Balancer for a LoadBalancer Service (GKE docs, "LoadBalancer Service
+# parameters": the annotation works on every supported version; spec.loadBalancerClass would need GKE subsetting).
+ILB_ANNOTATION = "networking.gke.io/load-balancer-type"
+HOSTNAME = "kubernetes.io/hostname"
+APP_NAME = "app.kubernetes.io/name"
+ENGINE_COMMAND = ("python", "-m", "trainer.service", "engine")
+
+
+@dataclass(frozen=True)
+class ServiceRefs:
+    """What the service's objects point at, created elsewhere in the stack (Pulumi Outputs under `pulumi up`)."""
+
+    image: Any  # the trainer image by digest (it holds trainer.service too)
+    bucket: str
+    instance: Any  # the Cloud SQL instance connection name PROJECT:REGION:INSTANCE
+    database: str  # the database's name
+    users: Mapping[str, Any]  # "api" / "engine" -> IAM database user (the GSA's e-mail less .gserviceaccount.com)
+    accounts: Mapping[str, Any]  # "api" / "engine" -> Google service account e-mail (workload identity)
+    hf_secret: str | None = None  # the Hugging Face token for the staging Job (gated repos)
+    claim_template: str | None = None  # the engine pods' DRANET claim, when its slice group has NICs to claim
+
+
+def _service(spec: EnvironmentSpec) -> ServiceSpec:
+    assert spec.service is not None  # callers build these only for an environment with a service
+    return spec.service
+
+
+def _group(spec: EnvironmentSpec) -> SliceGroupSpec:
+    group = spec.service_group
+    assert group is not None  # spec validation rejects a service.sliceGroup that is no slice group
+    return group
+
+
+def api_labels(spec: EnvironmentSpec) -> dict[str, str]:
+    """The API's pods: what the Deployment, its Services, PDB and NetworkPolicy select."""
+    return {APP_NAME: spec.service_api_name}
+
+
+def engine_selector(spec: EnvironmentSpec) -> dict[str, str]:
+    """The engine's pods, by the label the JobSet controller puts on every pod of the JobSet."""
+    return {L.JOBSET_NAME: spec.service_engine_name}
+
+
+# ---------------------------------------------------------------- the engine's config and paths
+
+
+def service_dir(spec: EnvironmentSpec) -> str:
+    """The service's directory on the bucket's mount (CHECKPOINT_DIR of the engine's pods)."""
+    return f"{CHECKPOINT_MOUNT}/{_service(spec).name}"
+
+
+# The service's state bucket (infra/storage.py) in the engine's pods: each model's latest state snapshot.
+STATE_MOUNT = "/service-state"
+
+
+def storage_dir(spec: EnvironmentSpec) -> str:
+    """Where the engine writes the users' checkpoints (service.storage_dir)."""
+    return f"{service_dir(spec)}/store"
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    """The `--set KEY=VALUE` items of an engine command line, in order, as trainer/service/cli.py reads them (its
+    other flags are not the config's)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    known, _ = parser.parse_known_args(argv)
+    return list(known.overrides)
+
+
+def user_overrides(spec: EnvironmentSpec) -> list[str]:
+    """The `--set` items of service.args."""
+    return _overrides(list(_service(spec).args))
+
+
+def base_model(spec: EnvironmentSpec) -> str:
+    """service.base_model of the engine's config, with service.args' overrides: what the API serves and the staging
+    Job fetches. Raises ConfigError naming the key when the config does not load."""
+    from trainer.config import ConfigError as TrainerConfigError
+    from trainer.config import load_config
+
+    svc = _service(spec)
+    try:
+        cfg = load_config(svc.config, user_overrides(spec))
+    except TrainerConfigError as e:
+        raise ConfigError(f"{NAMESPACE}:service.args: the engine config {svc.config} with them does not load: "
+                          f"{e}") from None
+    assert cfg.service is not None  # service.config is validated to be a bundled config with a service section
+    return cfg.service.base_model
+
+
+def model_dir(spec: EnvironmentSpec) -> str:
+    """The base model's directory on the bucket (the engine's init.path): models/<repo name> in the service's
+    directory. Staged there by the staging Job with service.stageModel; put there by hand without it."""
+    return f"{service_dir(spec)}/models/{base_model(spec).rsplit('/', 1)[-1]}"
+
+
+def engine_args(spec: EnvironmentSpec) -> list[str]:
+    """After `python -m trainer.service engine`: the bundled config, its storage and weights on the bucket, a mesh
+    over the one slice; service.args last, so they can override any of it."""
+    svc = _service(spec)
+    return ["--config", svc.config, "--set", f"service.storage_dir={storage_dir(spec)}",
+            "--set", f"service.state_dir={STATE_MOUNT}",
+            "--set", f"init.path={model_dir(spec)}", "--set", "mesh.slices=1", "--set", "mesh.fsdp=-1", *svc.args]
+
+
+def engine_config(spec: EnvironmentSpec) -> Any:
+    """The engine's TrainConfig as its pods load it (every `--set` of engine_args, in order). Raises ConfigError."""
+    from trainer.config import ConfigError as TrainerConfigError
+    from trainer.config import load_config
+
+    svc = _service(spec)
+    try:
+        return load_config(svc.config, _overrides(engine_args(spec)))
+    except TrainerConfigError as e:
+        raise ConfigError(f"{NAMESPACE}:service.args: the engine config {svc.config} as its pods load it does not "
+                          f"load: {e}") from None
+
+
+def db_env(refs: ServiceRefs, role: str) -> list[dict[str, Any]]:
+    """The store's connection for `role` ("api" or "engine"): no password anywhere, the connector logs in as the
+    pod's Google service account (IAM database authentication)."""
+    return [{"name": CLOUDSQL_INSTANCE_ENV, "value": refs.instance},
+            {"name": CLOUDSQL_USER_ENV, "value": refs.users[role]},
+            {"name": CLOUDSQL_DATABASE_ENV, "value": refs.database}]
+
+
+def _tpu_refs(spec: EnvironmentSpec, refs: ServiceRefs, *, hf: bool = False) -> TrainerRefs:
+    """The trainer-pod refs of the engine's pods (and its staging Job's: with `hf`, the token)."""
+    return TrainerRefs(image=refs.image, bucket=refs.bucket, service_account=spec.service_engine_name,
+                       hf_secret=refs.hf_secret if hf else None, claim_template=None if hf else refs.claim_template)
+
+
+def engine_job(spec: EnvironmentSpec, refs: ServiceRefs) -> TpuJob:
+    """The engine as a TpuJob: the trainer's pod contract on one slice of service.sliceGroup. It exits 143 on SIGTERM
+    (a preemption) and, like the trainer, is restarted on 42 and any death by a signal (jobset.RESTART_EXIT_CODES)
+    up to service.maxRestarts; every restart restores the users' models from the bucket."""
+    svc = _service(spec)
+    return TpuJob(name=spec.service_engine_name, group=_group(spec), service_account=spec.service_engine_name,
+                  priority=svc.priority, max_restarts=svc.max_restarts,
+                  termination_grace_seconds=svc.termination_grace_seconds, checkpoint_dir=service_dir(spec), slices=1,
+                  container="engine", command=ENGINE_COMMAND, args=tuple(engine_args(spec)),
+                  env=tuple(db_env(refs, "engine")),
+                  buckets=(("service-state", spec.service_state_bucket, STATE_MOUNT),))
+
+
+def engine_jobset(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
+    return tpu_jobset(spec, engine_job(spec, refs), _tpu_refs(spec, refs))
+
+
+def stage_model_job(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any] | None:
+    """The staging Job that fetches service.base_model into model_dir, as the engine's account (its grant on the
+    bucket is what it needs); None without service.stageModel."""
+    svc = _service(spec)
+    if not svc.stage_model:
+        return None
+    fetch = stage.Fetch(model=base_model(spec), model_to=model_dir(spec))
+    return stage.fetch_job(f"{spec.service_engine_name}-stage", spec.queues.namespace, _tpu_refs(spec, refs, hf=True),
+                           fetch, svc.termination_grace_seconds)
+
+
+# ---------------------------------------------------------------- accounts and the API
+
+
+def service_accounts(spec: EnvironmentSpec, refs: ServiceRefs) -> list[dict[str, Any]]:
+    """The API's and the engine's Kubernetes accounts, each annotated with its Google service account. No token is
+    mounted by default: neither calls the Kubernetes API (workload identity tokens come from the GKE metadata
+    server)."""
+    names = {"api": spec.service_api_name, "engine": spec.service_engine_name}
+    out = []
+    for role in ROLES:
+        obj = core.service_account(names[role], spec.queues.namespace, refs.accounts[role])
+        obj["automountServiceAccountToken"] = False
+        out.append(obj)
+    return out
+
+
+def api_command(spec: EnvironmentSpec) -> list[str]:
+    """The API alone (no --config: the engine runs elsewhere on the same store), on every address of the pod."""
+    return ["python", "-m", "trainer.service", "serve", "--base-model", base_model(spec), "--host", "0.0.0.0",
+            "--port", str(API_PORT)]
+
+
+def _probe(period_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": HEALTHZ, "port": PORT_NAME}, "periodSeconds": period_s, "timeoutSeconds": 3,
+            "failureThreshold": failures}
+
+
+def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
+    svc, labels = _service(spec), api_labels(spec)
+    container = {
+        "name": "api",
+        "image": refs.image,
+        # The image's ENTRYPOINT is the trainer (trainer/Dockerfile): the command replaces it.
+        "command": api_command(spec),
+        "env": db_env(refs, "api"),
+        "ports": [{"name": PORT_NAME, "containerPort": API_PORT, "protocol": "TCP"}],
+        # Startup: the imports take seconds on a busy node; liveness only after it, and slow to give up (a pod
+        # restart loses nothing but drops its long-polls); readiness fast, so a stuck pod leaves the Services.
+        "startupProbe": _probe(2, 60),
+        "livenessProbe": _probe(10, 6),
+        "readinessProbe": _probe(5, 2),
+        "lifecycle": {"preStop": {"sleep": {"seconds": API_PRESTOP_S}}},
+        "resources": {"requests": dict(API_RESOURCES), "limits": dict(API_RESOURCES)},
+        # As the trainer's containers, and a read-only image: Python's temporary files go to an emptyDir.
+        "securityContext": {**CONTAINER_SECURITY, "readOnlyRootFilesystem": True},
+        "volumeMounts": [{"name": "tmp", "mountPath": SCRATCH}],
+    }
+    pod = pod_base(spec.service_api_name, API_GRACE_S, [container], [{"name": "tmp", "emptyDir": {}}])
+    pod["restartPolicy"] = "Always"  # a Deployment's pods restart in place (the only policy it accepts)
+    pod["nodeSelector"] = dict(L.SYSTEM_POOL)
+    # One replica per node where the pool has the room: a node upgrade or loss then leaves the others serving. A
+    # preference only (ScheduleAnyway): a one-node pool still runs every replica.
+    pod["topologySpreadConstraints"] = [{"maxSkew": 1, "topologyKey": HOSTNAME, "whenUnsatisfiable": "ScheduleAnyway",
+                                         "labelSelector": {"matchLabels": dict(labels)}}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        # No Kueue queue-name label: Kueue (its deployment integration on, manageJobsWithoutQueueName off by
+        # default) leaves the Deployment alone, so the API never waits behind TPU workloads for admission.
+        "metadata": {"name": spec.service_api_name, "namespace": spec.queues.namespace,
+                     "labels": {**L.MANAGED_BY, **labels}},
+        "spec": {
+            "replicas": svc.api_replicas,
+            "selector": {"matchLabels": dict(labels)},
+            # A new pod is Ready before an old one goes: the API never drops below its replica count.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
+        },
+    }
+
+
+def api_disruption_budget(spec: EnvironmentSpec) -> dict[str, Any] | None:
+    """With more than one replica, a node drain (GKE upgrades the system pool one node at a time) never evicts the
+    last serving API pod. None with one replica: a budget of 1 would then block every drain."""
+    if _service(spec).api_replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": spec.service_api_name, "namespace": spec.queues.namespace, "labels": dict(L.MANAGED_BY)},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": api_labels(spec)}},
+    }
+
+
+def _port() -> dict[str, Any]:
+    return {"name": PORT_NAME, "port": API_PORT, "targetPort": PORT_NAME, "protocol": "TCP"}
+
+
+def api_services(spec: EnvironmentSpec) -> list[dict[str, Any]]:
+    """The API's ClusterIP Service (what `kubectl port-forward svc/<api>` picks a pod through), and with
+    access.internalLoadBalancer an internal passthrough Network Load Balancer in the VPC, open to
+    access.allowedCidrs only."""
+    svc, ns, labels = _service(spec), spec.queues.namespace, api_labels(spec)
+    meta = {"namespace": ns, "labels": {**L.MANAGED_BY, **labels}}
+    out = [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": spec.service_api_name, **meta},
+            "spec": {"type": "ClusterIP", "selector": dict(labels), "ports": [_port()]}}]
+    if svc.access.internal_load_balancer:
+        out.append({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": f"{spec.service_api_name}-ilb", **meta, "annotations": {ILB_ANNOTATION: "Internal"}},
+            "spec": {
+                "type": "LoadBalancer", "selector": dict(labels), "ports": [_port()],
+                # GKE makes VPC firewall rules that admit only these sources (GKE docs, "LoadBalancer Service
+                # parameters": spec.loadBalancerSourceRanges).
+                "loadBalancerSourceRanges": list(svc.access.allowed_cidrs),
+                # Local: the load balancer sends only to nodes that run an API pod, which get the packet with the
+                # client's own source address (GKE docs, "LoadBalancer Service concepts", effect of
+                # externalTrafficPolicy). With Cluster a node would forward it to a pod elsewhere from its own
+                # address, and the NetworkPolicy's ipBlock (the same ranges) would refuse it.
+                "externalTrafficPolicy": "Local",
+            },
+        })
+    return out
+
+
+def network_policies(spec: EnvironmentSpec) -> list[dict[str, Any]]:
+    """Who may open a connection to the service's pods (GKE Dataplane V2, i.e. Cilium, enforces NetworkPolicy on
+    every cluster with it; infra/cluster.py turns it on).
+
+    The API: TCP 8000 from access.allowedCidrs when the internal load balancer is on, and from nothing else, in the
+    cluster or out. Two paths stay open without a rule. `kubectl port-forward` is not pod network traffic: the API
+    server streams to the kubelet, whose container runtime dials localhost:8000 inside the pod's own network
+    namespace (containerd internal/cri/server/sandbox_portforward_linux.go portForward/dialLocalhost), over the
+    pod's loopback, which no policy sees. The kubelet's probes come from the node itself, which Cilium always lets
+    reach the pods on that node in Kubernetes mode (cilium daemon: "Kubernetes demands that the localhost can always
+    reach local pods", --allow-localhost auto becomes always); the same holds for containerd's fallback dial to the
+    pod IP from the host's namespace. In-cluster clients (other pods) are refused: the API takes users' keys, and no
+    other workload here needs it.
+
+    The engine: only its own pods (jax.distributed's coordinator, libtpu's multislice and inter-host traffic; by
+    peer, not by port, so no port libtpu picks is shut). Nothing else calls it: the API and the engine meet in the
+    store. On a multi-host slice without DRANET its pods run on the host network (workloads/jobset.py host_network),
+    where they are no pod endpoints and no NetworkPolicy applies to them: this policy then covers the engine only
+    where it runs on the pod network.
+
+    Egress stays open for both: the store is Cloud SQL on its private IP (from the private services range), reached
+    through the connector, which first calls the Cloud SQL Admin API; the engine reads and writes the bucket (GCS
+    FUSE's sidecar, Google APIs) and both get tokens from the GKE metadata server; the staging Job reaches the
+    Hugging Face Hub. Those addresses are Google's and change; a policy of IP ranges would only break them.
+    """
+    ns = spec.queues.namespace
+    svc = _service(spec)
+    api_rules: list[dict[str, Any]] = []
+    if svc.access.internal_load_balancer:
+        api_rules.append({"from": [{"ipBlock": {"cidr": c}} for c in svc.access.allowed_cidrs],
+                          "ports": [{"protocol": "TCP", "port": API_PORT}]})
+    def engine() -> dict[str, Any]:
+        return {"podSelector": {"matchLabels": engine_selector(spec)}}
+
+    return [
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+         "metadata": {"name": spec.service_api_name, "namespace": ns, "labels": dict(L.MANAGED_BY)},
+         "spec": {"podSelector": {"matchLabels": api_labels(spec)}, "policyTypes": ["Ingress"],
+                  "ingress": api_rules}},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+         "metadata": {"name": spec.service_engine_name, "namespace": ns, "labels": dict(L.MANAGED_BY)},
+         "spec": {**engine(), "policyTypes": ["Ingress"], "ingress": [{"from": [engine()]}]}},
+    ]
+
+
+def api_address(spec: EnvironmentSpec) -> str:
+    """The API inside the cluster (its ClusterIP Service)."""
+    return f"http://{spec.service_api_name}.{spec.queues.namespace}.svc:{API_PORT}"
+
+
+def port_forward_hint(spec: EnvironmentSpec) -> str:
+    return f"kubectl -n {spec.queues.namespace} port-forward svc/{spec.service_api_name} {API_PORT}:{API_PORT}"
+
+
+def service_objects(spec: EnvironmentSpec, refs: ServiceRefs) -> list[dict[str, Any]]:
+    """Every object of the service, in the order they are applied; without the engine and its staging Job under
+    service.suspend."""
+    out = [*service_accounts(spec, refs), api_deployment(spec, refs)]
+    if (pdb := api_disruption_budget(spec)) is not None:
+        out.append(pdb)
+    out += [*api_services(spec), *network_policies(spec)]
+    if not _service(spec).suspend:
+        if (job := stage_model_job(spec, refs)) is not None:
+            out.append(job)
+        out.append(engine_jobset(spec, refs))
+    return out
