@@ -26,6 +26,7 @@ from infra.mockrun import (
 from infra.plan import is_kubernetes_object
 
 if TYPE_CHECKING:
+    from infra.config import EnvironmentSpec
     from trainer.fit import FitReport
     from trainer.fit_search import SearchResult as FitSearch
 
@@ -305,6 +306,7 @@ class Summary:
     queues: list[str]
     controllers: list[str]
     trainer: str | None
+    service: str | None
     resources: int
     kubernetes_objects: int
     cost: EnvironmentCost
@@ -334,6 +336,7 @@ class Summary:
             ("Controllers", "; ".join(self.controllers) or "none"),
             ("Cost", self.cost.line()),
             ("Trainer", self.trainer or "disabled"),
+            *([("Service", self.service)] if self.service else []),
             ("Resources", f"{self.resources} registered, {self.kubernetes_objects} Kubernetes objects"),
         ]
 
@@ -406,8 +409,27 @@ def summarize(result: PlanResult) -> Summary:
         env=result.env, project=spec.project, zone=spec.zone, cluster=spec.cluster_name, slices=rows,
         chips_by_type=dict(sorted(chips_by_type.items())), peak_bf16_pflops=round(pflops, 2), hbm_gib=hbm,
         networks=networks, buckets=buckets, queues=queues, controllers=controllers, trainer=trainer,
+        service=_service_fact(spec),
         resources=len(result.resources), kubernetes_objects=sum(is_kubernetes_object(r) for r in result.resources),
         cost=costs)
+
+
+def _service_fact(spec: EnvironmentSpec) -> str | None:
+    """The service in one line: the API, the engine (or that it is suspended) and the store."""
+    svc, group = spec.service, spec.service_group
+    if svc is None or group is None:
+        return None
+    ns = spec.queues.namespace
+    access = "kubectl port-forward" + (f", internal load balancer for {', '.join(svc.access.allowed_cidrs)}"
+                                       if svc.access.internal_load_balancer else "")
+    engine = ("suspended (no engine: requests queue until it is back)" if svc.suspend else
+              f"JobSet {ns}/{spec.service_engine_name} on 1 x {group.name} ({group.topology}), priority "
+              f"{svc.priority}, max {svc.max_restarts} restarts, config {svc.config}; a restart restores every "
+              "model from its last snapshot")
+    db = svc.database
+    return (f"API Deployment {ns}/{spec.service_api_name} x {svc.api_replicas} on the system pool ({access}); engine "
+            f"{engine}; store Cloud SQL {db.version} {db.tier} {db.availability}, private IP, IAM auth, "
+            f"{db.backup_retention_days} days of backups{', deletion-protected' if spec.sql_protected else ''}")
 
 
 _SLICE_HEADERS = ("group", "tpu", "topology", "machine", "slices", "hosts/slice", "chips/host", "chips/slice",

