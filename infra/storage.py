@@ -31,20 +31,25 @@ class Storage(pulumi.ComponentResource):
         spec, s = args.spec, args.spec.storage
         # A protected bucket outlives `pulumi destroy`: it leaves the state, its checkpoints stay.
         bucket_opts = pulumi.ResourceOptions(parent=self, retain_on_delete=s.protect)
-        self.bucket = gcp.storage.Bucket(
-            f"{name}-checkpoints",
-            name=spec.bucket_name,
-            project=spec.project,
-            location=(s.location or spec.region).upper(),
-            uniform_bucket_level_access=True,
-            public_access_prevention="enforced",
-            force_destroy=s.force_destroy,
-            versioning=gcp.storage.BucketVersioningArgs(enabled=s.versioning),
-            soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(
-                retention_duration_seconds=s.soft_delete_days * 86400),
-            labels=spec.resource_labels(),
-            opts=bucket_opts,
-        )
+
+        def bucket(suffix: str, bucket_name: str, *, versioning: bool, soft_delete_days: int) -> gcp.storage.Bucket:
+            return gcp.storage.Bucket(
+                f"{name}-{suffix}",
+                name=bucket_name,
+                project=spec.project,
+                location=(s.location or spec.region).upper(),
+                uniform_bucket_level_access=True,
+                public_access_prevention="enforced",
+                force_destroy=s.force_destroy,
+                versioning=gcp.storage.BucketVersioningArgs(enabled=versioning),
+                soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(
+                    retention_duration_seconds=soft_delete_days * 86400),
+                labels=spec.resource_labels(),
+                opts=bucket_opts,
+            )
+
+        self.bucket = bucket("checkpoints", spec.bucket_name, versioning=s.versioning,
+                             soft_delete_days=s.soft_delete_days)
         if spec.trainer.enabled:
             member = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                         spec.trainer.service_account)
@@ -57,19 +62,8 @@ class Storage(pulumi.ComponentResource):
             # moments included) at every optim_step, and deletes the one before. On the checkpoint bucket, versioning
             # and soft delete would keep every replaced one (TBs a day per active user); here neither is on, so only
             # the latest of each model is stored. Protected as the checkpoint bucket is: it holds the users' state.
-            self.state_bucket = gcp.storage.Bucket(
-                f"{name}-service-state",
-                name=spec.service_state_bucket,
-                project=spec.project,
-                location=(s.location or spec.region).upper(),
-                uniform_bucket_level_access=True,
-                public_access_prevention="enforced",
-                force_destroy=s.force_destroy,
-                versioning=gcp.storage.BucketVersioningArgs(enabled=False),
-                soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(retention_duration_seconds=0),
-                labels=spec.resource_labels(),
-                opts=bucket_opts,
-            )
+            self.state_bucket = bucket("service-state", spec.service_state_bucket, versioning=False,
+                                       soft_delete_days=0)
         if spec.runs_on_ray:
             head = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                       spec.ray_head_service_account)

@@ -253,7 +253,8 @@ def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
         "image": refs.image,
         # The image's ENTRYPOINT is the trainer (trainer/Dockerfile): the command replaces it.
         "command": api_command(spec),
-        "env": db_env(refs, "api"),
+        # A read-only image: anything that caches under $HOME (google-auth, huggingface_hub) gets the emptyDir.
+        "env": [*db_env(refs, "api"), {"name": "HOME", "value": SCRATCH}],
         "ports": [{"name": PORT_NAME, "containerPort": API_PORT, "protocol": "TCP"}],
         # Startup: the imports take seconds on a busy node; liveness only after it, and slow to give up (a pod
         # restart loses nothing but drops its long-polls); readiness fast, so a stuck pod leaves the Services.

@@ -954,20 +954,10 @@ class Store:
             raise ValueError(f"category must be 'user' or 'server', not {category!r}")
         return self._finish(request_id, FAILED, worker_id=worker_id, message=message, category=category)
 
-    def _finish(
-        self,
-        request_id: str,
-        status: str,
-        *,
-        worker_id: str | None,
-        result: bytes | None = None,
-        message: str | None = None,
-        category: str | None = None,
-        state: StateUpdate | None = None,
-    ) -> Request:
+    def _finish(self, request_id: str, status: str, **how: Any) -> Request:
+        """_finish_in in a transaction of its own, then wake this process's waiters."""
         with self._write() as s:
-            row = self._finish_in(s, request_id, status, worker_id=worker_id, result=result, message=message,
-                                  category=category, state=state)
+            row = self._finish_in(s, request_id, status, **how)
         self._notify()
         return row
 
