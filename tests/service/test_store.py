@@ -446,3 +446,34 @@ def test_engine_up_follows_heartbeats_and_retirement(store: Store) -> None:
     assert store.engine_up("tiny/base")
     store.retire_worker(worker)
     assert not store.engine_up("tiny/base")
+
+
+def test_an_engine_claims_only_its_base_model(store: Store, owners: tuple[str, str]) -> None:
+    """One API may serve several base models, each with its engine: a claim for one never takes another's work."""
+    alice, _ = owners
+    session = store.create_session(alice, tags=[], user_metadata={}, sdk_version="0.38.0")
+    small = store.create_model(alice, session.id, 0, "tiny/base", {"rank": 8}, first_seq_id=0)
+    large = store.create_model(alice, session.id, 1, "big/base", {"rank": 8}, first_seq_id=0)
+    small_sampler = store.create_sampling_session(alice, session.id, 0, base_model="tiny/base")
+    large_sampler = store.create_sampling_session(alice, session.id, 1, base_model="big/base")
+    rows = {
+        "large create": store.submit(alice, "create_model", b"l", model_id=large.id, seq_id=0),
+        "large sample": store.submit(alice, "sample", b"ls", sampling_session_id=large_sampler.id, seq_id=1,
+                                     dedup_key="sample:l:1"),
+        "small create": store.submit(alice, "create_model", b"s", model_id=small.id, seq_id=0),
+        "small sample": store.submit(alice, "sample", b"ss", sampling_session_id=small_sampler.id, seq_id=1,
+                                     dedup_key="sample:s:1"),
+        "small sample 2": store.submit(alice, "sample", b"ss2", sampling_session_id=small_sampler.id, seq_id=2,
+                                       dedup_key="sample:s:2"),
+        "no model": store.submit(alice, "delete_checkpoint", b"{}"),
+    }
+    tiny = store.register_worker(base_model="tiny/base")
+    taken = [r.request_id for r in store.claim(tiny, base_model="tiny/base")]
+    taken += [r.request_id for r in store.claim(tiny, base_model="tiny/base", max_batch=8)]
+    taken += [r.request_id for r in store.claim(tiny, base_model="tiny/base", max_batch=8)]
+    assert store.claim(tiny, base_model="tiny/base", max_batch=8) == []
+    names = {v.request_id: k for k, v in rows.items()}
+    assert sorted(names[t] for t in taken) == ["no model", "small create", "small sample", "small sample 2"]
+    big = store.register_worker(base_model="big/base")
+    assert sorted(names[r.request_id] for _ in range(2) for r in store.claim(big, base_model="big/base")) == [
+        "large create", "large sample"]

@@ -23,7 +23,7 @@ from tests.service_engine.service import LiveService, live_service
 from trainer import lora as L
 from trainer import model as M
 from trainer.service import programs as P
-from trainer.service.engine import MODEL_STATE_LOST
+from trainer.service.engine import MODEL_STATE_LOST, UserError
 from trainer.service.shapes import ATTN_TARGETS, MLP_TARGETS
 
 BASE = "tiny/random"
@@ -324,23 +324,30 @@ def test_topk_prompt_logprobs_are_the_likeliest_tokens(live: LiveService) -> Non
         assert out.prompt_logprobs[i] == pytest.approx(float(full[i - 1][tokens[i]]), abs=2e-5)
 
 
-def test_a_model_of_another_base_model_is_refused(live: LiveService) -> None:
-    """An API may list base models this engine does not hold (several engines on one database): the engine refuses
-    such a model rather than training it on the wrong weights."""
+def test_work_on_another_base_model_waits_for_its_own_engine(live: LiveService) -> None:
+    """An API may list base models this engine does not hold (several engines on one database): this engine leaves
+    their requests alone, and the API tells their clients that no engine of that base model runs."""
+    import httpx
     from tinker import types as t
 
     from trainer.service import auth, protocol
 
-    key_row, _ = auth.create_key(live.store, "other")
+    key_row, key = auth.create_key(live.store, "other")
     session = live.store.create_session(key_row.id)
     model = live.store.create_model(key_row.id, session.id, 0, "acme/other-model", {"rank": 4})
     request = t.CreateModelRequest(session_id=session.id, model_seq_id=0, base_model="acme/other-model",
                                    lora_config=t.LoraConfig(rank=4))
-    body = protocol.canonical_json(request)
-    row = live.store.submit(key_row.id, protocol.CREATE_MODEL, body, model_id=model.id, seq_id=0)
-    done = live.store.wait(key_row.id, row.request_id, 60)
-    assert done.status == "failed" and done.error_category == "user"
-    assert "'acme/other-model' is not served by this engine (it serves 'tiny/random')" in (done.error_message or "")
+    row = live.store.submit(key_row.id, protocol.CREATE_MODEL, protocol.canonical_json(request), model_id=model.id,
+                            seq_id=0)
+    answer = httpx.post(f"{live.url}/api/v1/retrieve_future", json={"request_id": row.request_id},
+                        headers={"X-API-Key": key}, timeout=30).json()
+    assert answer["type"] == "try_again" and answer["queue_state"] == "paused_capacity"
+    assert "no engine is running for base model acme/other-model" in answer["queue_state_reason"]
+    assert live.store.get_request(key_row.id, row.request_id).status == "queued"  # not taken, not failed
+    # Its own base model's work is served meanwhile, and the engine still refuses a foreign model it is handed.
+    assert live.client().create_lora_training_client(base_model=BASE, rank=2).result()
+    with pytest.raises(UserError, match="'acme/other-model' is not served by this engine"):
+        live.engine._served("acme/other-model")
 
 
 def test_a_failed_snapshot_runs_the_step_again_on_the_rebuilt_model(live: LiveService) -> None:

@@ -292,13 +292,14 @@ class Engine:
         if now - self._last_housekeeping > 5.0:
             self._last_housekeeping = now
             self.housekeeping()
-        rows = self.store.claim(self.worker_id, max_batch=64)
+        base_model = self.service.base_model
+        rows = self.store.claim(self.worker_id, max_batch=64, base_model=base_model)
         if not rows:
             return False
         if rows[0].kind in FWD_KINDS:
             budget = 8 * max(1, self.service.max_batch_tokens // self.service.min_bucket)
             while len(rows) < budget:
-                more = self.store.claim(self.worker_id, kinds=FWD_KINDS, max_batch=64)
+                more = self.store.claim(self.worker_id, kinds=FWD_KINDS, max_batch=64, base_model=base_model)
                 if not more:
                     break
                 rows += more

@@ -850,8 +850,12 @@ class Store:
         *,
         kinds: Collection[str] | None = None,
         max_batch: int = 1,
+        base_model: str | None = None,
     ) -> list[Request]:
         """Mark the next runnable request running for this worker and return it ([] when nothing is runnable).
+
+        With base_model, only requests on that base model (their model's or their sampler's) and those on none: an
+        engine serves one base model, and an API may list several, each with its own engine.
 
         Runnable: queued, and either unordered (no model or no seq_id) or its model's next seq_id. Oldest first.
         With max_batch > 1 the batch grows with further requests of the same kind that are runnable once the first
@@ -873,6 +877,8 @@ class Store:
             )
             if kinds is not None:
                 q = q.where(Request.kind.in_(list(kinds)))
+            if base_model is not None:
+                q = self._on_base_model(q, base_model)
             if not self.is_sqlite:
                 q = q.with_for_update(of=Request, skip_locked=True)
             first = s.scalars(q).first()
@@ -880,7 +886,7 @@ class Store:
                 return []
             batch = [first]
             if max_batch > 1:
-                batch += self._batch_after(s, first, max_batch - 1)
+                batch += self._batch_after(s, first, max_batch - 1, base_model)
             now = utcnow()
             for row in batch:
                 row.status, row.worker_id, row.started_at, row.attempts = RUNNING, worker_id, now, row.attempts + 1
@@ -888,7 +894,18 @@ class Store:
                 worker.heartbeat_at = now
         return batch
 
-    def _batch_after(self, s: Session, first: Request, more: int) -> list[Request]:
+    @staticmethod
+    def _on_base_model(q: Select[Any], base_model: str) -> Select[Any]:
+        """Requests of q (joined with Model) on `base_model`, or on no base model at all (e.g. a file deletion)."""
+        sampler_base = select(SamplingSession.base_model).where(
+            SamplingSession.id == Request.sampling_session_id).scalar_subquery()
+        return q.where(or_(
+            Model.base_model == base_model,
+            Request.model_id.is_(None) & Request.sampling_session_id.is_(None),
+            Request.model_id.is_(None) & (sampler_base == base_model),
+        ))
+
+    def _batch_after(self, s: Session, first: Request, more: int, base_model: str | None = None) -> list[Request]:
         base = select(Request).where(Request.status == QUEUED, Request.kind == first.kind)
         if first.ordered:
             q = base.where(
@@ -905,7 +922,12 @@ class Store:
                 expected += 1
             return taken
         q = base.where(or_(Request.model_id.is_(None), Request.seq_id.is_(None)), Request.id > first.id)
-        return list(s.scalars(self._lock(q.order_by(Request.id).limit(more), skip_locked=True)))
+        q = q.order_by(Request.id).limit(more)
+        if base_model is not None:
+            q = self._on_base_model(q.outerjoin(Model, Request.model_id == Model.id), base_model)
+            # PostgreSQL locks no row of the nullable side of an outer join: lock the requests only.
+            return list(s.scalars(q if self.is_sqlite else q.with_for_update(of=Request, skip_locked=True)))
+        return list(s.scalars(self._lock(q, skip_locked=True)))
 
     def complete(self, request_id: str, result: bytes, *, worker_id: str, state: StateUpdate | None = None) -> Request:
         """Done, with its result; `state` (the model's state after it) is committed in the same transaction."""
