@@ -11,8 +11,10 @@ import pulumi
 import pulumi_gcp as gcp
 
 from infra.config import EnvironmentSpec
+from infra.iam import workload_principal
 from infra.storage import CHECKPOINT_ROLE
 from trainer.service.store import CLOUDSQL_OWNER_ROLE as OWNER_ROLE
+from workloads.service import engine_on_host_network
 
 SERVICE_NETWORKING = "servicenetworking.googleapis.com"
 # What the Cloud SQL Python Connector needs on the instance (roles/cloudsql.client: cloudsql.instances.connect and
@@ -38,7 +40,7 @@ SA_SUFFIX = ".gserviceaccount.com"
 class ServiceDatabaseArgs:
     spec: EnvironmentSpec
     network: pulumi.Input[str]  # the environment's VPC (its id): private services access and the private IP
-    project_number: pulumi.Input[str]  # kept for the interface; the grants here name the project by its id
+    project_number: pulumi.Input[str]  # the KSA principals' pool is named by the project's number
     # The checkpoint bucket's name; pass the Storage component's bucket.name so the engine's grant waits for the
     # bucket. The spec's name (the same string, no dependency) when unset.
     bucket: pulumi.Input[str] | None = None
@@ -203,15 +205,25 @@ class ServiceDatabase(pulumi.ComponentResource):
             self.accounts[role] = gsa.email
             self.users[role] = user.name
             if role == "engine":
-                # The engine pods read and write the users' adapters and optimizer state in the checkpoint bucket
-                # through GCS FUSE as this account; the API never touches the bucket.
-                gcp.storage.BucketIAMMember(
-                    f"{name}-engine-object-user", bucket=args.bucket or spec.bucket_name, role=CHECKPOINT_ROLE,
-                    member=member, opts=child)
-                # And each model's state snapshot in the service's state bucket (service.state_dir).
-                gcp.storage.BucketIAMMember(
-                    f"{name}-engine-state-user", bucket=args.state_bucket or spec.service_state_bucket,
-                    role=CHECKPOINT_ROLE, member=member, opts=child)
+                # The engine's pods read and write the users' adapters and optimizer state in the checkpoint bucket,
+                # and each model's snapshot in the state bucket (service.state_dir), through GCS FUSE; the API never
+                # touches a bucket. Who GCS sees depends on the pod's network. On the pod network the CSI driver
+                # impersonates the account its KSA names (gcs-fuse-csi-driver pkg/cloud_provider/auth/
+                # token_sources.go fetchGCPSAToken): this one. On the host network (a multi-host slice without
+                # DRANET) the sidecar uses the KSA's own federated token and impersonates nobody (Token(): "if
+                # fetchTokenfromFile is set ... we skip the check"): the KSA's principal. The staging Job runs on
+                # the pod network, so the account is granted always, the principal where the engine needs it.
+                members = {"": member}
+                if engine_on_host_network(spec):
+                    members["-ksa"] = workload_principal(args.project_number, spec.project, spec.queues.namespace,
+                                                         ksas[role])
+                for suffix, who in members.items():
+                    gcp.storage.BucketIAMMember(
+                        f"{name}-engine{suffix}-object-user", bucket=args.bucket or spec.bucket_name,
+                        role=CHECKPOINT_ROLE, member=who, opts=child)
+                    gcp.storage.BucketIAMMember(
+                        f"{name}-engine{suffix}-state-user", bucket=args.state_bucket or spec.service_state_bucket,
+                        role=CHECKPOINT_ROLE, member=who, opts=child)
         self.owner_role = OWNER_ROLE
         # What the connector dials; built from the inputs so it is known at preview (Cloud SQL's connectionName).
         self.connection_name = pulumi.Output.concat(spec.project, ":", spec.region, ":", self.instance.name)

@@ -91,7 +91,8 @@ def _container(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[st
         ],
         "resources": job_resources(job.group, refs),
         "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": volume_mounts() + [{"name": name, "mountPath": path} for name, _, path in job.buckets],
+        "volumeMounts": (volume_mounts() + [{"name": name, "mountPath": path} for name, _, path in job.buckets]
+                         + [mount for _, mount in job.volumes]),
     })
     return container
 

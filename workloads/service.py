@@ -24,12 +24,18 @@ store, and they run when the engine is back.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from infra.config import NAMESPACE, ConfigError, EnvironmentSpec, ServiceSpec, SliceGroupSpec
-from trainer.service.store import CLOUDSQL_DATABASE_ENV, CLOUDSQL_INSTANCE_ENV, CLOUDSQL_USER_ENV
+from trainer.service.store import (
+    CLOUDSQL_CREDENTIALS_ENV,
+    CLOUDSQL_DATABASE_ENV,
+    CLOUDSQL_INSTANCE_ENV,
+    CLOUDSQL_USER_ENV,
+)
 from workloads import core, stage
 from workloads import labels as L
 from workloads.jobset import tpu_jobset
@@ -185,6 +191,49 @@ def db_env(refs: ServiceRefs, role: str) -> list[dict[str, Any]]:
             {"name": CLOUDSQL_DATABASE_ENV, "value": refs.database}]
 
 
+# The engine's Kubernetes service account token for Google's Security Token Service (its audience is the cluster's
+# workload identity pool), projected into its pods, and where.
+KSA_TOKEN_DIR = "/var/run/secrets/gke-tpu-rl/ksa"
+KSA_TOKEN_FILE = "token"
+STS_URL = "https://sts.googleapis.com/v1/token"
+IAM_CREDENTIALS_URL = "https://iamcredentials.googleapis.com/v1/projects/-/serviceAccounts/{}:generateAccessToken"
+
+
+def engine_on_host_network(spec: EnvironmentSpec) -> bool:
+    """Whether the engine's pods run on the host network: a multi-host slice without DRANET NICs, as a trainer JobSet
+    of that shape does (workloads/jobset.py host_network)."""
+    group = _group(spec)
+    return group.shape.multi_host and not spec.dranet_networks_for(group)
+
+
+def engine_credentials(spec: EnvironmentSpec) -> dict[str, Any]:
+    """The engine's Google identity as a google-auth credential configuration (external_account, identity_pool).
+
+    Its pods run on the host network on a multi-host slice without DRANET, where the GKE metadata server cannot tell
+    a pod from its node (the "restrictions of Workload Identity Federation for GKE" gcs-fuse-csi-driver's
+    docs/authentication.md cites) and Application Default Credentials would be the node's account. So the pod
+    exchanges its own service account token, projected with the pool as audience, at STS for a federated token
+    (audience identitynamespace:<pool>:<the cluster's identity provider>, as gcs-fuse-csi-driver does for host-network
+    pods: pkg/cloud_provider/auth/token_sources.go FetchIdentityBindingToken), and impersonates the engine's Google
+    service account with it (roles/iam.workloadIdentityUser, infra/database.py), the account Cloud SQL knows as an
+    IAM user. The same works on the pod network, so the engine always uses it."""
+    pool = f"{spec.project}.svc.id.goog"
+    provider = f"https://container.googleapis.com/v1/projects/{spec.project}/locations/{spec.zone}/clusters/" \
+               f"{spec.cluster_name}"
+    email = f"{spec.service_gcp_accounts['engine']}@{spec.project}.iam.gserviceaccount.com"
+    return {"type": "external_account", "audience": f"identitynamespace:{pool}:{provider}",
+            "subject_token_type": "urn:ietf:params:oauth:token-type:jwt", "token_url": STS_URL,
+            "credential_source": {"file": f"{KSA_TOKEN_DIR}/{KSA_TOKEN_FILE}"},
+            "service_account_impersonation_url": IAM_CREDENTIALS_URL.format(email)}
+
+
+def ksa_token_volume(spec: EnvironmentSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The projected token engine_credentials reads (the kubelet refreshes it before it expires)."""
+    volume = {"name": "ksa-token", "projected": {"sources": [{"serviceAccountToken": {
+        "audience": f"{spec.project}.svc.id.goog", "expirationSeconds": 3600, "path": KSA_TOKEN_FILE}}]}}
+    return volume, {"name": "ksa-token", "mountPath": KSA_TOKEN_DIR, "readOnly": True}
+
+
 def _tpu_refs(spec: EnvironmentSpec, refs: ServiceRefs, *, hf: bool = False) -> TrainerRefs:
     """The trainer-pod refs of the engine's pods (and its staging Job's: with `hf`, the token)."""
     return TrainerRefs(image=refs.image, bucket=refs.bucket, service_account=spec.service_engine_name,
@@ -200,8 +249,10 @@ def engine_job(spec: EnvironmentSpec, refs: ServiceRefs) -> TpuJob:
                   priority=svc.priority, max_restarts=svc.max_restarts,
                   termination_grace_seconds=svc.termination_grace_seconds, checkpoint_dir=service_dir(spec), slices=1,
                   container="engine", command=ENGINE_COMMAND, args=tuple(engine_args(spec)),
-                  env=tuple(db_env(refs, "engine")),
-                  buckets=(("service-state", spec.service_state_bucket, STATE_MOUNT),))
+                  env=(*db_env(refs, "engine"),
+                       {"name": CLOUDSQL_CREDENTIALS_ENV, "value": json.dumps(engine_credentials(spec))}),
+                  buckets=(("service-state", spec.service_state_bucket, STATE_MOUNT),),
+                  volumes=(ksa_token_volume(spec),))
 
 
 def engine_jobset(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:

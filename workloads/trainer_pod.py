@@ -73,6 +73,8 @@ class TpuJob:
     env: tuple[dict[str, Any], ...] = ()  # beyond the env contract (workloads/jobset.py job_env)
     # Further buckets mounted through GCS FUSE as the checkpoint bucket is: (volume name, bucket name, mount path).
     buckets: tuple[tuple[str, str, str], ...] = ()
+    # Further volumes of the pod, each with its mount in the container: (volume, volumeMount).
+    volumes: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ()
 
 
 def trainer_group(spec: EnvironmentSpec) -> SliceGroupSpec:
@@ -193,6 +195,7 @@ def job_pod(job: TpuJob, refs: TrainerRefs, container: dict[str, Any], *, host_n
     group = job.group
     vols = volumes(refs, host_network=host_network)
     vols += [bucket_volume(name, bucket, host_network=host_network) for name, bucket, _ in job.buckets]
+    vols += [volume for volume, _ in job.volumes]
     pod = pod_base(job.service_account, job.termination_grace_seconds, [container], vols)
     if host_network:
         pod["hostNetwork"] = True

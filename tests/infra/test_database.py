@@ -166,8 +166,13 @@ def test_the_connector_roles_are_granted_on_the_one_instance_only(plan: PlanResu
 def test_the_buckets_are_granted_to_the_engine_alone(plan: PlanResult) -> None:
     """The checkpoint bucket (the users' checkpoints) and the state bucket (each model's snapshot)."""
     engine = "serviceAccount:tinker-tinker-eng@acme-rl-tinker.iam.gserviceaccount.com"
+    # tinker's engine runs on the host network (4 hosts, no DRANET): GCS FUSE's sidecar uses its KSA's own token.
+    ksa = ("principal://iam.googleapis.com/projects/123456789012/locations/global/workloadIdentityPools/"
+           "acme-rl-tinker.svc.id.goog/subject/ns/rl/sa/tinker-engine")
     assert sorted((g.inputs["bucket"], g.inputs["role"], g.inputs["member"]) for g in plan.of_type(BUCKET_MEMBER)) == [
+        ("acme-rl-tinker-tinker-checkpoints", "roles/storage.objectUser", ksa),
         ("acme-rl-tinker-tinker-checkpoints", "roles/storage.objectUser", engine),
+        ("acme-rl-tinker-tinker-tinker-state", "roles/storage.objectUser", ksa),
         ("acme-rl-tinker-tinker-tinker-state", "roles/storage.objectUser", engine)]
 
 

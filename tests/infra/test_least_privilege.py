@@ -13,6 +13,8 @@ from infra.iam import NODE_ROLES
 from infra.mockrun import SECRET_MASK, PlanResult
 from infra.plan import kubernetes_objects
 from tests.infra.conftest import ENVIRONMENTS
+from trainer.service.store import CLOUDSQL_CREDENTIALS_ENV
+from workloads import service
 
 WORKLOAD_PRINCIPAL = re.compile(r"^principal(Set)?://iam\.googleapis\.com/.*/workloadIdentityPools/")
 SECRETISH = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE_?KEY", re.I)
@@ -70,9 +72,11 @@ def test_identities_hold_only_what_they_need(plans: dict[str, PlanResult], env: 
         if spec.trainer.launcher == "ray":
             expected.add((spec.bucket_name, spec.ray_head_service_account, "roles/storage.objectViewer"))
     if spec.service is not None:
-        engine = f"serviceAccount:{spec.service_gcp_accounts['engine']}@{spec.project}.iam.gserviceaccount.com"
-        expected |= {(spec.bucket_name, engine, "roles/storage.objectUser"),
-                     (spec.service_state_bucket, engine, "roles/storage.objectUser")}
+        engines = {f"serviceAccount:{spec.service_gcp_accounts['engine']}@{spec.project}.iam.gserviceaccount.com"}
+        if service.engine_on_host_network(spec):  # GCS FUSE's sidecar then uses the KSA's own token
+            engines.add(spec.service_engine_name)
+        expected |= {(b, e, "roles/storage.objectUser") for b in (spec.bucket_name, spec.service_state_bucket)
+                     for e in engines}
     assert roles == expected
     assert {b for b, _, _ in roles} <= buckets
     # Registry: the nodes read; nobody else is granted anything there.
@@ -116,7 +120,13 @@ def test_pods_are_unprivileged_and_read_secrets_from_secrets(plans: dict[str, Pl
             assert ctx.get("privileged") is not True and ctx.get("allowPrivilegeEscalation") is False, c["name"]
             assert not (ctx.get("capabilities") or {}).get("add"), c["name"]
             for e in c.get("env", []):
-                if SECRETISH.search(e["name"]):
+                if e["name"] == CLOUDSQL_CREDENTIALS_ENV:
+                    # A credential configuration, not a credential: where the pod's own token is and whom it
+                    # becomes (workloads/service.py engine_credentials); no key material.
+                    config = json.loads(e["value"])
+                    assert config["type"] == "external_account" and set(config["credential_source"]) == {"file"}
+                    assert not {"private_key", "client_secret", "refresh_token"} & set(config), config
+                elif SECRETISH.search(e["name"]):
                     assert "value" not in e and "secretKeyRef" in e.get("valueFrom", {}), e["name"]
         # The host network only where a JobSet's TPU hosts must reach each other without DRANET (workloads/jobset.py
         # says why): the trainer's, or the service engine's; Ray pods and CPU pods stay on the pod network.

@@ -150,12 +150,14 @@ def _masked_pod(pod: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(pod)
     for key in ("serviceAccountName", "terminationGracePeriodSeconds"):
         out.pop(key)
-    # The engine's state bucket, mounted as the checkpoint bucket is (checked on its own below).
-    out["volumes"] = [v for v in out["volumes"] if v["name"] != "service-state"]
+    # The engine's state bucket, mounted as the checkpoint bucket is, and its projected token (checked on their own
+    # below).
+    own = ("service-state", "ksa-token")
+    out["volumes"] = [v for v in out["volumes"] if v["name"] not in own]
     for c in out["containers"]:
         for key in ("command", "args", "env", "name"):
             c.pop(key, None)
-        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "service-state"]
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] not in own]
     return out
 
 
@@ -187,6 +189,7 @@ def test_engine_pods_are_the_trainers_pods_but_for_the_process(case: str) -> Non
                                                 "bucketName": spec.service_state_bucket}
     assert {"name": "service-state", "mountPath": service.STATE_MOUNT} in pod["containers"][0]["volumeMounts"]
     assert f"service.state_dir={service.STATE_MOUNT}" in pod["containers"][0]["args"]
+    assert pod.get("hostNetwork", False) is service.engine_on_host_network(spec)  # what the bucket grants follow
     # What differs is what it should be: the engine's own account, grace, restarts, priority and name.
     svc = spec.service
     assert svc is not None

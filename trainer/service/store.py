@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import os
 import re
 import socket
@@ -80,6 +81,10 @@ CLOUDSQL_DATABASE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_DATABASE"
 # Another SQL Admin API endpoint and IP type (tests run the connector against a local stand-in of the API).
 CLOUDSQL_ADMIN_ENDPOINT_ENV: Final = "GKE_TPU_RL_CLOUDSQL_ADMIN_ENDPOINT"
 CLOUDSQL_IP_TYPE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_IP_TYPE"
+# A google-auth credential configuration (JSON) the connector authenticates with instead of Application Default
+# Credentials: what a pod on the host network needs, where the GKE metadata server cannot tell the pod from its node
+# and would hand out the node's identity (the stack's engine pods on a multi-host slice without DRANET).
+CLOUDSQL_CREDENTIALS_ENV: Final = "GKE_TPU_RL_CLOUDSQL_CREDENTIALS"
 # The role that owns the tables on Cloud SQL: the API's and the engine's IAM users are both members of it (the stack
 # grants it, infra/database.py), and a table belongs to whoever creates it, so each creates as this role, or the other
 # would be refused the tables it did not create.
@@ -372,6 +377,7 @@ class CloudSqlSettings:
     ip_type: str = "PRIVATE"
     admin_endpoint: str | None = None
     owner_role: str = CLOUDSQL_OWNER_ROLE
+    credentials: str | None = None  # a google-auth credential configuration (JSON); None: ADC
 
 
 def cloudsql_settings() -> CloudSqlSettings | None:
@@ -387,7 +393,8 @@ def cloudsql_settings() -> CloudSqlSettings | None:
                          "PROJECT:REGION:INSTANCE")
     return CloudSqlSettings(instance, os.environ[CLOUDSQL_USER_ENV], os.environ[CLOUDSQL_DATABASE_ENV],
                             os.environ.get(CLOUDSQL_IP_TYPE_ENV, "PRIVATE"),
-                            os.environ.get(CLOUDSQL_ADMIN_ENDPOINT_ENV) or None)
+                            os.environ.get(CLOUDSQL_ADMIN_ENDPOINT_ENV) or None,
+                            credentials=os.environ.get(CLOUDSQL_CREDENTIALS_ENV) or None)
 
 
 def default_data_dir() -> Path:
@@ -520,10 +527,15 @@ class Store:
         assert cs is not None
         with self._connector_lock:
             if self._connector is None:
+                credentials = None
+                if cs.credentials is not None:
+                    import google.auth
+
+                    credentials, _ = google.auth.load_credentials_from_dict(json.loads(cs.credentials))
                 # lazy: refresh the certificate when a connection needs it, not from a background task (the
                 # connector's advice where CPU may be throttled between requests).
                 self._connector = Connector(ip_type=cs.ip_type, enable_iam_auth=True, refresh_strategy="lazy",
-                                            sqladmin_api_endpoint=cs.admin_endpoint)
+                                            sqladmin_api_endpoint=cs.admin_endpoint, credentials=credentials)
         return self._connector.connect(cs.instance, "pg8000", user=cs.user, db=cs.database)
 
     def create_schema(self) -> None:
