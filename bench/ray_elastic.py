@@ -32,9 +32,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from trainer.metrics import CLOCK_KEYS  # wall-clock fields of a metrics record
+
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = {"slice": 1}
-CLOCK = {"step_time_s", "tokens_per_s"}  # wall-clock fields of a metrics record
 CLOSE_KEYS = ("loss", "pg_loss", "entropy", "grad_norm", "ratio")
 EXACT_KEYS = ("reward_mean", "reward_std", "completion_len")
 # The demo config, small: 1-2 slices x 2 x 2 (tensor 2) on 4 CPU devices per worker.
@@ -182,7 +183,8 @@ def compare(ray_run: Path, reference: Path, history: list[dict[str, Any]]) -> di
     first_differing = first_other_samples = None
     for rec in final:
         other = ref[rec["step"]]
-        bitwise = {k: v for k, v in rec.items() if k not in CLOCK} == {k: v for k, v in other.items() if k not in CLOCK}
+        bitwise = ({k: v for k, v in rec.items() if k not in CLOCK_KEYS}
+                   == {k: v for k, v in other.items() if k not in CLOCK_KEYS})
         samples = all(rec[k] == other[k] for k in EXACT_KEYS)
         if not bitwise and first_differing is None:
             first_differing = rec["step"]

@@ -1,4 +1,5 @@
-"""Per-step metrics: JSONL in the run folder, a rich progress bar, and a PNG plot at the end (process 0 only)."""
+"""Per-step metrics: JSONL and TensorBoard event files in the run folder, a rich progress bar, and a PNG plot at the
+end (process 0 only)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
+# Where each step's time goes (train.py): keys of the record, seconds, in the order they happen.
+PHASES = ("sample", "score", "reference", "update", "checkpoint")
+
+
+def phase_key(phase: str) -> str:
+    return f"time/{phase}_s"
+
+
+# The record's wall-clock fields: everything else of a step is determined by the seed (resume is exact).
+CLOCK_KEYS = frozenset({"step_time_s", "tokens_per_s", *(phase_key(p) for p in PHASES)})
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -37,6 +48,16 @@ class MetricsLogger:
         self.log_every = log_every
         self.path = Path(run_dir) / METRICS_FILE
         self.console = Console(stderr=False)
+        self._board: Any = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            # purge_step: on a resume, TensorBoard drops what an earlier writer logged from this step on (the steps
+            # redone after the last checkpoint), as truncate_metrics does for the JSONL. The suffix keeps a writer
+            # started in the same second as the last one (its file is named by the second and the host) from
+            # overwriting that file, and sorts the two in order.
+            self._board = SummaryWriter(str(run_dir), purge_step=start_step if start_step else None,
+                                        filename_suffix=f".step{start_step:09d}")
         self._progress: Progress | None = None
         if enabled and progress and self.console.is_terminal:
             self._progress = Progress(
@@ -56,8 +77,15 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self._board.add_scalar(key, value, record["step"])
+            self._board.flush()
+        phases = "/".join(f"{record[phase_key(p)]:.1f}" for p in PHASES if phase_key(p) in record)
         info = (f"reward {record['reward_mean']:.3f}  loss {record['loss']:+.4f}  "
-                f"len {record['completion_len']:.1f}  {record['tokens_per_s']:.0f} tok/s")
+                f"len {record['completion_len']:.1f}  {record['tokens_per_s']:.0f} tok/s"
+                + (f"  {'/'.join(p[:3] for p in PHASES if phase_key(p) in record)} {phases}s" if phases else ""))
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"] + 1, info=info)
         elif record["step"] % self.log_every == 0:
@@ -67,6 +95,9 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
 
 
 def _finite(xs: list[Any]) -> list[float]:

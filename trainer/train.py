@@ -29,7 +29,7 @@ from trainer.batch import from_rows, process_rows, read_local_rows, replicate
 from trainer.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
 from trainer.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
 from trainer.distributed import ENV_CHECKPOINT_DIR
-from trainer.metrics import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics, truncate_metrics
+from trainer.metrics import PLOT_FILE, MetricsLogger, phase_key, plot_metrics, read_metrics, truncate_metrics
 from trainer.sampler import Samples
 from trainer.sharding import make_mesh, replicated
 from trainer.step import build_programs
@@ -185,7 +185,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             with jax.set_mesh(mesh):
                 samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)),
                                           *slot)
+            # Each phase is waited for, so its time is its own (a few ms of dispatch are no longer overlapped).
+            times = {"sample": _waited(samples, t0)}
+            t = time.perf_counter()
             scores, completions = _score(data, examples, samples, rows)
+            times["score"] = time.perf_counter() - t
             rewards = from_rows(mesh, rows, scores, (B, R))
             preview = [(examples[r // G].prompt, c) for r, c in zip(rows[::G], completions[::G], strict=True)][:4]
             batch = {"prompt": prompt, "prompt_valid": prompt_valid, "completion": samples.tokens_BN,
@@ -194,19 +198,25 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
                 batch["slot"] = slot[0]
             with jax.set_mesh(mesh):
                 ref_logp = None
+                t = time.perf_counter()
                 if cfg.rl.kl_beta > 0:
                     ref_logp = programs.ref_logprobs(params if lcfg is not None else ref_params, batch)
+                    times["reference"] = _waited(ref_logp, t)
+                t = time.perf_counter()
                 params, opt_state, m = programs.update(params, opt_state, batch, ref_logp)
             m = jax.device_get(m)
+            times["update"] = time.perf_counter() - t
             dt = time.perf_counter() - t0
-            record = _record(step, m, data.reward_names, dt)
+            meta = Meta(step + 1, (step + 1) * cfg.rl.prompts_per_step, [int(x) for x in key_data])
+            leaving = stop.agreed() or (stop_after is not None and step + 1 >= stop_after)
+            t = time.perf_counter()
+            if leaving or step + 1 == cfg.steps or ckpt.due(step + 1):
+                ckpt.save(train_state(params, opt_state), meta)
+            times["checkpoint"] = time.perf_counter() - t  # its start only when saves are asynchronous
+            record = _record(step, m, data.reward_names, dt, times)
             records.append(record)
             logger.log(record)
             step += 1
-            meta = Meta(step, step * cfg.rl.prompts_per_step, [int(x) for x in key_data])
-            leaving = stop.agreed() or (stop_after is not None and step >= stop_after)
-            if leaving or step == cfg.steps or ckpt.due(step):
-                ckpt.save(train_state(params, opt_state), meta)
             if on_step is not None:
                 on_step(record)
             if leaving and step < cfg.steps:
@@ -274,7 +284,14 @@ def _score(data: TaskData, examples: dict[int, Any], samples: Samples, rows: lis
     return np.stack([np.asarray(scores[n], np.float32) for n in data.reward_names], axis=1), completions
 
 
-def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float) -> dict[str, Any]:
+def _waited(out: Any, since: float) -> float:
+    """Seconds from `since` until `out` is computed."""
+    jax.block_until_ready(out)
+    return time.perf_counter() - since
+
+
+def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float,
+            times: dict[str, float] | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "step": step,
         "reward_mean": float(m["reward_mean"]),
@@ -286,7 +303,9 @@ def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: flo
     for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len"):
         rec[k] = float(m[k])
     rec["tokens_per_s"] = float(m["tokens"]) / dt
-    rec["step_time_s"] = dt
+    rec["step_time_s"] = dt  # sample to update; the checkpoint's time is its own key
+    for phase, seconds in (times or {}).items():
+        rec[phase_key(phase)] = seconds
     return rec
 
 

@@ -22,7 +22,7 @@ from trainer import cli
 from trainer import model as M
 from trainer.checkpoint import COMMIT_MARKER, Checkpointer, NoUsableCheckpoint, abstract_like
 from trainer.config import config_from_dict, resolve_mesh
-from trainer.metrics import read_metrics
+from trainer.metrics import CLOCK_KEYS, read_metrics
 from trainer.sharding import make_mesh
 from trainer.step import build_programs
 from trainer.train import train
@@ -31,7 +31,6 @@ from .conftest import tiny_train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
-CLOCK = {"step_time_s", "tokens_per_s"}
 
 
 def _cfg_dict(run_dir: Path, **top: object) -> dict:
@@ -152,7 +151,7 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(
     assert f"moved to {ckpt / '4.damaged'}" in err and "resuming from checkpoint step 3 (damaged step 4 skipped)" in err
     assert [r["step"] for r in resumed.records] == [3, 4]
     _same(runs["straight"].params, resumed.params)
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK} for r in rs]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
     assert strip(read_metrics(run)) == strip(runs["straight"].records)
     # Kept for inspection, and out of the way: step 4 was saved again, so the next resume starts there.
     assert _steps(ckpt) == ["3", "4", "4.damaged", "5"]
@@ -254,5 +253,5 @@ def test_processes_agree_when_only_one_of_them_cannot_read_the_newest_step(
     assert "checkpoint step 3" in out and "is damaged (unreadable on process(es) [1])" in out, out[-3000:]
     assert "resuming from checkpoint step 2 (damaged step 3 skipped)" in out
     assert _steps(ckpt) == ["1", "2", "3", "3.damaged"]
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK} for r in rs]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
     assert strip(read_metrics(run)) == strip(before)  # step 2 again, with the same result

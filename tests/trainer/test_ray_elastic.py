@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from trainer.config import config_from_dict
-from trainer.metrics import read_metrics
+from trainer.metrics import CLOCK_KEYS, read_metrics
 from trainer.train import train
 
 from .test_checkpoint_damage import _restore, _target, compile_cache_env
@@ -29,7 +29,6 @@ pytest.importorskip("ray.train", reason="the Ray path needs ray[train]")
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, KILL_STEP, LOSS_STEP = 8, 2, 5
-CLOCK = {"step_time_s", "tokens_per_s"}
 
 
 def test_on_step_gets_each_step_record_in_order(tmp_path: Path, tiny_train_dict: dict) -> None:
@@ -111,7 +110,7 @@ def test_ray_run_survives_a_killed_worker_and_a_lost_slice(
     # examples with the same sampling streams, so samples and rewards are equal and the losses differ by rounding.
     final, ref = read_metrics(run), read_metrics(reference)
     assert [r["step"] for r in final] == list(range(STEPS)) == [r["step"] for r in ref]
-    strip = lambda r: {k: v for k, v in r.items() if k not in CLOCK}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if k not in CLOCK_KEYS}  # noqa: E731
     for a, b in zip(final[: resumed[1]], ref[: resumed[1]], strict=True):
         assert strip(a) == strip(b), a["step"]
     for a, b in zip(final[resumed[1]:], ref[resumed[1]:], strict=True):

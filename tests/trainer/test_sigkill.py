@@ -17,14 +17,13 @@ import pytest
 import yaml
 
 from trainer.checkpoint import COMMIT_MARKER
-from trainer.metrics import read_metrics
+from trainer.metrics import CLOCK_KEYS, read_metrics
 
 from .test_checkpoint_damage import _restore, _target, compile_cache_env
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
 KILLS = 3
-CLOCK = {"step_time_s", "tokens_per_s"}
 
 
 def _command(config: Path, run: Path) -> list[str]:
@@ -120,5 +119,5 @@ def test_sigkilled_and_resumed_run_ends_bitwise_like_an_uninterrupted_one(
     a, b = _restore(straight / "checkpoints", target, STEPS), _restore(run / "checkpoints", target, STEPS)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK} for r in rs]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
     assert strip(read_metrics(run)) == strip(read_metrics(straight))

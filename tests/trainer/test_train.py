@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 
 import jax
@@ -12,8 +13,29 @@ import yaml
 from trainer import model as M
 from trainer.config import ModelConfig, config_from_dict
 from trainer.hf import export_hf
-from trainer.metrics import read_metrics
+from trainer.metrics import CLOCK_KEYS, read_metrics
 from trainer.train import train
+
+
+def _board(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of a scalar in the run folder's TensorBoard event files (TFRecords of Event protos), as
+    TensorBoard reads them: files in name (= creation) order, a SessionLog START (what a writer's purge_step writes
+    first) dropping the values logged before it at or after its step."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[int, float] = {}
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (length,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event.FromString(data[i + 12:i + 12 + length])
+            i += 12 + length + 4  # length, its crc, the record, its crc
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                out = {s: v for s, v in out.items() if s < event.step}
+            for value in event.summary.value:
+                if value.tag == tag:
+                    out[event.step] = value.simple_value
+    return sorted(out.items())
 
 
 def _cfg(d: dict, run_dir: Path, **top: object) -> object:
@@ -33,9 +55,11 @@ def test_resume_is_bitwise_exact(tmp_path: Path, tiny_train_dict: dict) -> None:
     for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The logged history is identical too (minus wall-clock fields).
-    clock = {"step_time_s", "tokens_per_s"}
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in clock} for r in rs]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
     assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "b"))
+    # TensorBoard sees the one history across the two writers (the resumed one purges from its start step on).
+    history = read_metrics(tmp_path / "b")
+    assert _board(tmp_path / "b", "loss") == [(r["step"], pytest.approx(r["loss"])) for r in history]
     # And training did something: params moved away from the step-0 init.
     assert any(r["grad_norm"] > 0 for r in read_metrics(tmp_path / "a"))
 
@@ -62,6 +86,14 @@ def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tin
     for key in ("reward_mean", "reward_std", "reward/char_match", "loss", "kl", "clip_frac", "entropy",
                 "completion_len", "tokens_per_s", "step_time_s"):
         assert all(math.isfinite(r[key]) for r in records), key
+    # Where the time went: each phase (the reference pass with the KL term on), within the step's time.
+    for r in records:
+        phases = [r[f"time/{p}_s"] for p in ("sample", "score", "reference", "update")]
+        assert all(t > 0 for t in phases) and sum(phases) <= r["step_time_s"] and r["time/checkpoint_s"] >= 0
+    assert records[1]["time/checkpoint_s"] > 0  # the last step saves
+    # The run folder opens in TensorBoard: every number of the JSONL, per step.
+    assert _board(run_dir, "loss") == [(0, pytest.approx(records[0]["loss"])), (1, pytest.approx(records[1]["loss"]))]
+    assert [step for step, _ in _board(run_dir, "time/update_s")] == [0, 1]
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert records[1]["kl"] > 0
     assert (run_dir / "metrics.png").stat().st_size > 1000
