@@ -300,7 +300,8 @@ def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: flo
     for i, name in enumerate(reward_names):
         rec[f"reward/{name}"] = float(m["rewards_mean_R"][i])
         rec[f"reward/{name}_std"] = float(m["rewards_std_R"][i])
-    for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len"):
+    for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len",
+              "slot_efficiency"):
         rec[k] = float(m[k])
     rec["tokens_per_s"] = float(m["tokens"]) / dt
     rec["step_time_s"] = dt  # sample to update; the checkpoint's time is its own key

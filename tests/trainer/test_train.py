@@ -6,6 +6,7 @@ import struct
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -91,6 +92,7 @@ def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tin
         phases = [r[f"time/{p}_s"] for p in ("sample", "score", "reference", "update")]
         assert all(t > 0 for t in phases) and sum(phases) <= r["step_time_s"] and r["time/checkpoint_s"] >= 0
     assert records[1]["time/checkpoint_s"] > 0  # the last step saves
+    assert all(0 < r["slot_efficiency"] <= 1 for r in records)
     # The run folder opens in TensorBoard: every number of the JSONL, per step.
     assert _board(run_dir, "loss") == [(0, pytest.approx(records[0]["loss"])), (1, pytest.approx(records[1]["loss"]))]
     assert [step for step, _ in _board(run_dir, "time/update_s")] == [0, 1]
@@ -100,3 +102,14 @@ def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tin
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 2 and "reward_start" in summary
     assert result.params["embed"].sharding.mesh.devices.size == 4
+
+
+def test_slot_efficiency_counts_each_chunks_longest_row() -> None:
+    """The sampler decodes a chunk until its longest row ends: row-steps spent = its longest x its rows."""
+    from trainer.step import slot_efficiency
+
+    lengths = jnp.asarray([1, 4, 2, 2], jnp.int32)
+    assert float(slot_efficiency(lengths, None)) == pytest.approx(9 / (4 * 4))
+    # Two chunks of two (rows 0, 2 and rows 1, 3: trainer.sharding.split_strided): 2 x 2 + 4 x 2 row-steps.
+    assert float(slot_efficiency(lengths, 2)) == pytest.approx(9 / (2 * 2 + 4 * 2))
+    assert float(slot_efficiency(jnp.zeros(4, jnp.int32), None)) == 0.0
