@@ -22,6 +22,16 @@ def phase_key(phase: str) -> str:
     return f"time/{phase}_s"
 
 
+def slot_efficiency(len_B: np.ndarray, chunk_rows: int) -> float:
+    """Generated tokens / (decode steps x rows decoding): the share of the sampler's row-steps that produced a token.
+    The sampler decodes each chunk of `chunk_rows` rows (rows k, k + n, ... of n chunks: trainer/sampler.py,
+    trainer.sharding.split_strided) until its longest row is done, so a chunk costs its longest completion times its
+    rows. Computed on the host, so no compiled program depends on the chunking."""
+    len_B = np.asarray(len_B)
+    longest_n = len_B.reshape(chunk_rows, len_B.shape[0] // chunk_rows).max(axis=0)  # column k: chunk k's rows
+    return float(len_B.sum() / max(int(longest_n.sum()) * chunk_rows, 1))
+
+
 # The record's wall-clock fields: everything else of a step is determined by the seed (resume is exact).
 CLOCK_KEYS = frozenset({"step_time_s", "tokens_per_s", *(phase_key(p) for p in PHASES)})
 

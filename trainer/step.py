@@ -66,16 +66,6 @@ class Programs:
     init_lora: Any = None  # key -> a fresh adapter stack (lora only; for a base imported from Hugging Face)
 
 
-def slot_efficiency(len_B: jax.Array, max_num_sequences: int | None) -> jax.Array:
-    """Generated tokens / (decode steps x rows decoding): the share of the sampler's row-steps that produced a token.
-    The sampler decodes each chunk of rows (rows k, k + n, ... of n chunks; trainer/sampler.py) until its longest
-    row is done, so a chunk costs its longest completion times its rows."""
-    B = len_B.shape[0]
-    chunk = min(max_num_sequences or B, B)
-    longest_n = jnp.max(len_B.reshape(chunk, B // chunk), axis=0)  # column k: chunk k's rows
-    return jnp.sum(len_B) / jnp.maximum(jnp.sum(longest_n) * chunk, 1)
-
-
 def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
     """The programs for a resolved config (mesh axes known) on `mesh`."""
     rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
@@ -215,8 +205,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         metrics["rewards_std_R"] = jnp.std(rewards_BR, axis=0)
         len_B = jnp.sum(batch["mask"], axis=1)
         metrics["completion_len"] = jnp.mean(len_B)
+        metrics["completion_len_B"] = len_B  # the host derives the sampler's slot efficiency from it
         metrics["tokens"] = jnp.sum(batch["mask"])
-        metrics["slot_efficiency"] = slot_efficiency(len_B, sc.max_num_sequences)
         return params, opt_state, metrics
 
     batch_sh = {k: b2 for k in BATCH_KEYS} | ({"slot": b1} if lcfg is not None else {})

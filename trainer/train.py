@@ -29,7 +29,15 @@ from trainer.batch import from_rows, process_rows, read_local_rows, replicate
 from trainer.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
 from trainer.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
 from trainer.distributed import ENV_CHECKPOINT_DIR
-from trainer.metrics import PLOT_FILE, MetricsLogger, phase_key, plot_metrics, read_metrics, truncate_metrics
+from trainer.metrics import (
+    PLOT_FILE,
+    MetricsLogger,
+    phase_key,
+    plot_metrics,
+    read_metrics,
+    slot_efficiency,
+    truncate_metrics,
+)
 from trainer.sampler import Samples
 from trainer.sharding import make_mesh, replicated
 from trainer.step import build_programs
@@ -213,7 +221,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             if leaving or step + 1 == cfg.steps or ckpt.due(step + 1):
                 ckpt.save(train_state(params, opt_state), meta)
             times["checkpoint"] = time.perf_counter() - t  # its start only when saves are asynchronous
-            record = _record(step, m, data.reward_names, dt, times)
+            record = _record(step, m, data.reward_names, dt, cfg.sample_chunk_rows, times)
             records.append(record)
             logger.log(record)
             step += 1
@@ -290,7 +298,7 @@ def _waited(out: Any, since: float) -> float:
     return time.perf_counter() - since
 
 
-def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float,
+def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float, chunk_rows: int,
             times: dict[str, float] | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "step": step,
@@ -300,10 +308,10 @@ def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: flo
     for i, name in enumerate(reward_names):
         rec[f"reward/{name}"] = float(m["rewards_mean_R"][i])
         rec[f"reward/{name}_std"] = float(m["rewards_std_R"][i])
-    for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len",
-              "slot_efficiency"):
+    for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len"):
         rec[k] = float(m[k])
     rec["tokens_per_s"] = float(m["tokens"]) / dt
+    rec["slot_efficiency"] = slot_efficiency(m["completion_len_B"], chunk_rows)
     rec["step_time_s"] = dt  # sample to update; the checkpoint's time is its own key
     for phase, seconds in (times or {}).items():
         rec[phase_key(phase)] = seconds
