@@ -439,10 +439,7 @@ class Engine:
         state = self.store.model_state(model_id)
         if state is None:
             raise UserError(MODEL_STATE_LOST)
-        with self.store._read() as s:  # noqa: SLF001 - a trusted engine-side read of the model row
-            model = s.get(Model, model_id)
-        if model is None:
-            raise NotFound(f"no model {model_id!r}")
+        model = self.store.model(model_id)
         self._served(model.base_model)
         index = self._free_slot()
         if state.storage_path is None:

@@ -957,6 +957,13 @@ class Store:
             row.status, row.worker_id, row.started_at = QUEUED, None, None
         return row
 
+    def model(self, model_id: str) -> Model:
+        """A model by id alone, for the engine (trusted, not owner-scoped, like the other engine-side calls)."""
+        with self._read() as s:
+            if (row := s.get(Model, model_id)) is None:
+                raise NotFound(f"no model {model_id!r}")
+            return row
+
     def model_state(self, model_id: str) -> ModelState | None:
         with self._read() as s:
             return s.get(ModelState, model_id)
