@@ -190,6 +190,11 @@ class SamplingConfig(_Strict):
     # does not grow with prompts x group size). None = the whole batch at once.
     max_num_sequences: int | None = Field(None, gt=0, description="global sequences generated at once (the "
                                           "rollout is sampled in chunks of this size); unset: the whole batch")
+    # With max_num_sequences below the step's sequences: a slot whose sequence ended takes the next pending one (its
+    # prompt prefilled into the slot), so slots do not idle until a chunk's longest completion ends. Same tokens.
+    continuous_batching: bool = Field(True, description="when max_num_sequences is below the step's sequences, a "
+                                      "slot whose sequence ended takes the next pending one; false: chunks that each "
+                                      "decode until their longest sequence ends (the same tokens either way)")
     # All-gather the weights over mesh.fsdp once per step, in the compute dtype, for sampling: decoding then needs
     # no all-gather per generated token. Costs params x bytes / mesh.tensor of HBM per chip while sampling.
     gather_weights: bool = Field(False, description="all-gather the weights over mesh.fsdp once per step for "

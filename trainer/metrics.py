@@ -22,14 +22,10 @@ def phase_key(phase: str) -> str:
     return f"time/{phase}_s"
 
 
-def slot_efficiency(len_B: np.ndarray, chunk_rows: int) -> float:
-    """Generated tokens / (decode steps x rows decoding): the share of the sampler's row-steps that produced a token.
-    The sampler decodes each chunk of `chunk_rows` rows (rows k, k + n, ... of n chunks: trainer/sampler.py,
-    trainer.sharding.split_strided) until its longest row is done, so a chunk costs its longest completion times its
-    rows. Computed on the host, so no compiled program depends on the chunking."""
-    len_B = np.asarray(len_B)
-    longest_n = len_B.reshape(chunk_rows, len_B.shape[0] // chunk_rows).max(axis=0)  # column k: chunk k's rows
-    return float(len_B.sum() / max(int(longest_n.sum()) * chunk_rows, 1))
+def slot_efficiency(tokens: int, steps: int, slots: int) -> float:
+    """Generated tokens / (decode steps x slots): the share of the sampler's row-steps that produced a token (the
+    sampler counts its steps: trainer.sampler.Samples.steps)."""
+    return float(tokens / max(steps * slots, 1))
 
 
 # The record's wall-clock fields: everything else of a step is determined by the seed (resume is exact).

@@ -257,8 +257,7 @@ def _layer(
     k = rope(k, pos_BT, cfg)
     if kv is not None:
         k_cache, v_cache = kv
-        k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), index, axis=1)
-        v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), index, axis=1)
+        k, v = write_slots(k_cache, k, index), write_slots(v_cache, v, index)
         kv = (k, v)
     attn = attention(q, k, v, mask_BTS)
     x_BTD = x_BTD + proj("bthe,hed->btd", attn, "wo")
@@ -269,6 +268,15 @@ def _layer(
     ff = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
     x_BTD = x_BTD + proj("btf,fd->btd", ff, "w_down")
     return constrain(x_BTD, ("batch", "seq", None)), kv
+
+
+def write_slots(cache_BS: jax.Array, new_BT: jax.Array, index: jax.Array | int) -> jax.Array:
+    """`new` written into `cache` along axis 1 from slot `index`: one index for every row, or one per row ([B]: rows
+    of a continuously batched sampler sit at different positions). Per row it is a scatter, updated in place."""
+    new_BT = new_BT.astype(cache_BS.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT, index, axis=1)
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=0))(cache_BS, new_BT, index)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, cc: ComputeConfig = DEFAULT_COMPUTE) -> KVCache:
@@ -291,24 +299,26 @@ def forward(
     """Final-normed hidden states [B, T, D] in the compute dtype (see `logits`) and the updated cache.
 
     Without a cache, keys are the T inputs (causal, pad keys masked). With a cache, the T new tokens are
-    written at slots [index, index + T) and attend to every valid slot up to their own. With an adapter, each row
-    adds its own slot's LoRA updates to the targeted projections.
+    written at slots [index, index + T) (`index` one int, or one per row) and attend to every valid slot up to their
+    own. With an adapter, each row adds its own slot's LoRA updates to the targeted projections.
     """
     B, T = tokens_BT.shape
     dt = compute_dtype(cfg, cc)
     if positions_BT is None:
         positions_BT = positions_from_valid(valid_BT)
-    # Gather from a replicated copy of the table: a gather out of the (vocab, embed)-sharded table makes
-    # GSPMD produce an embed-sharded result it can only move to batch sharding by full rematerialisation.
-    table_VD = constrain(params["embed"].astype(dt), (None, None))
+    # Training gathers from a replicated copy of the table: a gather out of the (vocab, embed)-sharded table makes
+    # GSPMD produce an embed-sharded result it can only move to batch sharding by full rematerialisation. Sampling
+    # (a cache) gathers from the vocab-sharded table (a masked gather and an all-reduce of the rows' embeddings):
+    # replicating the table would move all of it at every decode step.
+    table_VD = constrain(params["embed"].astype(dt), (None, None) if cache is None else ("vocab", None))
     x_BTD = constrain(table_VD[tokens_BT], ("batch", "seq", None))
-    q_slot_T = index + jnp.arange(T)
+    q_slot_BT = jnp.broadcast_to(jnp.reshape(index, (-1, 1)) + jnp.arange(T), (B, T))
     if cache is None:
-        mask_BTS = valid_BT[:, None, :] & (jnp.arange(T)[None, :] <= q_slot_T[:, None])[None]
+        mask_BTS = valid_BT[:, None, :] & (jnp.arange(T)[None, None, :] <= q_slot_BT[:, :, None])
     else:
-        valid_BS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BS, valid_BT.astype(bool), index, axis=1)
+        valid_BS = write_slots(cache.valid_BS, valid_BT.astype(bool), index)
         S = valid_BS.shape[1]
-        mask_BTS = valid_BS[:, None, :] & (jnp.arange(S)[None, :] <= q_slot_T[:, None])[None]
+        mask_BTS = valid_BS[:, None, :] & (jnp.arange(S)[None, None, :] <= q_slot_BT[:, :, None])
 
     lora_layers = (adapter.weights.get("layers") or None) if adapter is not None else None
     gate_BS = adapter.gate_BS if adapter is not None else None

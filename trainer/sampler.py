@@ -3,8 +3,10 @@
 Prompts may be left- or right-padded (any layout, given a validity mask): they are moved to left padding first
 so every row writes the same cache slot each step, and RoPE positions count real tokens only.
 
-Randomness is per row (the key folded with the row's index in the whole batch, then with the decode step), so
-sampling the batch in chunks of `max_num_sequences` rows gives exactly the tokens of sampling it at once.
+Randomness is per row (the key folded with the row's index in the whole batch, then with the token's position in its
+completion), so the tokens do not depend on how rows are scheduled: sampling the batch at once, in chunks of
+`max_num_sequences` rows, or continuously batched (a slot whose sequence ended takes the next pending one) gives the
+same tokens.
 
 The returned log-probs are log softmax(logits / temperature) of the sampled tokens, before top-k/top-p
 truncation (temperature 0 = greedy, log-probs at temperature 1). That is exactly what
@@ -13,6 +15,7 @@ truncation (temperature 0 = greedy, log-probs at temperature 1). That is exactly
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 import jax
@@ -27,6 +30,7 @@ class Samples(NamedTuple):
     tokens_BN: jax.Array  # sampled tokens, pad after EOS
     logprobs_BN: jax.Array  # 0 where mask is 0
     mask_BN: jax.Array  # 1 for generated tokens up to and including EOS
+    steps: jax.Array  # decode steps run, summed over chunks (int32 scalar): slot efficiency = tokens / (steps x slots)
 
 
 class _Carry(NamedTuple):
@@ -87,14 +91,20 @@ def sample(
     cc: ComputeConfig = DEFAULT_COMPUTE,
     max_num_sequences: int | None = None,
     adapter: Adapter | None = None,
+    continuous: bool = True,
+    refill_rows: int = 1,
 ) -> Samples:
     """Sample `max_new_tokens` per row (stopping a row at EOS, or any of several stop ids given as a tuple, and the
     loop once every row stopped).
 
-    With `max_num_sequences` < B the rows are generated in B / max_num_sequences sequential chunks, so the KV
-    cache holds one chunk. Chunk k takes rows k, k + n, k + 2n, ... (n chunks): with the batch sharded in
-    contiguous blocks over the data devices, every chunk is spread over all of them. With an adapter, each row
-    decodes with its own LoRA slot (its gate row travels with it into its chunk).
+    With `max_num_sequences` = c < B only c rows decode at once, so the KV cache holds c sequences. `continuous`: c
+    slots, and a slot whose sequence ended takes the next pending row (prompts prefilled into free slots
+    `refill_rows` at a time: best one per data-parallel group) until all B are done, so slots do not idle while rows
+    are pending. Otherwise the rows go in B / c sequential chunks, each
+    decoding until its longest row ends. Either way rows enter in the order k, k + n, k + 2n, ... (n = B / c,
+    trainer.sharding.split_strided): with the batch sharded in contiguous blocks over the data devices, the first c
+    are spread over all of them. With an adapter, each row decodes with its own LoRA slot (its gate row travels with
+    it).
     """
     B, P = prompt_BP.shape
     kw = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k,
@@ -107,6 +117,9 @@ def sample(
     if B % c:
         raise ValueError(f"max_num_sequences={c} must divide the batch of {B} rows")
     n = B // c
+    if continuous:
+        return _sample_continuous(params, cfg, prompt_BP, prompt_valid_BP, key, adapter, slots=c,
+                                  refill_rows=refill_rows, **kw)  # type: ignore[arg-type]
 
     def one(xs: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]) -> Samples:
         prompt, valid, rows, gate = xs
@@ -115,7 +128,44 @@ def sample(
 
     gate_n = None if gate_BS is None else split_strided(gate_BS, n)
     out = jax.lax.map(one, (*(split_strided(x, n) for x in (prompt_BP, prompt_valid_BP, rows_B)), gate_n))
-    return Samples(*(join_strided(x) for x in out))
+    return Samples(*(join_strided(x) for x in out[:3]), jnp.sum(out.steps))
+
+
+def row_keys(key: jax.Array, rows_B: jax.Array) -> jax.Array:
+    """Each row's random stream: the step's key folded with the row's index in the whole batch."""
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
+
+
+def pick(row_keys_B: jax.Array, i_B: jax.Array, logits_BV: jax.Array, temperature: float, top_k: int, top_p: float
+         ) -> tuple[jax.Array, jax.Array]:
+    """Token i_B of each row (drawn with its stream folded with i_B) and its log-prob."""
+    keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, i_B)
+    tok_B = choose(keys_B, logits_BV, temperature, top_k, top_p)
+    logp_B, _ = logprobs_and_entropy(logits_BV, tok_B, temperature)
+    return tok_B, logp_B
+
+
+def prefill(params: Params, cfg: ModelConfig, prompt_BP: jax.Array, valid_BP: jax.Array, cache_len: int,
+            cc: ComputeConfig, adapter: Adapter | None) -> tuple[jax.Array, KVCache]:
+    """Left-padded prompts into a fresh cache of `cache_len` slots: the logits that pick each row's first token."""
+    B, _ = prompt_BP.shape
+    x_BPD, cache = forward(params, cfg, prompt_BP, valid_BP, cache=init_cache(cfg, B, cache_len, cc), index=0, cc=cc,
+                           adapter=adapter)
+    return logits(params, cfg, x_BPD[:, -1:], adapter)[:, 0], cache  # type: ignore[return-value]
+
+
+def decode_step(params: Params, cfg: ModelConfig, tok_B: jax.Array, live_B: jax.Array, pos_B: jax.Array,
+                slot: jax.Array, cache: KVCache, cc: ComputeConfig, adapter: Adapter | None
+                ) -> tuple[jax.Array, KVCache]:
+    """One token per row into cache slot `slot` (one for all rows, or one per row) at RoPE position pos_B; a row
+    that is not live writes an invalid slot, which nothing attends to. Returns the next logits and the cache."""
+    x_B1D, cache = forward(params, cfg, tok_B[:, None], live_B[:, None], pos_B[:, None], cache=cache, index=slot,
+                           cc=cc, adapter=adapter)
+    return logits(params, cfg, x_B1D, adapter)[:, 0], cache  # type: ignore[return-value]
+
+
+def _stop(tok_B: jax.Array, eos_id: int | tuple[int, ...]) -> jax.Array:
+    return jnp.isin(tok_B, jnp.asarray(eos_id, jnp.int32))
 
 
 def _sample_rows(
@@ -135,35 +185,27 @@ def _sample_rows(
     top_p: float,
     cc: ComputeConfig,
 ) -> Samples:
-    """`sample` for one set of rows; `rows_B` are their indices in the whole batch (their random streams)."""
+    """`sample` for one set of rows decoded together; `rows_B` are their indices in the whole batch."""
     B, P = prompt_BP.shape
     N = max_new_tokens
     prompt_BP, valid_BP = to_left_padding(prompt_BP, prompt_valid_BP.astype(bool))
     n_prompt_B = jnp.sum(valid_BP.astype(jnp.int32), axis=1)
-    row_keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
-    cache = init_cache(cfg, B, P + N, cc)
-    x_BPD, cache = forward(params, cfg, prompt_BP, valid_BP, cache=cache, index=0, cc=cc, adapter=adapter)
-    logits_BV = logits(params, cfg, x_BPD[:, -1:], adapter)[:, 0]
+    keys_B = row_keys(key, rows_B)
+    logits_BV, cache = prefill(params, cfg, prompt_BP, valid_BP, P + N, cc, adapter)
 
     def cond(c: _Carry) -> jax.Array:
         return (c.i < N) & ~jnp.all(c.done_B)
 
     def body(c: _Carry) -> _Carry:
-        keys_B = jax.vmap(lambda k: jax.random.fold_in(k, c.i))(row_keys_B)
-        tok_B = choose(keys_B, c.logits_BV, temperature, top_k, top_p)
-        logp_B, _ = logprobs_and_entropy(c.logits_BV, tok_B, temperature)
+        tok_B, logp_B = pick(keys_B, jnp.full((B,), c.i), c.logits_BV, temperature, top_k, top_p)
         live_B = ~c.done_B
         tok_B = jnp.where(live_B, tok_B, pad_id)
         tokens_BN = c.tokens_BN.at[:, c.i].set(tok_B)
         logprobs_BN = c.logprobs_BN.at[:, c.i].set(jnp.where(live_B, logp_B, 0.0))
         mask_BN = c.mask_BN.at[:, c.i].set(live_B.astype(jnp.int32))
-        done_B = c.done_B | jnp.isin(tok_B, jnp.asarray(eos_id, jnp.int32))
+        done_B = c.done_B | _stop(tok_B, eos_id)
         # Feed the token back; a finished row's pad is marked invalid so nothing attends to it.
-        x_B1D, cache = forward(
-            params, cfg, tok_B[:, None], live_B[:, None], (n_prompt_B + c.i)[:, None], cache=c.cache, index=P + c.i,
-            cc=cc, adapter=adapter,
-        )
-        next_logits = logits(params, cfg, x_B1D, adapter)[:, 0]
+        next_logits, cache = decode_step(params, cfg, tok_B, live_B, n_prompt_B + c.i, P + c.i, c.cache, cc, adapter)
         return _Carry(c.i + 1, next_logits, cache, done_B, tokens_BN, logprobs_BN, mask_BN)
 
     init = _Carry(
@@ -176,4 +218,134 @@ def _sample_rows(
         mask_BN=jnp.zeros((B, N), jnp.int32),
     )
     out = jax.lax.while_loop(cond, body, init)
-    return Samples(out.tokens_BN, out.logprobs_BN, out.mask_BN)
+    return Samples(out.tokens_BN, out.logprobs_BN, out.mask_BN, out.i)
+
+
+class _Slots(NamedTuple):
+    """Continuous-batching state: per slot the row it decodes (B: none), the position of its next token in that
+    row's completion, the row's prompt length and the logits that pick that token; the next pending row; the cache;
+    the outputs of all B rows; the decode steps run."""
+
+    row_C: jax.Array
+    i_C: jax.Array
+    n_prompt_C: jax.Array
+    logits_CV: jax.Array
+    next_q: jax.Array
+    cache: KVCache
+    tokens_BN: jax.Array
+    logprobs_BN: jax.Array
+    mask_BN: jax.Array
+    steps: jax.Array
+
+
+def _sample_continuous(
+    params: Params,
+    cfg: ModelConfig,
+    prompt_BP: jax.Array,
+    prompt_valid_BP: jax.Array,
+    key: jax.Array,
+    adapter: Adapter | None,
+    *,
+    slots: int,
+    refill_rows: int,
+    max_new_tokens: int,
+    eos_id: int | tuple[int, ...],
+    pad_id: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    cc: ComputeConfig,
+) -> Samples:
+    """`sample` with `slots` rows decoding at once and finished rows' slots refilled from the pending ones,
+    `refill_rows` at a time (once that many slots are free, or as many as are still pending): a prefill of one row
+    would leave all data-parallel groups but one idle.
+
+    Every slot's sequence has the same cache layout as in a static batch (prompt left-padded in slots [0, P), token i
+    at P + i), so a refilled slot's stale keys past its position are masked exactly as unwritten ones, and each
+    row's tokens are those the static sampler draws."""
+    B, P = prompt_BP.shape
+    N, C, R = max_new_tokens, slots, max(1, min(refill_rows, slots))
+    n = B // C
+    prompt_BP, valid_BP = to_left_padding(prompt_BP, prompt_valid_BP.astype(bool))
+    n_prompt_B = jnp.sum(valid_BP.astype(jnp.int32), axis=1)
+    keys_B = row_keys(key, jnp.arange(B, dtype=jnp.int32))
+    q_Q = jnp.arange(B, dtype=jnp.int32)
+    queue_Q = (q_Q % C) * n + q_Q // C  # the pieces of split_strided in turn: rows 0, n, 2n, ..., 1, n + 1, ...
+    gate_BS = None if adapter is None else adapter.gate_BS
+
+    def adapter_for(rows: jax.Array) -> Adapter | None:
+        return None if adapter is None else Adapter(adapter.weights, gate_BS[jnp.minimum(rows, B - 1)])  # type: ignore[index]
+
+    first_C = queue_Q[:C]
+    logits_CV, cache = prefill(params, cfg, prompt_BP[first_C], valid_BP[first_C], P + N, cc, adapter_for(first_C))
+
+    def refill(s: _Slots) -> _Slots:
+        """Prefill the next R pending rows together into the lowest free slots (fewer when fewer are pending)."""
+        free_C = s.row_C >= B
+        slots_R = jnp.argsort(~free_C, stable=True)[:R]
+        q_R = s.next_q + jnp.arange(R, dtype=jnp.int32)
+        ok_R = (q_R < B) & free_C[slots_R]
+        rows_R = queue_Q[jnp.minimum(q_R, B - 1)]
+        logits_RV, one = prefill(params, cfg, prompt_BP[rows_R], valid_BP[rows_R], P, cc, adapter_for(rows_R))
+        to_R = jnp.where(ok_R, slots_R, C)  # slot C is out of range: a padding row's writes are dropped
+        put = lambda big, small: big.at[:, to_R, :P].set(small.astype(big.dtype), mode="drop")  # noqa: E731
+        valid_RS = jnp.concatenate([one.valid_BS, jnp.zeros((R, N), bool)], axis=1)
+        cache = KVCache(put(s.cache.k_LBSKE, one.k_LBSKE), put(s.cache.v_LBSKE, one.v_LBSKE),
+                        s.cache.valid_BS.at[to_R].set(valid_RS, mode="drop"))
+        at = lambda x, v: x.at[to_R].set(v, mode="drop")  # noqa: E731
+        return s._replace(row_C=at(s.row_C, rows_R), i_C=at(s.i_C, 0), n_prompt_C=at(s.n_prompt_C, n_prompt_B[rows_R]),
+                          logits_CV=at(s.logits_CV, logits_RV), next_q=s.next_q + jnp.sum(ok_R), cache=cache)
+
+    def pending(s: _Slots) -> jax.Array:
+        left = B - s.next_q
+        return (left > 0) & (jnp.sum(s.row_C >= B) >= jnp.minimum(R, left))
+
+    def cond(s: _Slots) -> jax.Array:
+        return jnp.any(s.row_C < B) | (s.next_q < B)
+
+    def body(s: _Slots) -> _Slots:
+        s = jax.lax.while_loop(pending, refill, s)
+        live_C = s.row_C < B
+        tok_C, logp_C = pick(keys_B[jnp.minimum(s.row_C, B - 1)], s.i_C, s.logits_CV, temperature, top_k, top_p)
+        tok_C = jnp.where(live_C, tok_C, pad_id)
+        at = (s.row_C, s.i_C)  # a free slot's row B is out of range: its writes are dropped
+        tokens_BN = s.tokens_BN.at[at].set(tok_C, mode="drop")
+        logprobs_BN = s.logprobs_BN.at[at].set(logp_C, mode="drop")
+        mask_BN = s.mask_BN.at[at].set(1, mode="drop")
+        ended_C = _stop(tok_C, eos_id) | (s.i_C + 1 >= N)
+        logits_CV, cache = decode_step(params, cfg, tok_C, live_C, s.n_prompt_C + s.i_C, P + s.i_C, s.cache, cc,
+                                       adapter_for(s.row_C))
+        return s._replace(row_C=jnp.where(live_C & ended_C, B, s.row_C), i_C=s.i_C + 1, logits_CV=logits_CV,
+                          cache=cache, tokens_BN=tokens_BN, logprobs_BN=logprobs_BN, mask_BN=mask_BN,
+                          steps=s.steps + 1)
+
+    init = _Slots(
+        row_C=first_C, i_C=jnp.zeros((C,), jnp.int32), n_prompt_C=n_prompt_B[first_C], logits_CV=logits_CV,
+        next_q=jnp.asarray(C, jnp.int32), cache=cache, tokens_BN=jnp.full((B, N), pad_id, jnp.int32),
+        logprobs_BN=jnp.zeros((B, N), jnp.float32), mask_BN=jnp.zeros((B, N), jnp.int32),
+        steps=jnp.zeros((), jnp.int32))
+    out = jax.lax.while_loop(cond, body, init)
+    return Samples(out.tokens_BN, out.logprobs_BN, out.mask_BN, out.steps)
+
+
+def schedule_steps(lengths: list[int], slots: int, continuous: bool = True, refill_rows: int = 1) -> int:
+    """The decode steps `sample` runs for completions of these lengths (through their stop token), replayed on the
+    host: what slot efficiency a length distribution gets without running a model. Rows enter in the order k, k + n,
+    ... (n = B / slots). Static: each chunk of `slots` rows runs until its longest ends. Continuous: before each step,
+    while `refill_rows` slots are free (or as many as rows are pending), that many pending rows take the lowest free
+    slots; a row of length L then holds its slot for L steps."""
+    B = len(lengths)
+    n = B // slots
+    queue = [(j % slots) * n + j // slots for j in range(B)]
+    if not continuous:
+        return sum(max(lengths[r] for r in queue[k * slots:(k + 1) * slots]) for k in range(n))
+    left = [lengths[r] for r in queue[:slots]]
+    pending, steps = deque(queue[slots:]), 0
+    while any(left) or pending:
+        while pending and left.count(0) >= min(refill_rows, len(pending)):
+            for s in [s for s in range(slots) if left[s] == 0][:refill_rows]:
+                if pending:
+                    left[s] = lengths[pending.popleft()]
+        left = [max(x - 1, 0) for x in left]
+        steps += 1
+    return steps

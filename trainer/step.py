@@ -17,6 +17,7 @@ picks its adapter slot (`slot`, int32 [B]; -1 = the base model alone); the refer
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from trainer.losses import Norm, group_advantages, policy_loss
 from trainer.optim import make_optimizer
 from trainer.sampler import Samples, sample
 from trainer.sharding import (
+    DATA_AXES,
     RULES,
     RULES_ACROSS_SLICES,
     RULES_GATHERED,
@@ -88,6 +90,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     """Cached on the (frozen, hashable) config sections, so a resumed or repeated run in the same process
     reuses the compiled programs."""
     n_mb = rl.minibatches
+    data_groups = math.prod(mesh.shape[a] for a in DATA_AXES)  # a refill of one row each keeps every group busy
     base_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), rules)
     if lcfg is None:
         optimizer = make_optimizer(optim, steps, rl.mu_iterations * n_mb)
@@ -130,7 +133,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         key = jax.random.fold_in(jax.random.fold_in(base_key, STEP_STREAM), step)
         return sample(sampler_weights(base_of(params)), mcfg, prompt, valid, key, max_new_tokens=sc.max_new_tokens,
                       eos_id=eos_id, pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, cc=cc,
-                      max_num_sequences=sc.max_num_sequences, adapter=adapter_of(params, slot))
+                      max_num_sequences=sc.max_num_sequences, adapter=adapter_of(params, slot),
+                      continuous=sc.continuous_batching, refill_rows=data_groups)
 
     def logprobs(params: M.Params, batch: Batch, with_adapter: bool = True) -> tuple[jax.Array, jax.Array]:
         adapter = adapter_of(params, batch.get("slot")) if with_adapter else None
@@ -205,13 +209,12 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         metrics["rewards_std_R"] = jnp.std(rewards_BR, axis=0)
         len_B = jnp.sum(batch["mask"], axis=1)
         metrics["completion_len"] = jnp.mean(len_B)
-        metrics["completion_len_B"] = len_B  # the host derives the sampler's slot efficiency from it
         metrics["tokens"] = jnp.sum(batch["mask"])
         return params, opt_state, metrics
 
     batch_sh = {k: b2 for k in BATCH_KEYS} | ({"slot": b1} if lcfg is not None else {})
     sample_in = (param_sh, b2, b2, rep, rep) + ((b1,) if lcfg is not None else ())
-    sample_jit = jax.jit(sample_fn, in_shardings=sample_in, out_shardings=Samples(b2, b2, b2))
+    sample_jit = jax.jit(sample_fn, in_shardings=sample_in, out_shardings=Samples(b2, b2, b2, rep))
     # The reference policy: the initial weights, which with lora are the base model alone (fresh adapters are 0).
     ref_jit = jax.jit(lambda p, b: logprobs(p, b, with_adapter=False)[0], in_shardings=(param_sh, batch_sh),
                       out_shardings=b2)

@@ -221,7 +221,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             if leaving or step + 1 == cfg.steps or ckpt.due(step + 1):
                 ckpt.save(train_state(params, opt_state), meta)
             times["checkpoint"] = time.perf_counter() - t  # its start only when saves are asynchronous
-            record = _record(step, m, data.reward_names, dt, cfg.sample_chunk_rows, times)
+            efficiency = slot_efficiency(int(m["tokens"]), int(samples.steps), cfg.sample_chunk_rows)
+            record = _record(step, m, data.reward_names, dt, efficiency, times)
             records.append(record)
             logger.log(record)
             step += 1
@@ -298,7 +299,7 @@ def _waited(out: Any, since: float) -> float:
     return time.perf_counter() - since
 
 
-def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float, chunk_rows: int,
+def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float, efficiency: float,
             times: dict[str, float] | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "step": step,
@@ -311,7 +312,7 @@ def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: flo
     for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len"):
         rec[k] = float(m[k])
     rec["tokens_per_s"] = float(m["tokens"]) / dt
-    rec["slot_efficiency"] = slot_efficiency(m["completion_len_B"], chunk_rows)
+    rec["slot_efficiency"] = efficiency
     rec["step_time_s"] = dt  # sample to update; the checkpoint's time is its own key
     for phase, seconds in (times or {}).items():
         rec[phase_key(phase)] = seconds

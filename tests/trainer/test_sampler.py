@@ -9,7 +9,7 @@ import pytest
 
 from trainer import model as M
 from trainer.config import ModelConfig
-from trainer.sampler import filter_logits, sample
+from trainer.sampler import filter_logits, sample, schedule_steps
 
 from .conftest import TINY_MODEL
 
@@ -36,7 +36,7 @@ def _sampler(eos: int, **kw: float):  # noqa: ANN202
 
 def _sample(tokens: jax.Array, valid: jax.Array, eos: int = EOS, seed: int = 0, **kw: float) -> tuple[np.ndarray, ...]:
     out = _sampler(eos, **kw)(_params(), prompt_BP=tokens, prompt_valid_BP=valid, key=jax.random.PRNGKey(seed))
-    return tuple(np.asarray(x) for x in out)
+    return tuple(np.asarray(x) for x in out[:3])  # tokens, log-probs, mask
 
 
 def _greedy_by_recompute(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -124,3 +124,53 @@ def test_sampling_is_random_but_reproducible() -> None:
     a = _sample(prompt, valid, temperature=1.0)[0]
     np.testing.assert_array_equal(_sample(prompt, valid, temperature=1.0)[0], a)
     assert (_sample(prompt, valid, seed=1, temperature=1.0)[0] != a).any()
+
+
+def test_continuous_batching_same_tokens_fewer_steps() -> None:
+    """Long-tailed completion lengths (12 of 100 ids stop a row: geometric lengths, capped at 48): decoding 8 of 32
+    rows at once, refilling a slot as its row ends draws exactly the tokens of sampling all rows together or in static
+    chunks, in the steps the host's replay of the schedule counts, and fewer of them than static chunks."""
+    B, P, n_new, slots = 32, 8, 48, 8
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32)
+    valid = np.ones((B, P), bool)
+    for b in range(B):
+        valid[b, : rng.integers(0, 5)] = False  # ragged prompts
+    stops = tuple(range(10, 22))
+
+    def run(**kw: object) -> tuple[np.ndarray, ...]:
+        f = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=n_new, eos_id=stops, pad_id=PAD, **kw))
+        out = f(_params(), prompt_BP=jnp.asarray(prompt), prompt_valid_BP=jnp.asarray(valid), key=jax.random.key(3))
+        return tuple(np.asarray(x) for x in out)
+
+    whole = run()
+    static = run(max_num_sequences=slots, continuous=False)
+    cont = run(max_num_sequences=slots)
+    lengths = whole[2].sum(axis=1).tolist()
+    assert min(lengths) < 5 and max(lengths) > 30  # the tail the schedule is for
+    for out in (static, cont):
+        np.testing.assert_array_equal(out[0], whole[0])
+        np.testing.assert_array_equal(out[2], whole[2])
+        np.testing.assert_allclose(out[1], whole[1], atol=1e-5)
+    assert int(whole[3]) == max(lengths)
+    assert int(static[3]) == schedule_steps(lengths, slots, continuous=False)
+    assert int(cont[3]) == schedule_steps(lengths, slots, continuous=True)
+    tokens = sum(lengths)
+    assert tokens / (int(cont[3]) * slots) > 1.5 * tokens / (int(static[3]) * slots)
+    # Refills three rows at a time (a padding row when fewer are pending): the same tokens, in its schedule's steps.
+    grouped = run(max_num_sequences=slots, refill_rows=3)
+    np.testing.assert_array_equal(grouped[0], whole[0])
+    np.testing.assert_allclose(grouped[1], whole[1], atol=1e-5)
+    assert int(grouped[3]) == schedule_steps(lengths, slots, continuous=True, refill_rows=3) > int(cont[3])
+
+
+def test_continuous_batching_with_one_slot_per_row_and_greedy() -> None:
+    """One slot: every row is a refill. Greedy decoding with one stop id gives the whole batch's tokens."""
+    prompt, valid = _padded(left=False)
+    whole = _sample(prompt, valid, temperature=0.0)
+    one = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=N, eos_id=EOS, pad_id=PAD, temperature=0.0,
+                                    max_num_sequences=1))(_params(), prompt_BP=prompt, prompt_valid_BP=valid,
+                                                               key=jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(one.tokens_BN), whole[0])
+    np.testing.assert_array_equal(np.asarray(one.mask_BN), whole[2])
+    assert int(one.steps) == int(whole[2].sum())  # one slot: a step per generated token

@@ -6,7 +6,6 @@ import struct
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -102,16 +101,3 @@ def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tin
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 2 and "reward_start" in summary
     assert result.params["embed"].sharding.mesh.devices.size == 4
-
-
-def test_slot_efficiency_counts_each_chunks_longest_row() -> None:
-    """The sampler decodes a chunk until its longest row ends: row-steps spent = its longest x its rows."""
-    from trainer.metrics import slot_efficiency
-    from trainer.sharding import split_strided
-
-    lengths = np.asarray([1, 4, 2, 2], np.int32)
-    assert slot_efficiency(lengths, 4) == pytest.approx(9 / (4 * 4))
-    # Two chunks of two (rows 0, 2 and rows 1, 3): 2 x 2 + 4 x 2 row-steps.
-    assert slot_efficiency(lengths, 2) == pytest.approx(9 / (2 * 2 + 4 * 2))
-    assert [list(c) for c in np.asarray(split_strided(jnp.asarray(lengths), 2))] == [[1, 2], [4, 2]]  # the sampler's
-    assert slot_efficiency(np.zeros(4, np.int32), 4) == 0.0

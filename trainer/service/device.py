@@ -100,7 +100,7 @@ class DeviceState:
         put = self.progs.put
         out = self.progs.sample(self.params, self.lora, put(self.scale_S), put(prompt_BP, batch=True),
                                 put(valid_BP, batch=True), put(slot_B, batch=True), put(key_data), *static)
-        tokens, logprobs, mask = (np.asarray(x) for x in out)
+        tokens, logprobs, mask = (np.asarray(x) for x in out[:3])
         return tokens, logprobs, mask
 
 

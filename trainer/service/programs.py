@@ -204,7 +204,7 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
         put_slot=jit(L.put_slot, static_argnums=(1, 4), donate_argnums=(0,), out_shardings=lora_sh),
         take_slot=jit(take_slot, out_shardings=rep),
         sample=jit(sample_rows, in_shardings=(param_sh, lora_sh, rep, b2, b2, b1, rep),
-                   out_shardings=Samples(rep, rep, rep), static_argnums=tuple(range(7, 14))),
+                   out_shardings=Samples(rep, rep, rep, rep), static_argnums=tuple(range(7, 14))),
         prompt_topk=jit(prompt_topk, in_shardings=(param_sh, lora_sh, rep, b2, b1, b2), out_shardings=(rep, rep),
                         static_argnums=(6,)),
     )
