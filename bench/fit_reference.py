@@ -60,12 +60,27 @@ def row(r: dict) -> str:
     # No time or MFU for a config that does not fit (the report gives null and says why).
     step = "—" if r["step_seconds"] is None else f"{r['step_seconds']:.1f} s"
     mfu = "—" if r["mfu"] is None else f"{r['mfu']:.0%}"
+    bound = "—" if r["step_lower_bound"] is None else f"{r['step_lower_bound']:.1f} s"
+    ratio = "—" if r["bound_ratio"] is None else f"{r['bound_ratio']:.2f}x"
     return (f"| {r['workload']} | {mesh} | {batch} | {verdict} | {peak / 2**30:.1f} GiB ({peak / hbm:.0%} of "
-            f"{r['share_of']}, {worst['name']}) | {step} | {mfu} | {r['compile_seconds_total']:.0f} s |")
+            f"{r['share_of']}, {worst['name']}) | {step} | {bound} | {ratio} | {mfu} | "
+            f"{r['compile_seconds_total']:.0f} s |")
+
+
+def phase_row(r: dict) -> str:
+    """Per program and sampler phase: estimated seconds per step / lower bound."""
+    p = {x["name"]: x for x in r["programs"]}
+    runs = ", ".join(f"{ph['name']} {ph['runs']} x {ph['seconds'] * 1e3:.2f} ms" for ph in r["phases"] if ph["runs"])
+    b = r["sample_bounds"]
+    cells = [f"{p[n]['seconds']:.2f} s / {p[n]['lower_bound']:.2f} s" if p[n]["status"] != "skipped" else "—"
+             for n in ("sample", "ref_logprobs", "update")]
+    return (f"| {r['workload']} | {runs} | {b['prefill']:.2f} s + {b['decode']:.2f} s | " + " | ".join(cells) + " |")
 
 
 HEADER = ("| workload | mesh | batch (sequences x tokens) | fits | peak HBM per chip (share, program) | "
-          "est. step | est. MFU | compile here |\n|---|---|---|---|---|---|---|---|")
+          "est. step | lower bound | est. / bound | est. MFU | compile here |\n" + "|---" * 10 + "|")
+PHASE_HEADER = ("| workload | sampler phases (runs x compiled time) | sample bound (prefill + decode) | sample est. / "
+                "bound | ref_logprobs | update |\n|---|---|---|---|---|---|")
 
 
 def main() -> None:
@@ -83,6 +98,10 @@ def main() -> None:
     print(HEADER)
     for r in results:
         print(row(r))
+    print()
+    print(PHASE_HEADER)
+    for r in results:
+        print(phase_row(r))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

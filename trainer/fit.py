@@ -27,11 +27,15 @@ What is measured, and what is estimated:
     each `ConcatBitcast`, `SliceId` (multislice) and `ZeroCrop` custom call at -1 s, which makes `optimal_seconds`
     negative for realistic programs: those are added back; should it stay <= 0, the estimate falls back to peak
     FLOP/s (optimistic) and says so;
-  - sample: per chunk of sampling.max_num_sequences, prefill + max_new_tokens decode steps, each a roofline
-    max(FLOPs / peak, HBM bytes / bandwidth) with HBM bytes = the weights + the KV cache. A decode step reads
-    every weight for one token per row: it is bandwidth-bound, which no scaling of a once-counted body shows.
-    Every row is assumed to run to max_new_tokens; collectives and imperfect overlap are not modelled, so
-    this is a lower bound on time.
+  - sample: each of the sampler's phases (the weights gathered for sampling, a prefill, a continuous-batching
+    refill, one decode step) compiled as a program of its own with its layers unrolled, at 1 and 2 layers, and
+    extrapolated to the model's depth (trainer/fit_phases.py): the compiler's optimal_seconds per run, which sees
+    the decode step's real reads (the whole P + N-slot cache, the weights), layouts and collectives, times the runs
+    of a step whose every row generates max_new_tokens. With `phases=False` (fit --search), or where the compiler
+    gives no usable time, a FLOPs / HBM-bandwidth roofline instead.
+- Lower bounds next to each estimate: prefill, reference log-probs and update at their model FLOPs over peak; each
+  decode step at the bytes a chip must read (its share of the weights, its rows' live KV cache) over HBM bandwidth.
+  The step's estimate / lower bound says how far the programs are from the hardware.
 - MFU: model FLOPs of one RL step (generating B x max_new_tokens tokens, reference log-probs when
   rl.kl_beta > 0, mu_iterations forward + backward passes; causal attention, no remat) over
   chips x peak bf16 FLOP/s x the summed estimated time.
@@ -62,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import fit_estimate as E
+from trainer import fit_phases as FP
 from trainer import presets
 from trainer.config import (
     ConfigError,
@@ -78,6 +83,7 @@ from trainer.fit_report import (
     WARN_FRACTION,
     FitReport,
     GiB,
+    PhaseFit,
     ProgramFit,
     ServiceFit,
     StateFit,
@@ -297,8 +303,12 @@ def fit(
     model: str | None = None,
     progress: Callable[[str], None] | None = None,
     cache: CompileCache | None = None,
+    phases: bool = True,
 ) -> FitReport:
     """Compile `cfg`'s programs for `target` and report memory, FLOPs, time and MFU per RL step.
+
+    `phases`: also compile the sampler's phases on their own to estimate its time (trainer/fit_phases.py);
+    without, the sampler's time is a roofline (what `fit --search` orders candidates by).
 
     `cfg` is the trainer config as the pod would load it (mesh overrides applied); `model` names a bundled preset
     (see resolve_model). Raises ConfigError (FitError) for inputs that cannot be compiled; a program that does
@@ -350,6 +360,14 @@ def fit(
             lowered = getattr(programs, name).lower(*args[name])
         _compile(p, lowered, mesh, target, len(devices), cache, say, f"{i + 1}/{len(PROGRAMS)}")
     _estimate_times(cfg, target, len(devices), flops, report_programs)
+    sample = report_programs[0]
+    phase_fits = _price_sampler(cfg, target, mesh, say) if phases and sample.compiled else []
+    if phase_fits and all(ph.seconds > 0 for ph in phase_fits):
+        sample.seconds = sum(ph.total for ph in phase_fits)
+    bounds = FP.bounds(cfg, target.chips, target.peak_flops_per_chip, target.hbm_bytes_per_s_per_chip, flops.model)
+    for p in report_programs:
+        p.lower_bound = {"sample": bounds.sample, "ref_logprobs": bounds.ref_logprobs,
+                         "update": bounds.update}[p.name] if p.skipped is None else 0.0
     m = cfg.model_cfg
     st = E.state(cfg)
     report = FitReport(
@@ -361,11 +379,48 @@ def fit(
                        gradients=int(st.gradients), accumulator=int(st.accumulator), reference=int(st.reference),
                        lora=None if cfg.lora is None else f"rank {cfg.lora.rank}, {cfg.lora.slots} slot"
                        f"{'s' if cfg.lora.slots != 1 else ''}, {', '.join(cfg.lora.targets)}",
-                       lora_params=E.lora_param_count(m, cfg.lora) if cfg.lora is not None else 0))
+                       lora_params=E.lora_param_count(m, cfg.lora) if cfg.lora is not None else 0),
+        phases=phase_fits, sample_bounds={"prefill": bounds.prefill, "decode": bounds.decode})
     for p in report_programs:
         if p.skipped is None:
             report.suggestions[p.name] = estimate_savings(p, cfg, suggestions(p.name, cfg))
     return report
+
+
+def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[str], None]) -> list[PhaseFit]:
+    """Compile each sampler phase at fit_phases.DEPTHS layers and extrapolate its time to the model's depth."""
+    import jax
+
+    seconds: dict[str, list[float]] = {}
+    runs: dict[str, int] = {}
+    spent: dict[str, float] = {}
+    for depth in FP.DEPTHS:
+        for ph in FP.phases(FP.with_depth(cfg, depth), mesh):
+            say(f"compiling the sampler's {ph.name} step with {depth} layer{'s' if depth > 1 else ''} for "
+                f"{target.label}")
+            t0 = time.perf_counter()
+            with jax.set_mesh(mesh):
+                compiled = ph.program.lower(*ph.args).compile()
+            seconds.setdefault(ph.name, []).append(_optimal_seconds(compiled))
+            spent[ph.name] = spent.get(ph.name, 0.0) + time.perf_counter() - t0
+            runs[ph.name] = ph.runs
+    layers = cfg.model_cfg.n_layers
+    out = []
+    for name, (one, two) in seconds.items():
+        per_run = one + (layers - 1) * max(two - one, 0.0) if one > 0 and two > 0 else 0.0
+        out.append(PhaseFit(name, runs[name], per_run, (one, two), spent[name]))
+    return out
+
+
+def _optimal_seconds(compiled: Any) -> float:
+    """The compiler's optimal_seconds, with libtpu's -1 s per ConcatBitcast / SliceId / ZeroCrop added back."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    seconds = float(cost.get("optimal_seconds", 0.0))
+    if seconds < 0:
+        hlo = compiled.as_text()
+        seconds += sum(hlo.count(op) for op in _MINUS_ONE_SECOND_OPS)
+    return seconds
 
 
 def _resolve_mesh(cfg: TrainConfig, devices: list[Any], target: Target) -> TrainConfig:
@@ -413,10 +468,7 @@ def _compile(p: ProgramFit, lowered: Any, mesh: Any, target: Target, n_devices: 
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         p.compiler_flops = float(cost.get("flops", 0.0)) * n_devices
-        p.compiler_seconds = float(cost.get("optimal_seconds", 0.0))
-        if p.compiler_seconds < 0:
-            hlo = compiled.as_text()
-            p.compiler_seconds += sum(hlo.count(op) for op in _MINUS_ONE_SECOND_OPS)
+        p.compiler_seconds = _optimal_seconds(compiled)
     p.compile_seconds = time.perf_counter() - t0
     if cache is not None:
         cache.compiles += 1

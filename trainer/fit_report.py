@@ -70,6 +70,7 @@ class ProgramFit:
     flops: float = 0.0  # analytic, executed, all devices, every loop iteration
     model_flops: float = 0.0
     seconds: float = 0.0  # the estimate described in the module docstring
+    lower_bound: float = 0.0  # seconds: the physical floor of the same work (trainer/fit_phases.py); 0: none
     compile_seconds: float = 0.0
     reused: bool = False  # the same lowered program was compiled before (fit's CompileCache): figures copied
 
@@ -86,6 +87,21 @@ class ProgramFit:
     @property
     def peak(self) -> int:
         return self.program_peak + self.resident
+
+
+@dataclass
+class PhaseFit:
+    """One sampler phase compiled on its own (trainer/fit_phases.py): seconds per run and runs per RL step."""
+
+    name: str  # gather, prefill, refill, decode
+    runs: int
+    seconds: float  # per run, extrapolated to the model's depth; <= 0: the compiler gave no usable time
+    depth_seconds: tuple[float, ...]  # the compiler's optimal_seconds at fit_phases.DEPTHS layers
+    compile_seconds: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.runs * self.seconds
 
 
 @dataclass
@@ -181,6 +197,8 @@ class FitReport:
     hbm_usable: int | None = None
     state: StateFit | None = None  # the RL trainer's state by kind (estimate)
     service: ServiceFit | None = None  # set: a service engine's report
+    phases: list[PhaseFit] = field(default_factory=list)  # the sampler's phases, when compiled on their own
+    sample_bounds: dict[str, float] = field(default_factory=dict)  # prefill and decode lower bounds, seconds
 
     @property
     def devices_per_chip(self) -> int:
@@ -243,6 +261,15 @@ class FitReport:
         return sum(p.seconds for p in self.programs if p.skipped is None)
 
     @property
+    def step_lower_bound(self) -> float:
+        return sum(p.lower_bound for p in self.programs if p.skipped is None)
+
+    @property
+    def bound_ratio(self) -> float | None:
+        """Estimated step time / its lower bound: how far the programs are from the hardware (1 = at the floor)."""
+        return self.step_seconds / self.step_lower_bound if self.step_lower_bound > 0 else None
+
+    @property
     def model_flops(self) -> float:
         return sum(p.model_flops for p in self.programs if p.skipped is None)
 
@@ -291,20 +318,23 @@ class FitReport:
                 continue
             status = self.status(p)
             # No time for a program that cannot run: it would read as achievable.
-            secs = "—" if status == "does not fit" else _secs(p.seconds)
+            secs = ["—" if status == "does not fit" else _secs(p.seconds)]
+            if self.service is None:
+                secs.append(_bound(p, status))
             if p.oom_message is not None:
                 out.append([p.name, "-", "-", "-", "-", _gib(p.resident), _gib(p.peak),
-                            f"{self.share(p):.0%}", f"{p.flops:.3g}", secs,
+                            f"{self.share(p):.0%}", f"{p.flops:.3g}", *secs,
                             f"{status} (compiler: {_gib(p.oom_required or 0)} needed, "
                             f"{_gib(p.oom_available or 0)} available)"])
                 continue
             out.append([p.name, _gib(p.argument), _gib(p.temp), _gib(p.output), _gib(p.alias), _gib(p.resident),
-                        _gib(p.peak), f"{self.share(p):.0%}", f"{p.flops:.3g}", secs, status])
+                        _gib(p.peak), f"{self.share(p):.0%}", f"{p.flops:.3g}", *secs, status])
         return out
 
     def headers(self) -> tuple[str, ...]:
+        bound = ("lower bound (est. / bound)",) if self.service is None else ()
         return ("program", "arguments", "temporaries", "outputs", "aliased", "resident", "peak",
-                f"of {self.hbm_basis}", "FLOPs", "est. time", "status")
+                f"of {self.hbm_basis}", "FLOPs", "est. time", *bound, "status")
 
     def summary_line(self) -> str:
         t = self.target
@@ -326,8 +356,11 @@ class FitReport:
         if why is not None:
             return (f"one RL step: {self.model_flops:.3g} model FLOPs; est. time — and MFU — (not applicable: {why}; "
                     "no estimate for a configuration that cannot run)")
+        ratio = self.bound_ratio
+        bound = (f"; lower bound {_secs(self.step_lower_bound)}, estimate / bound = {ratio:.2f}x"
+                 if ratio is not None else "")
         return (f"one RL step: {self.model_flops:.3g} model FLOPs in ~{_secs(self.step_seconds)} (estimated) = "
-                f"MFU ~{self.mfu:.1%} of {t.chips} chips x {t.peak_flops_per_chip / 1e12:g} TFLOP/s")
+                f"MFU ~{self.mfu:.1%} of {t.chips} chips x {t.peak_flops_per_chip / 1e12:g} TFLOP/s{bound}")
 
     def notes(self) -> list[str]:
         hbm = _gib(self.target.hbm_bytes_per_chip)
@@ -349,12 +382,26 @@ class FitReport:
                 + (_secs(p.compiler_seconds) if p.compiler_seconds > 0 else "no usable time")
                 for p in self.programs if p.compiled) + "). "
             "est. time: ref_logprobs and update scale the compiler's optimal_seconds to every iteration (at peak "
-            "FLOP/s where the compiler gave no usable time: optimistic); sample is prefill + max_new_tokens decode "
-            "steps on a FLOPs / HBM-bandwidth roofline (decode is bandwidth-bound). Estimates, not measurements.",
+            "FLOP/s where the compiler gave no usable time: optimistic); " + self._sample_note()
+            + " Estimates, not measurements.",
+            "Lower bounds (trainer/fit_phases.py): prefill, ref_logprobs and update at their model FLOPs over peak; "
+            "each decode step at the bytes a chip must read (its share of the compute-dtype weights and its rows' "
+            "live KV cache) over HBM bandwidth" + (
+                f" (sample: prefill {_secs(self.sample_bounds['prefill'])}, decode "
+                f"{_secs(self.sample_bounds['decode'])})" if self.sample_bounds else "") + ".",
             "Savings next to a suggestion are estimates (trainer/fit_estimate.py): the tensors the setting scales, "
             "calibrated on this compile; `fit --search` compiles to check.",
         ]
         return [*notes, *self._resident_notes()]
+
+    def _sample_note(self) -> str:
+        if not self.phases:
+            return ("sample is prefill + max_new_tokens decode steps on a FLOPs / HBM-bandwidth roofline (its phases "
+                    "were not compiled on their own).")
+        parts = [f"{ph.name} {ph.runs} x {_secs(ph.seconds)}" for ph in self.phases if ph.runs]
+        return ("sample is each of its phases compiled on its own (layers unrolled, at 1 and 2 layers, extrapolated "
+                "to the model's depth) times the runs of a step whose every row generates max_new_tokens: "
+                + " + ".join(parts) + ".")
 
     def _resident_notes(self) -> list[str]:
         notes = []
@@ -468,6 +515,9 @@ class FitReport:
             "programs": programs,
             # A service has no step: each program's own time and FLOPs are in `programs`.
             "step_seconds": None if why or self.service else self.step_seconds, "model_flops": self.model_flops,
+            "step_lower_bound": None if why or self.service else self.step_lower_bound,
+            "bound_ratio": None if why or self.service else self.bound_ratio,
+            "phases": [asdict(ph) | {"total": ph.total} for ph in self.phases], "sample_bounds": self.sample_bounds,
             "mfu": None if why or self.service else self.mfu, "not_applicable": why,
             "suggestions": {k: [asdict(s) | {"saves_is": "estimate" if s.saves is not None else None} for s in v]
                             for k, v in self.suggestions.items()},
@@ -479,6 +529,12 @@ class FitReport:
 
     def json(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"
+
+
+def _bound(p: ProgramFit, status: str) -> str:
+    if p.lower_bound <= 0 or status == "does not fit":
+        return "—"
+    return f"{_secs(p.lower_bound)} ({p.seconds / p.lower_bound:.1f}x)"
 
 
 def _gib(n: int) -> str:

@@ -207,7 +207,7 @@ class _Search:
         settings = self.settings(values)
         self.tried.add(tuple(settings))
         report = fit(with_settings(self.cfg, settings), self.target, title=self.title, model=self.model,
-                     progress=self.say, cache=self.cache)
+                     progress=self.say, cache=self.cache, phases=False)
         resolved = with_settings(self.given, settings)
         for p in report.programs:
             if p.skipped is None:

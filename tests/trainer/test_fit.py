@@ -264,3 +264,67 @@ def test_bundled_configs_load_by_bare_name_and_size_their_model(monkeypatch: pyt
         assert cfg.batch_size >= 64 and cfg.prompt_len + cfg.sampling.max_new_tokens >= 1024 or name == "demo.yaml"
     with pytest.raises(ConfigError, match=r"cannot read config nope.yaml: .*\(nor a bundled config: demo.yaml, "):
         load_config("nope.yaml")
+
+
+def test_the_sampler_is_priced_phase_by_phase(deep: F.FitReport) -> None:
+    """No chunking (one prefill, N decode steps), no weight gathering: the sample estimate is its compiled phases
+    times their runs, and every estimate sits above its physical floor."""
+    p = _by_name(deep)
+    runs = {ph.name: ph.runs for ph in deep.phases}
+    assert runs == {"prefill": 1, "decode": 8}
+    assert all(ph.seconds > 0 and ph.depth_seconds[1] > ph.depth_seconds[0] for ph in deep.phases)
+    assert p["sample"].seconds == pytest.approx(sum(ph.total for ph in deep.phases))
+    for name in ("sample", "update"):
+        assert p[name].seconds > p[name].lower_bound > 0, name
+    assert deep.step_lower_bound == pytest.approx(p["sample"].lower_bound + p["update"].lower_bound)
+    assert deep.bound_ratio == pytest.approx(deep.step_seconds / deep.step_lower_bound)
+    doc = json.loads(deep.json())
+    assert doc["bound_ratio"] == pytest.approx(deep.bound_ratio) and [x["name"] for x in doc["phases"]] == [
+        "prefill", "decode"]
+    assert "lower bound (est. / bound)" in deep.text() and "estimate / bound" in deep.summary_line()
+
+
+def test_phase_runs_follow_chunks_and_continuous_batching() -> None:
+    """16 rows in slots of 4 on 4 data-parallel devices: static chunks prefill 4 times; continuous batching prefills
+    the first 4 and refills the other 12 a row per data-parallel device at a time (3 refills); each decodes 4 x N."""
+    from trainer import fit_phases as FP
+
+    static = resolve_mesh(_cfg(sampling={"max_num_sequences": 4, "continuous_batching": False}), 4)
+    cont = resolve_mesh(_cfg(sampling={"max_num_sequences": 4, "gather_weights": True}), 4)
+    assert FP.counts(static, 4) == {"gather": 0, "prefill": 4, "refill": 0, "decode": 32}
+    assert FP.counts(cont, 4) == {"gather": 1, "prefill": 1, "refill": 3, "decode": 32}
+    assert FP.counts(cont, 2) == {"gather": 1, "prefill": 1, "refill": 6, "decode": 32}
+
+
+def test_a_phase_extrapolates_linearly_in_depth() -> None:
+    """What the sampler's phases rest on: compiled with 3 unrolled layers, a decode step costs what the 1- and
+    2-layer compiles extrapolate to."""
+    from trainer import fit_phases as FP
+    from trainer.sharding import make_mesh
+
+    F.prepare_environment(V6E_2X2)
+    devices = F.topology_devices(V6E_2X2)
+    cfg = F.resolve_model(resolve_mesh(_cfg(), 4))[0]
+    mesh = make_mesh(1, 4, 1, devices)
+    seconds = []
+    for depth in (1, 2, 3):
+        decode = next(ph for ph in FP.phases(FP.with_depth(cfg, depth), mesh) if ph.name == "decode")
+        with jax.set_mesh(mesh):
+            seconds.append(F._optimal_seconds(decode.program.lower(*decode.args).compile()))
+    assert seconds[2] == pytest.approx(seconds[0] + 2 * (seconds[1] - seconds[0]), rel=0.1)
+
+
+def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
+    """The decode floor by hand: 2 steps of 4 rows on fsdp 2 x tensor 2 read each chip's half of the bf16 weights
+    and its 2 rows' KV cache (split over 2 KV heads' tensor halves) at P + 1 and P + 2 positions."""
+    from trainer import fit_phases as FP
+
+    cfg = resolve_mesh(_cfg({"n_layers": 2}, mesh={"tensor": 2}, rl={"group_size": 2, "prompts_per_step": 2},
+                            sampling={"max_new_tokens": 2}, compute={"dtype": "bfloat16"}), 4)
+    m, P = cfg.model_cfg, cfg.prompt_len
+    weights = F.param_count(m) * 2 / 2
+    kv_token = m.n_layers * 2 * m.n_kv_heads * m.head_dim * 2 / 2
+    bw = 1e12
+    want = sum((weights + 2 * kv_token * (P + i)) / bw for i in (1, 2))
+    got = FP.bounds(cfg, 4, 1e30, bw, {"update": 8e30})
+    assert got.decode == pytest.approx(want) and got.update == pytest.approx(2.0)
