@@ -121,6 +121,12 @@ class ComputeConfig(_Strict):
     # the preflight's cost model needs, and sometimes faster for shallow models).
     scan_layers: bool = Field(True, description="run the decoder layers as one lax.scan (compile time flat in "
                               "depth); false: unrolled")
+    # Attention of the passes without a KV cache (the update, reference log-probs): auto = the fused Pallas flash
+    # attention kernel where the mesh is on TPU and the sequence a multiple of its 128-token blocks, else XLA's
+    # einsum + softmax (which writes the [T, T] scores to HBM). flash forces the kernel (off TPU it runs only in
+    # Pallas' interpret mode, as the tests do); xla forces the einsum.
+    attention: Literal["auto", "xla", "flash"] = Field("auto", description="attention of the passes without a "
+                                                       "KV cache: auto = Pallas flash attention on TPU, else XLA")
 
 
 class MeshConfig(_Strict):

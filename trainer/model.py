@@ -10,6 +10,7 @@ batch row adds its own slot's low-rank update to the targeted projections.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -226,12 +227,47 @@ def attention(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, mask_BTS:
     return out_BTKGE.reshape(B, T, H, E)
 
 
+FLASH_BLOCK = 128  # the Pallas kernel's blocks: the sequence must be a multiple
+
+
+def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, valid_BT: jax.Array) -> jax.Array:
+    """Causal attention of T tokens among themselves with pad keys masked, as `attention` computes it for valid
+    queries, in the fused Pallas TPU kernel (no [T, T] scores in HBM, forward and backward). Pad tokens form their own
+    segment, so a pad query attends pads (its output is never used; valid queries never see a pad). Under a mesh the
+    kernel runs per shard (shard_map): rows over the data axes, heads over tensor where both head counts divide."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    from trainer.sharding import DATA_AXES
+
+    B, T, H, E = q_BTHE.shape
+    K = k_BTKE.shape[2]
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+        g = q.shape[2] // k.shape[2]
+        q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))  # [B, heads, T, E]
+        k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)  # q head h reads kv head h // g
+        seg = valid.astype(jnp.int32)
+        out = fa.flash_attention(q, k, v, segment_ids=fa.SegmentIds(seg, seg), causal=True, sm_scale=E**-0.5)
+        return out.swapaxes(1, 2)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q_BTHE, k_BTKE, v_BTKE, valid_BT)
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if H % tensor == 0 and K % tensor == 0 else None
+    data = math.prod(mesh.shape[a] for a in DATA_AXES)
+    rows = DATA_AXES if B % data == 0 else None
+    spec = jax.sharding.PartitionSpec(rows, None, heads, None)
+    return jax.shard_map(local, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(rows, None)), out_specs=spec,
+                         check_vma=False)(q_BTHE, k_BTKE, v_BTKE, valid_BT)
+
+
 def _layer(
     cfg: ModelConfig,
     x_BTD: jax.Array,
     p: Params,
     pos_BT: jax.Array,
-    mask_BTS: jax.Array,
+    attend: Any,
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | int,
     lora: Params | None = None,
@@ -259,7 +295,7 @@ def _layer(
         k_cache, v_cache = kv
         k, v = write_slots(k_cache, k, index), write_slots(v_cache, v, index)
         kv = (k, v)
-    attn = attention(q, k, v, mask_BTS)
+    attn = attend(q, k, v)
     x_BTD = x_BTD + proj("bthe,hed->btd", attn, "wo")
     x_BTD = constrain(x_BTD, ("batch", "seq", None))
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
@@ -322,11 +358,16 @@ def forward(
 
     lora_layers = (adapter.weights.get("layers") or None) if adapter is not None else None
     gate_BS = adapter.gate_BS if adapter is not None else None
+    if cache is None and cc.attention == "flash" and T % FLASH_BLOCK == 0:
+        valid = valid_BT.astype(bool)
+        attend = lambda q, k, v: flash_attention(q, k, v, valid)  # noqa: E731
+    else:
+        attend = lambda q, k, v: attention(q, k, v, mask_BTS)  # noqa: E731
 
     def body(x: jax.Array, xs: tuple[Params, Params | None, Any]) -> tuple[jax.Array, Any]:
         p, lp, kv = xs
         lp = None if lp is None else cast_weights(lp, dt)
-        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, mask_BTS, kv, index, lp, gate_BS)
+        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, attend, kv, index, lp, gate_BS)
         return x, kv
 
     if cc.remat != "none":

@@ -90,6 +90,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     """Cached on the (frozen, hashable) config sections, so a resumed or repeated run in the same process
     reuses the compiled programs."""
     n_mb = rl.minibatches
+    if cc.attention == "auto":  # the Pallas kernel is a TPU kernel
+        cc = cc.model_copy(update={"attention": "flash" if mesh.devices.flat[0].platform == "tpu" else "xla"})
     data_groups = math.prod(mesh.shape[a] for a in DATA_AXES)  # a refill of one row each keeps every group busy
     base_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), rules)
     if lcfg is None:
