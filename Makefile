@@ -9,7 +9,7 @@ CHECKOV_VENV := $(VENV)/checkov
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 
-.PHONY: install demo plan train-demo test lint golden bench bench-ray bench-tinker clean
+.PHONY: install demo plan train-demo test lint golden bench bench-ray bench-tinker bench-tunix clean
 
 $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -69,5 +69,19 @@ $(SKYRL_VENV)/.installed-stamp:
 bench-tinker: install $(SKYRL_VENV)/.installed-stamp
 	$(PY) -m bench.tinker_service --skyrl-venv $(SKYRL_VENV) --json runs/bench-tinker.json
 
+# Our GRPO update step against google-tunix 0.1.7's train step on the same tiny Qwen3 and batch, 1 device and 2 x 2
+# CPU devices, with and without KL, alternating processes (bench/README.md). Tunix (PyPI google-tunix; the name
+# "tunix" is an unrelated placeholder) in its own venv, git-ignored, pinned by bench/tunix-requirements.txt.
+TUNIX_VENV ?= .venv-tunix
+
+$(TUNIX_VENV)/.installed-stamp: bench/tunix-requirements.txt
+	test -x $(TUNIX_VENV)/bin/python || python3 -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TUNIX_VENV)/bin/python -m pip install -q -r bench/tunix-requirements.txt
+	touch $@
+
+bench-tunix: install $(TUNIX_VENV)/.installed-stamp
+	$(PY) -m bench.tunix_side_by_side --tunix-venv $(TUNIX_VENV) --json runs/bench-tunix.json
+
 clean:
-	rm -rf $(VENV) $(SKYRL_VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules
+	rm -rf $(VENV) $(SKYRL_VENV) $(TUNIX_VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules
