@@ -11,9 +11,10 @@ tensor 2 (weights over fsdp and heads / d_ff over tensor, the batch over fsdp, o
 Per mesh, both workers start and compile every case, then take turns: for each of --pairs rounds and each case, one
 side times --steps steps, then the other (the order flips every time), while the idle one waits on its stdin. A busy
 spell of the machine (it is shared) thus hits both sides of a pair. Reported per case: the median per-step wall time
-of each side over all its timed steps, ours / Tunix, and the spread of the per-pair ratios (ratio of pair medians).
+of each side over all its timed steps, ours / Tunix, the spread of the per-pair ratios (ratio of pair medians), and
+the median CPU seconds per step of each worker process (all threads; steadier than wall time on a loaded machine).
 
-    .venv/bin/python -m bench.tunix_side_by_side --json runs/bench-tunix.json     # ~4 min on 2 cores (make bench-tunix)
+    .venv/bin/python -m bench.tunix_side_by_side --json runs/bench-tunix.json   # 3-7 min on 2 cores (make bench-tunix)
 
 `--set KEY=VALUE` passes a config override to our side (e.g. compute.scan_layers=false) for experiments; the
 default run uses our defaults.
