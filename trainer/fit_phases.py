@@ -40,8 +40,10 @@ class Phase:
 def counts(cfg: TrainConfig, data_groups: int) -> dict[str, int]:
     """How often each phase runs in one step when every row generates max_new_tokens."""
     B, c, N = cfg.batch_size, cfg.sample_chunk_rows, cfg.sampling.max_new_tokens
+    from trainer.sampler import refill_size
+
     continuous = cfg.sampling.continuous_batching and c < B
-    refill = max(1, min(data_groups, c))
+    refill = refill_size(data_groups, c)
     return {
         "gather": int(bool(cfg.sampling.gather_weights)),
         "prefill": 1 if continuous else B // c,
@@ -68,22 +70,20 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
     from trainer import model as M
     from trainer import sampler as S
     from trainer.sharding import (
-        DATA_AXES,
         RULES,
         RULES_ACROSS_SLICES,
         RULES_GATHERED,
         batch_sharding,
+        data_size,
         logical_to_spec,
         named_shardings,
     )
 
     mcfg, cc, sc, lcfg = cfg.model_cfg, cfg.compute, cfg.sampling, cfg.lora
     P, N, c = cfg.prompt_len, sc.max_new_tokens, cfg.sample_chunk_rows
-    groups = 1
-    for a in DATA_AXES:
-        groups *= mesh.shape[a]
+    groups = data_size(mesh)
     runs = counts(cfg, groups)
-    R = max(1, min(groups, c))
+    R = S.refill_size(groups, c)
     rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
     abstract = M.abstract_params(mcfg)
     param_sh = named_shardings(mesh, M.param_axes(mcfg), abstract, rules)

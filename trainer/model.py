@@ -10,7 +10,6 @@ batch row adds its own slot's low-rank update to the targeted projections.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -237,7 +236,7 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
     kernel runs per shard (shard_map): rows over the data axes, heads over tensor where both head counts divide."""
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    from trainer.sharding import DATA_AXES
+    from trainer.sharding import DATA_AXES, data_size
 
     B, T, H, E = q_BTHE.shape
     K = k_BTKE.shape[2]
@@ -255,8 +254,7 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
         return local(q_BTHE, k_BTKE, v_BTKE, valid_BT)
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if H % tensor == 0 and K % tensor == 0 else None
-    data = math.prod(mesh.shape[a] for a in DATA_AXES)
-    rows = DATA_AXES if B % data == 0 else None
+    rows = DATA_AXES if B % data_size(mesh) == 0 else None
     spec = jax.sharding.PartitionSpec(rows, None, heads, None)
     return jax.shard_map(local, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(rows, None)), out_specs=spec,
                          check_vma=False)(q_BTHE, k_BTKE, v_BTKE, valid_BT)

@@ -131,6 +131,11 @@ def sample(
     return Samples(*(join_strided(x) for x in out[:3]), jnp.sum(out.steps))
 
 
+def refill_size(refill_rows: int, slots: int) -> int:
+    """Rows a continuous-batching refill prefills together: `refill_rows`, at least 1 and at most the slots."""
+    return max(1, min(refill_rows, slots))
+
+
 def row_keys(key: jax.Array, rows_B: jax.Array) -> jax.Array:
     """Each row's random stream: the step's key folded with the row's index in the whole batch."""
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
@@ -264,7 +269,7 @@ def _sample_continuous(
     at P + i), so a refilled slot's stale keys past its position are masked exactly as unwritten ones, and each
     row's tokens are those the static sampler draws."""
     B, P = prompt_BP.shape
-    N, C, R = max_new_tokens, slots, max(1, min(refill_rows, slots))
+    N, C, R = max_new_tokens, slots, refill_size(refill_rows, slots)
     n = B // C
     prompt_BP, valid_BP = to_left_padding(prompt_BP, prompt_valid_BP.astype(bool))
     n_prompt_B = jnp.sum(valid_BP.astype(jnp.int32), axis=1)

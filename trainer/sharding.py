@@ -86,6 +86,11 @@ def _mesh_size(mesh: Mesh, axes: MeshAxes) -> int:
     return int(np.prod([mesh.shape[a] for a in names]))
 
 
+def data_size(mesh: Mesh | jax.sharding.AbstractMesh) -> int:
+    """Devices the batch is split over (slices x fsdp): the data-parallel groups."""
+    return _mesh_size(mesh, DATA_AXES)  # type: ignore[arg-type]
+
+
 def logical_to_spec(
     logical: Sequence[str | None],
     shape: Sequence[int] | None = None,

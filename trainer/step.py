@@ -17,7 +17,6 @@ picks its adapter slot (`slot`, int32 [B]; -1 = the base model alone); the refer
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +32,12 @@ from trainer.losses import Norm, group_advantages, policy_loss
 from trainer.optim import make_optimizer
 from trainer.sampler import Samples, sample
 from trainer.sharding import (
-    DATA_AXES,
     RULES,
     RULES_ACROSS_SLICES,
     RULES_GATHERED,
     batch_sharding,
     constrain,
+    data_size,
     named_shardings,
     opt_state_shardings,
     replicated,
@@ -92,7 +91,6 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     n_mb = rl.minibatches
     if cc.attention == "auto":  # the Pallas kernel is a TPU kernel
         cc = cc.model_copy(update={"attention": "flash" if mesh.devices.flat[0].platform == "tpu" else "xla"})
-    data_groups = math.prod(mesh.shape[a] for a in DATA_AXES)  # a refill of one row each keeps every group busy
     base_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), rules)
     if lcfg is None:
         optimizer = make_optimizer(optim, steps, rl.mu_iterations * n_mb)
@@ -136,7 +134,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         return sample(sampler_weights(base_of(params)), mcfg, prompt, valid, key, max_new_tokens=sc.max_new_tokens,
                       eos_id=eos_id, pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, cc=cc,
                       max_num_sequences=sc.max_num_sequences, adapter=adapter_of(params, slot),
-                      continuous=sc.continuous_batching, refill_rows=data_groups)
+                      continuous=sc.continuous_batching, refill_rows=data_size(mesh))
 
     def logprobs(params: M.Params, batch: Batch, with_adapter: bool = True) -> tuple[jax.Array, jax.Array]:
         adapter = adapter_of(params, batch.get("slot")) if with_adapter else None

@@ -33,7 +33,7 @@ from trainer.config import LoraConfig, ModelConfig, TrainConfig
 from trainer.sampler import Samples, sample
 from trainer.service.losses import LossInputs, tinker_losses
 from trainer.service.shapes import rows, stack_config
-from trainer.sharding import DATA_AXES, RULES, RULES_ACROSS_SLICES, batch_sharding, named_shardings, replicated
+from trainer.sharding import RULES, RULES_ACROSS_SLICES, batch_sharding, data_size, named_shardings, replicated
 
 f32 = jnp.float32
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
     b1, b2 = batch_sharding(mesh, 1), batch_sharding(mesh, 2)
     inputs_sh = LossInputs(loss_id=b1, mask=b2, weights=b2, sampling_logprobs=b2, advantages=b2, ratio_mask=b2,
                            clip_low=b2, clip_high=b2, beta=b1)
-    data_parallel = int(np.prod([mesh.shape[a] for a in DATA_AXES]))
+    data_parallel = data_size(mesh)
 
     def logp(params: Any, lora: Any, scale_S: jax.Array, tokens_BT: jax.Array, slot_B: jax.Array,
              targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
