@@ -87,6 +87,13 @@ class ModelConfig(_Strict):
 
 
 DType = Literal["float32", "bfloat16"]
+# compute.scan_layers unset: unrolled up to this depth. Unrolled was faster at 4, 8 and 16 layers on the CPU while
+# its first call grew from 6-10 s to 6-17 s (bench/README.md "Against Tunix"); deep models keep flat compile times.
+UNROLL_MAX_LAYERS = 16
+# compute.train_micro_batch_size unset on a CPU mesh: tokens per data shard per micro-batch. A measurement on a
+# 2 MiB-L2 CPU (bench/README.md "Against Tunix"), where the update's transposes and matmuls then fit the caches;
+# TPUs and GPUs keep the whole minibatch (large matmuls; FSDP re-gathers the weights for every micro-batch).
+CPU_MICRO_BATCH_TOKENS = 256
 
 
 class ComputeConfig(_Strict):
@@ -98,7 +105,7 @@ class ComputeConfig(_Strict):
     remat: recompute each decoder layer in the backward pass: none (keep every activation), full (keep only
     the layer inputs), dots (keep matmul outputs without a batch dim, recompute the rest).
     train_micro_batch_size: global sequences per gradient-accumulation micro-batch (None = the whole
-    minibatch in one pass).
+    minibatch in one pass; on a CPU mesh, see `TrainConfig.micro_batch_rows_on`).
     logprob_chunk: completion tokens whose [B, chunk, V] fp32 logits exist at once (recomputed in the backward).
     """
 
@@ -110,23 +117,29 @@ class ComputeConfig(_Strict):
         "none", description="recompute each decoder layer in the backward pass: none (keep every activation), full "
         "(keep only the layer inputs), dots (keep matmul outputs without a batch dim, recompute the rest)")
     train_micro_batch_size: int | None = Field(None, gt=0, description="global sequences per gradient-accumulation "
-                                               "micro-batch; unset: the whole minibatch in one pass")
+                                               "micro-batch; unset: the whole minibatch in one pass (on a CPU "
+                                               "mesh: micro-batches of at most 256 tokens per data shard)")
     logprob_chunk: int = Field(512, gt=0, description="completion tokens whose float32 logits exist at once "
                                "(recomputed in the backward pass)")
     # The gradient-accumulation buffer (with train_micro_batch_size). float32 adds a params x 4 bytes buffer; bfloat16
     # halves it and rounds each micro-batch's sum to 8 mantissa bits: for bf16 training state that does not fit.
     grad_accum_dtype: DType = Field("float32", description="the gradient-accumulation buffer (with "
                                     "train_micro_batch_size); bfloat16 halves it and rounds each micro-batch's sum")
-    # Run the decoder layers as one lax.scan (compile time flat in depth) or unrolled (XLA sees every layer: what
-    # the preflight's cost model needs, and sometimes faster for shallow models).
-    scan_layers: bool = Field(True, description="run the decoder layers as one lax.scan (compile time flat in "
-                              "depth); false: unrolled")
+    # Run the decoder layers as one lax.scan (compile time flat in depth) or unrolled (XLA sees every layer, and
+    # the backward keeps no stacked residual buffers: faster at every depth measured, bench/README.md "Against
+    # Tunix"). Unset: unrolled up to UNROLL_MAX_LAYERS, scanned above, where compile time would grow with depth.
+    scan_layers: bool | None = Field(None, description="run the decoder layers as one lax.scan (compile time flat "
+                                     "in depth); false: unrolled; unset: unrolled up to 16 layers, scanned above")
     # Attention of the passes without a KV cache (the update, reference log-probs): auto = the fused Pallas flash
     # attention kernel where the mesh is on TPU and the sequence a multiple of its 128-token blocks, else XLA's
     # einsum + softmax (which writes the [T, T] scores to HBM). flash forces the kernel (off TPU it runs only in
     # Pallas' interpret mode, as the tests do); xla forces the einsum.
     attention: Literal["auto", "xla", "flash"] = Field("auto", description="attention of the passes without a "
                                                        "KV cache: auto = Pallas flash attention on TPU, else XLA")
+
+    def scans(self, n_layers: int) -> bool:
+        """Whether the decoder layers run as one lax.scan."""
+        return self.scan_layers if self.scan_layers is not None else n_layers > UNROLL_MAX_LAYERS
 
 
 class MeshConfig(_Strict):
@@ -353,6 +366,17 @@ class TrainConfig(_Strict):
     @property
     def micro_batch_rows(self) -> int:
         return self.compute.train_micro_batch_size or self.minibatch_rows
+
+    def micro_batch_rows_on(self, platform: str, data: int) -> int:
+        """Sequences per micro-batch on a mesh of `platform` with `data` data-parallel shards: the set value, or
+        unset on a CPU mesh the largest even split of the minibatch of at most CPU_MICRO_BATCH_TOKENS (prompt +
+        completion) per shard, at least one row each. The mesh's platform, not the host's: fit builds TPU
+        programs on a CPU host."""
+        if self.compute.train_micro_batch_size is not None or platform != "cpu" or self.minibatch_rows % data:
+            return self.micro_batch_rows
+        per_shard = self.minibatch_rows // data
+        fit = max(1, CPU_MICRO_BATCH_TOKENS // (self.prompt_len + self.sampling.max_new_tokens))
+        return data * max(d for d in range(1, min(fit, per_shard) + 1) if per_shard % d == 0)
 
     @property
     def sample_chunk_rows(self) -> int:

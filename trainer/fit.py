@@ -22,8 +22,11 @@ What is measured, and what is estimated:
   (tests/trainer/test_fit.py). So the compiler's own figures are kept as reported and the estimates are:
   - FLOPs: analytic, for what the program executes (attention over every key slot it computes, remat and the
     log-prob chunks' recomputation included), with every loop iteration counted;
-  - ref_logprobs, update: the compiler's `optimal_seconds` x (analytic FLOPs / compiler FLOPs), i.e. the
-    compiler's own throughput for the program's loop bodies applied to all their iterations. libtpu 0.0.42.1 prices
+  - ref_logprobs, update: compiled again with their layers unrolled, at 1 and 2 layers, and extrapolated to the
+    model's depth (`_price_passes`; the update one micro-batch per run, the optimizer once per minibatch). A scanned
+    layer's body is priced above an unrolled layer (tests/trainer/test_fit.py), and scaling the whole program by
+    FLOPs would multiply its work outside the layers by the depth. With `phases=False` (fit --search): the
+    compiler's `optimal_seconds` x (analytic FLOPs / compiler FLOPs). libtpu 0.0.42.1 prices
     each `ConcatBitcast`, `SliceId` (multislice) and `ZeroCrop` custom call at -1 s, which makes `optimal_seconds`
     negative for realistic programs: those are added back; should it stay <= 0, the estimate falls back to peak
     FLOP/s (optimistic) and says so;
@@ -360,6 +363,8 @@ def fit(
             lowered = getattr(programs, name).lower(*args[name])
         _compile(p, lowered, mesh, target, len(devices), cache, say, f"{i + 1}/{len(PROGRAMS)}")
     _estimate_times(cfg, target, len(devices), flops, report_programs)
+    if phases:
+        _price_passes(cfg, target, mesh, report_programs, n_rewards, say)
     sample = report_programs[0]
     phase_fits = _price_sampler(cfg, target, mesh, say) if phases and sample.compiled else []
     if phase_fits and all(ph.seconds > 0 for ph in phase_fits):
@@ -368,6 +373,8 @@ def fit(
     for p in report_programs:
         p.lower_bound = {"sample": bounds.sample, "ref_logprobs": bounds.ref_logprobs,
                          "update": bounds.update}[p.name] if p.skipped is None else 0.0
+        if 0 < p.seconds < p.lower_bound:  # no estimate below physics (libtpu under-counts some reads)
+            p.below_bound, p.seconds = p.seconds, p.lower_bound
     m = cfg.model_cfg
     st = E.state(cfg)
     report = FitReport(
@@ -410,6 +417,57 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
         per_run = one + (layers - 1) * max(two - one, 0.0) if one > 0 and two > 0 else 0.0
         out.append(PhaseFit(name, runs[name], per_run, (one, two), spent[name]))
     return out
+
+
+def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[ProgramFit], n_rewards: int,
+                  say: Callable[[str], None]) -> None:
+    """ref_logprobs and update timed like the sampler's phases: compiled with 1 and 2 unrolled layers and
+    extrapolated to the model's depth. The full program's time counts its layer loop's body once, priced at over
+    2x an unrolled layer (tests/trainer/test_fit.py); scaling it by analytic / compiler FLOPs would also multiply
+    what lies outside the layers (the optimizer, the head) by the depth. The update is priced per micro-batch
+    (fit_phases.one_micro_batch: forward, backward and the optimizer once); the optimizer runs once per minibatch
+    and gradient accumulation adds a read and write of its buffer per micro-batch, both at HBM bandwidth. A loop
+    still counted once (the log-prob chunks) is scaled by FLOPs."""
+    import jax
+
+    from trainer.sharding import data_size
+    from trainer.step import abstract_args, build_programs
+
+    n_devices = mesh.devices.size
+    per_chip = max(1, n_devices // target.chips)
+    bw, peak = target.hbm_bytes_per_s_per_chip / per_chip, target.peak_flops_per_chip / per_chip
+    micro = cfg.micro_batch_rows_on(mesh.devices.flat[0].platform, data_size(mesh))
+    n_micro = cfg.minibatch_rows // micro
+    minibatches = cfg.rl.mu_iterations * cfg.rl.minibatches
+    st = E.state(cfg)
+    trainable = st.base if cfg.lora is None else st.adapters
+    optimizer = (2 * trainable + st.gradients + 2 * st.optimizer) / bw  # weights, moments read and written
+    accumulate = 2 * st.accumulator / bw
+    layers = cfg.model_cfg.n_layers
+    for p in programs:
+        if p.name not in ("ref_logprobs", "update") or not p.compiled or p.seconds <= 0:
+            continue
+        base, runs = (FP.one_micro_batch(cfg, micro), minibatches * n_micro) if p.name == "update" else (cfg, 1)
+        seconds, flops = [], []
+        for depth in FP.DEPTHS:
+            c = FP.with_depth(base, depth)
+            say(f"compiling {p.name} with {depth} layer{'s' if depth > 1 else ''} for {target.label}")
+            built = build_programs(c, mesh, 0, 1)
+            t0 = time.perf_counter()
+            with jax.set_mesh(mesh):
+                compiled = getattr(built, p.name).lower(*abstract_args(c, built, n_rewards)[p.name]).compile()
+            p.compile_seconds += time.perf_counter() - t0
+            seconds.append(_optimal_seconds(compiled))
+            flops.append(float(compiled.cost_analysis().get("flops", 0.0)))
+        if min(seconds) <= 0 or min(flops) <= 0:
+            continue
+        per_run = seconds[0] + (layers - 1) * max(seconds[1] - seconds[0], 0.0)
+        per_run_flops = flops[0] + (layers - 1) * max(flops[1] - flops[0], 0.0)
+        per_run *= max(1.0, p.flops / n_devices / runs / per_run_flops)
+        total = runs * per_run
+        if p.name == "update":
+            total += (minibatches - runs) * optimizer + (runs if n_micro > 1 else 0) * accumulate
+        p.seconds, p.depth_seconds, p.runs = max(total, p.flops / (n_devices * peak)), tuple(seconds), runs
 
 
 def _optimal_seconds(compiled: Any) -> float:

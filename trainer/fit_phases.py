@@ -18,6 +18,7 @@ split over mesh.tensor where the KV heads divide), over HBM bandwidth (or its FL
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,18 @@ class Phase:
     program: Any
     args: tuple[Any, ...]
     runs: int
+
+
+def one_micro_batch(cfg: TrainConfig, micro_rows: int) -> TrainConfig:
+    """`cfg` whose step is one of its update's micro-batches of `micro_rows` sequences: one minibatch, one
+    micro-batch, one mu iteration, so its update program runs the forward and backward once and the optimizer once,
+    with no loop left but the log-prob chunks'. (Groups shrink to fit: their size only shapes the advantages.)"""
+    g = math.gcd(micro_rows, cfg.rl.group_size)
+    return cfg.model_copy(update={
+        "rl": cfg.rl.model_copy(update={"group_size": g, "prompts_per_step": micro_rows // g, "minibatches": 1,
+                                        "mu_iterations": 1}),
+        "compute": cfg.compute.model_copy(update={"train_micro_batch_size": None}),
+        "sampling": cfg.sampling.model_copy(update={"max_num_sequences": None})})
 
 
 def counts(cfg: TrainConfig, data_groups: int) -> dict[str, int]:

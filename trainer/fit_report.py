@@ -71,6 +71,11 @@ class ProgramFit:
     model_flops: float = 0.0
     seconds: float = 0.0  # the estimate described in the module docstring
     lower_bound: float = 0.0  # seconds: the physical floor of the same work (trainer/fit_phases.py); 0: none
+    # ref_logprobs, update priced by depth (fit._price_passes): the compiler's optimal_seconds of one run (the
+    # update: one micro-batch and the optimizer) at fit_phases.DEPTHS unrolled layers, and the runs per step
+    depth_seconds: tuple[float, ...] = ()
+    runs: int = 1
+    below_bound: float = 0.0  # the compiled estimate where it fell below lower_bound (then seconds = the bound)
     compile_seconds: float = 0.0
     reused: bool = False  # the same lowered program was compiled before (fit's CompileCache): figures copied
 
@@ -381,8 +386,7 @@ class FitReport:
                 f"{p.name} {p.compiler_flops:.3g} FLOPs / "
                 + (_secs(p.compiler_seconds) if p.compiler_seconds > 0 else "no usable time")
                 for p in self.programs if p.compiled) + "). "
-            "est. time: ref_logprobs and update scale the compiler's optimal_seconds to every iteration (at peak "
-            "FLOP/s where the compiler gave no usable time: optimistic); " + self._sample_note()
+            "est. time: " + self._passes_note() + self._sample_note()
             + " Estimates, not measurements.",
             "Lower bounds (trainer/fit_phases.py): prefill, ref_logprobs and update at their model FLOPs over peak; "
             "each decode step at the bytes a chip must read (its share of the compute-dtype weights and its rows' "
@@ -392,7 +396,26 @@ class FitReport:
             "Savings next to a suggestion are estimates (trainer/fit_estimate.py): the tensors the setting scales, "
             "calibrated on this compile; `fit --search` compiles to check.",
         ]
+        for p in self.programs:
+            if p.below_bound:
+                notes.append(f"{p.name}: the compiled estimate, {_secs(p.below_bound)}, is below the physical floor, "
+                             f"so the floor ({_secs(p.lower_bound)}) is used: the compiler's cost model counts "
+                             "fewer bytes than the weights each chip must read.")
         return [*notes, *self._resident_notes()]
+
+    def _passes_note(self) -> str:
+        by_depth = [f"{p.name} {p.runs} x {_secs(p.seconds / p.runs)}" for p in self.programs
+                    if p.compiled and p.depth_seconds]
+        scaled = [p.name for p in self.programs if p.compiled and p.name != "sample" and not p.depth_seconds]
+        out = ""
+        if by_depth:
+            out += ("compiled again with their layers unrolled at 1 and 2 layers and extrapolated to the model's "
+                    "depth (the update one micro-batch per run, the optimizer once per minibatch): "
+                    + ", ".join(by_depth) + "; ")
+        if scaled:
+            out += (" and ".join(scaled) + " scale the compiler's optimal_seconds to every iteration (at peak FLOP/s "
+                    "where the compiler gave no usable time: optimistic); ")
+        return out
 
     def _sample_note(self) -> str:
         if not self.phases:

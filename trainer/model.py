@@ -266,11 +266,11 @@ def _layer(
     p: Params,
     pos_BT: jax.Array,
     attend: Any,
-    kv: tuple[jax.Array, jax.Array] | None,
+    kv: tuple[jax.Array, jax.Array, jax.Array] | None,
     index: jax.Array | int,
     lora: Params | None = None,
     gate_BS: jax.Array | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
     def proj(spec: str, x: jax.Array, key: str) -> jax.Array:
         y = jnp.einsum(spec, x, p[key])
         if lora is not None and key in lora:
@@ -289,10 +289,11 @@ def _layer(
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
     q = rope(q, pos_BT, cfg)
     k = rope(k, pos_BT, cfg)
-    if kv is not None:
-        k_cache, v_cache = kv
-        k, v = write_slots(k_cache, k, index), write_slots(v_cache, v, index)
-        kv = (k, v)
+    if kv is not None:  # the new keys and values written into the whole cache in place, then this layer's read
+        k_all, v_all, layer = kv
+        k_all, v_all = write_layer(k_all, k, layer, index), write_layer(v_all, v, layer, index)
+        k, v = k_all[layer], v_all[layer]
+        kv = (k_all, v_all, layer)
     attn = attend(q, k, v)
     x_BTD = x_BTD + proj("bthe,hed->btd", attn, "wo")
     x_BTD = constrain(x_BTD, ("batch", "seq", None))
@@ -311,6 +312,17 @@ def write_slots(cache_BS: jax.Array, new_BT: jax.Array, index: jax.Array | int) 
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT, index, axis=1)
     return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=0))(cache_BS, new_BT, index)
+
+
+def write_layer(cache_LBS: jax.Array, new_BT: jax.Array, layer: jax.Array, index: jax.Array | int) -> jax.Array:
+    """`write_slots` into layer `layer` of a stacked [L, B, S, ...] cache, in place: a decode step writes only its
+    tokens' keys and values. One scatter of unique, sorted (row, slot) pairs; the cache as a scan input stacked
+    into a fresh output, or a per-row dynamic-update-slice, made libtpu copy cache-sized buffers at every step.
+    Unlike dynamic-update-slice, slots past the end would be dropped, not clamped (no row writes past P + N)."""
+    B, T = new_BT.shape[:2]
+    rows, slots = jnp.arange(B)[:, None], jnp.broadcast_to(jnp.reshape(index, (-1, 1)), (B, 1)) + jnp.arange(T)
+    return cache_LBS.at[layer, rows, slots].set(new_BT.astype(cache_LBS.dtype), unique_indices=True,
+                                                indices_are_sorted=True)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, cc: ComputeConfig = DEFAULT_COMPUTE) -> KVCache:
@@ -362,19 +374,22 @@ def forward(
     else:
         attend = lambda q, k, v: attention(q, k, v, mask_BTS)  # noqa: E731
 
-    def body(x: jax.Array, xs: tuple[Params, Params | None, Any]) -> tuple[jax.Array, Any]:
-        p, lp, kv = xs
+    # The cache rides in the carry (updated in place); the layers' weights are the scanned inputs.
+    def body(carry: tuple[jax.Array, Any], xs: tuple[Params, Params | None, jax.Array]) -> tuple[Any, None]:
+        x, kv = carry
+        p, lp, layer = xs
         lp = None if lp is None else cast_weights(lp, dt)
-        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, attend, kv, index, lp, gate_BS)
-        return x, kv
+        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, attend,
+                       None if kv is None else (*kv, layer), index, lp, gate_BS)
+        return (x, None if kv is None else kv[:2]), None
 
     if cc.remat != "none":
         # prevent_cse=False is safe (and faster) inside scan, per jax.checkpoint's docs.
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cc.remat], prevent_cse=False)
 
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
-    x_BTD, kv_out = jax.lax.scan(body, x_BTD, (params["layers"], lora_layers, kv_in),
-                                 unroll=1 if cc.scan_layers else True)
+    (x_BTD, kv_out), _ = jax.lax.scan(body, (x_BTD, kv_in), (params["layers"], lora_layers, jnp.arange(cfg.n_layers)),
+                                      unroll=1 if cc.scans(cfg.n_layers) else True)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
     new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)
     return x_BTD, new_cache

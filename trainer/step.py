@@ -70,7 +70,8 @@ class Programs:
 def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
     """The programs for a resolved config (mesh axes known) on `mesh`."""
     rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
-    return _build(cfg.model_cfg, cfg.compute, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, cfg.micro_batch_rows,
+    micro_rows = cfg.micro_batch_rows_on(mesh.devices.flat[0].platform, data_size(mesh))
+    return _build(cfg.model_cfg, cfg.compute, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, micro_rows,
                   mesh, rules, pad_id, eos_id, cfg.lora)
 
 

@@ -149,7 +149,8 @@ ALIGNED_LORA = {"rank": 128, "alpha": 128, "slots": 2}
 
 def _aligned() -> Any:
     return config_from_dict({"model": ALIGNED, "mesh": {"slices": 1, "fsdp": -1, "tensor": 2},
-                             "compute": {"remat": "full", "logprob_chunk": 256}, "lora": ALIGNED_LORA,
+                             "compute": {"remat": "full", "logprob_chunk": 256, "scan_layers": True},
+                             "lora": ALIGNED_LORA,
                              "service": {**SERVICE, "max_batch_tokens": 1024}})
 
 
