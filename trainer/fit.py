@@ -22,7 +22,7 @@ What is measured, and what is estimated:
   (tests/trainer/test_fit.py). So the compiler's own figures are kept as reported and the estimates are:
   - FLOPs: analytic, for what the program executes (attention over every key slot it computes, remat and the
     log-prob chunks' recomputation included), with every loop iteration counted;
-  - ref_logprobs, update: compiled again with their layers unrolled, at 1 and 2 layers, and extrapolated to the
+  - ref_logprobs, update: compiled again with their layers unrolled, at 2 and 4 layers, and extrapolated to the
     model's depth (`_price_passes`; the update one micro-batch per run, the optimizer once per minibatch). A scanned
     layer's body is priced above an unrolled layer (tests/trainer/test_fit.py), and scaling the whole program by
     FLOPs would multiply its work outside the layers by the depth. With `phases=False` (fit --search): the
@@ -31,7 +31,7 @@ What is measured, and what is estimated:
     negative for realistic programs: those are added back; should it stay <= 0, the estimate falls back to peak
     FLOP/s (optimistic) and says so;
   - sample: each of the sampler's phases (the weights gathered for sampling, a prefill, a continuous-batching
-    refill, one decode step) compiled as a program of its own with its layers unrolled, at 1 and 2 layers, and
+    refill, one decode step) compiled as a program of its own with its layers unrolled, at 2 and 4 layers, and
     extrapolated to the model's depth (trainer/fit_phases.py): the compiler's optimal_seconds per run, which sees
     the decode step's real reads (the whole P + N-slot cache, the weights), layouts and collectives, times the runs
     of a step whose every row generates max_new_tokens. With `phases=False` (fit --search), or where the compiler
@@ -414,14 +414,14 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
     layers = cfg.model_cfg.n_layers
     out = []
     for name, (one, two) in seconds.items():
-        per_run = one + (layers - 1) * max(two - one, 0.0) if one > 0 and two > 0 else 0.0
+        per_run = FP.extrapolate((one, two), layers) if one > 0 and two > 0 else 0.0
         out.append(PhaseFit(name, runs[name], per_run, (one, two), spent[name]))
     return out
 
 
 def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[ProgramFit], n_rewards: int,
                   say: Callable[[str], None]) -> None:
-    """ref_logprobs and update timed like the sampler's phases: compiled with 1 and 2 unrolled layers and
+    """ref_logprobs and update timed like the sampler's phases: compiled with 2 and 4 unrolled layers and
     extrapolated to the model's depth. The full program's time counts its layer loop's body once, priced at over
     2x an unrolled layer (tests/trainer/test_fit.py); scaling it by analytic / compiler FLOPs would also multiply
     what lies outside the layers (the optimizer, the head) by the depth. The update is priced per micro-batch
@@ -461,9 +461,8 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
             flops.append(float(compiled.cost_analysis().get("flops", 0.0)))
         if min(seconds) <= 0 or min(flops) <= 0:
             continue
-        per_run = seconds[0] + (layers - 1) * max(seconds[1] - seconds[0], 0.0)
-        per_run_flops = flops[0] + (layers - 1) * max(flops[1] - flops[0], 0.0)
-        per_run *= max(1.0, p.flops / n_devices / runs / per_run_flops)
+        per_run = FP.extrapolate((seconds[0], seconds[1]), layers)
+        per_run *= max(1.0, p.flops / n_devices / runs / FP.extrapolate((flops[0], flops[1]), layers))
         total = runs * per_run
         if p.name == "update":
             total += (minibatches - runs) * optimizer + (runs if n_micro > 1 else 0) * accumulate

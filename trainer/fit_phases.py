@@ -5,7 +5,7 @@ its compiled program says little about its time. fit therefore compiles each pha
 it (trainer/sampler.py: the same functions, shardings and weights layout), with its decoder layers unrolled so no
 loop is left: the weights gathered for sampling (sampling.gather_weights, once per step), a prefill of the first
 `sample_chunk_rows` prompts, a refill of one row per data-parallel group (continuous batching), and one decode step
-(the token drawn, fed back through every layer against the P + N-slot cache). A phase is compiled with 1 and 2
+(the token drawn, fed back through every layer against the P + N-slot cache). A phase is compiled with 2 and 4
 layers and extrapolated linearly to the model's depth (the layers are identical), which keeps each compile small.
 
 Phase time x how often it runs (every row to max_new_tokens: the most a step can take) is the sample estimate.
@@ -25,7 +25,15 @@ from typing import Any
 from trainer.config import TrainConfig
 from trainer.flops import _fwd_flops, param_count
 
-DEPTHS = (1, 2)  # layers of the two compiles a phase's per-layer cost is taken from
+# Layers of the two compiles a phase's per-layer cost is taken from. Not 1: libtpu prices a 1-layer decode step
+# off the line the deeper ones lie on (Qwen3-8B on v6e 4x4: 1 layer 0.649 ms, 2 layers 0.637, 4 0.938, 6 1.211).
+DEPTHS = (2, 4)
+
+
+def extrapolate(values: tuple[float, float], layers: int) -> float:
+    """A figure compiled at DEPTHS layers, extrapolated linearly to `layers` (never falling with depth)."""
+    (a, b), (va, vb) = DEPTHS, values
+    return va + (layers - a) * max(vb - va, 0.0) / (b - a)
 
 
 @dataclass(frozen=True)

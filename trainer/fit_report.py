@@ -409,7 +409,7 @@ class FitReport:
         scaled = [p.name for p in self.programs if p.compiled and p.name != "sample" and not p.depth_seconds]
         out = ""
         if by_depth:
-            out += ("compiled again with their layers unrolled at 1 and 2 layers and extrapolated to the model's "
+            out += ("compiled again with their layers unrolled at 2 and 4 layers and extrapolated to the model's "
                     "depth (the update one micro-batch per run, the optimizer once per minibatch): "
                     + ", ".join(by_depth) + "; ")
         if scaled:
@@ -422,7 +422,7 @@ class FitReport:
             return ("sample is prefill + max_new_tokens decode steps on a FLOPs / HBM-bandwidth roofline (its phases "
                     "were not compiled on their own).")
         parts = [f"{ph.name} {ph.runs} x {_secs(ph.seconds)}" for ph in self.phases if ph.runs]
-        return ("sample is each of its phases compiled on its own (layers unrolled, at 1 and 2 layers, extrapolated "
+        return ("sample is each of its phases compiled on its own (layers unrolled, at 2 and 4 layers, extrapolated "
                 "to the model's depth) times the runs of a step whose every row generates max_new_tokens: "
                 + " + ".join(parts) + ".")
 

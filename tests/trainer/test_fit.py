@@ -97,7 +97,7 @@ def test_a_scanned_layer_is_priced_above_an_unrolled_one() -> None:
 
 
 def test_the_update_is_priced_per_micro_batch_from_unrolled_layers(deep: F.FitReport) -> None:
-    """2 mu iterations x 2 micro-batches: 4 runs of one micro-batch, compiled at 1 and 2 unrolled layers."""
+    """2 mu iterations x 2 micro-batches: 4 runs of one micro-batch, compiled at 2 and 4 unrolled layers."""
     u = _by_name(deep)["update"]
     assert u.runs == 4 and 0 < u.depth_seconds[0] < u.depth_seconds[1]
     assert "update 4 x" in deep.text()
@@ -335,8 +335,8 @@ def test_phase_runs_follow_chunks_and_continuous_batching() -> None:
 
 
 def test_a_phase_extrapolates_linearly_in_depth() -> None:
-    """What the sampler's phases rest on: compiled with 3 unrolled layers, a decode step costs what the 1- and
-    2-layer compiles extrapolate to."""
+    """What the sampler's phases rest on: compiled with 6 unrolled layers, a decode step costs what the 2- and
+    4-layer compiles extrapolate to."""
     from trainer import fit_phases as FP
     from trainer.sharding import make_mesh
 
@@ -345,11 +345,11 @@ def test_a_phase_extrapolates_linearly_in_depth() -> None:
     cfg = F.resolve_model(resolve_mesh(_cfg(), 4))[0]
     mesh = make_mesh(1, 4, 1, devices)
     seconds = []
-    for depth in (1, 2, 3):
+    for depth in (*FP.DEPTHS, 6):
         decode = next(ph for ph in FP.phases(FP.with_depth(cfg, depth), mesh) if ph.name == "decode")
         with jax.set_mesh(mesh):
             seconds.append(F._optimal_seconds(decode.program.lower(*decode.args).compile()))
-    assert seconds[2] == pytest.approx(seconds[0] + 2 * (seconds[1] - seconds[0]), rel=0.1)
+    assert seconds[2] == pytest.approx(FP.extrapolate((seconds[0], seconds[1]), 6), rel=0.1)
 
 
 def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
