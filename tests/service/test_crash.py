@@ -64,8 +64,12 @@ def test_sigkill_mid_flight_loses_nothing(db_url: str) -> None:
                 store.complete(req.request_id, b"ok:" + req.body, worker_id=worker)
         assert state["running"]["optim"] not in ran  # an optim_step is never applied twice
         assert ran[:2] == state["queued"]  # the model's order resumes after the failed seq_id
-        every = [*state["done"], *state["running"].values(), *state["queued"], *accepted]
-        assert sorted(ran) == sorted([state["running"]["sample"], *state["queued"], *accepted])
+        expected = [state["running"]["sample"], *state["queued"], *accepted]
+        assert len(ran) == len(set(ran)) and set(expected) <= set(ran)  # every accepted request ran, once
+        # The child commits, then prints: the kill can land between the two for the last one, which ran too.
+        unacknowledged = sorted(set(ran) - set(expected))
+        assert len(unacknowledged) <= 1, unacknowledged
+        every = [*state["done"], *state["running"].values(), *expected, *unacknowledged]
         for rid in every:
             row = store.wait(owner, rid, 0)
             assert row.status in (DONE, FAILED), row.status
