@@ -413,9 +413,9 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
             runs[ph.name] = ph.runs
     layers = cfg.model_cfg.n_layers
     out = []
-    for name, (one, two) in seconds.items():
-        per_run = FP.extrapolate((one, two), layers) if one > 0 and two > 0 else 0.0
-        out.append(PhaseFit(name, runs[name], per_run, (one, two), spent[name]))
+    for name, (shallow, deep) in seconds.items():
+        per_run = FP.extrapolate((shallow, deep), layers) if shallow > 0 and deep > 0 else 0.0
+        out.append(PhaseFit(name, runs[name], per_run, (shallow, deep), spent[name]))
     return out
 
 

@@ -291,7 +291,7 @@ def _layer(
     k = rope(k, pos_BT, cfg)
     if kv is not None:  # the new keys and values written into the whole cache in place, then this layer's read
         k_all, v_all, layer = kv
-        k_all, v_all = write_layer(k_all, k, layer, index), write_layer(v_all, v, layer, index)
+        k_all, v_all = write_slots(k_all, k, index, layer), write_slots(v_all, v, index, layer)
         k, v = k_all[layer], v_all[layer]
         kv = (k_all, v_all, layer)
     attn = attend(q, k, v)
@@ -305,24 +305,18 @@ def _layer(
     return constrain(x_BTD, ("batch", "seq", None)), kv
 
 
-def write_slots(cache_BS: jax.Array, new_BT: jax.Array, index: jax.Array | int) -> jax.Array:
-    """`new` written into `cache` along axis 1 from slot `index`: one index for every row, or one per row ([B]: rows
-    of a continuously batched sampler sit at different positions). Per row it is a scatter, updated in place."""
-    new_BT = new_BT.astype(cache_BS.dtype)
-    if jnp.ndim(index) == 0:
-        return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT, index, axis=1)
-    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=0))(cache_BS, new_BT, index)
-
-
-def write_layer(cache_LBS: jax.Array, new_BT: jax.Array, layer: jax.Array, index: jax.Array | int) -> jax.Array:
-    """`write_slots` into layer `layer` of a stacked [L, B, S, ...] cache, in place: a decode step writes only its
-    tokens' keys and values. One scatter of unique, sorted (row, slot) pairs; the cache as a scan input stacked
-    into a fresh output, or a per-row dynamic-update-slice, made libtpu copy cache-sized buffers at every step.
-    Unlike dynamic-update-slice, slots past the end would be dropped, not clamped (no row writes past P + N)."""
+def write_slots(cache: jax.Array, new_BT: jax.Array, index: jax.Array | int, layer: jax.Array | None = None
+                ) -> jax.Array:
+    """`new` written into a [B, S, ...] cache (or layer `layer` of a stacked [L, B, S, ...] one) from slot `index`:
+    one index for every row, or one per row ([B]: rows of a continuously batched sampler sit at different
+    positions). One scatter of unique, sorted (row, slot) pairs, in place: a decode step writes only its tokens.
+    The cache as a scan input stacked into a fresh output, or a per-row dynamic-update-slice, made libtpu copy
+    cache-sized buffers at every step. Unlike dynamic-update-slice, slots past the end would be dropped, not clamped
+    (no row writes past P + N)."""
     B, T = new_BT.shape[:2]
     rows, slots = jnp.arange(B)[:, None], jnp.broadcast_to(jnp.reshape(index, (-1, 1)), (B, 1)) + jnp.arange(T)
-    return cache_LBS.at[layer, rows, slots].set(new_BT.astype(cache_LBS.dtype), unique_indices=True,
-                                                indices_are_sorted=True)
+    at = (rows, slots) if layer is None else (layer, rows, slots)
+    return cache.at[at].set(new_BT.astype(cache.dtype), unique_indices=True, indices_are_sorted=True)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, cc: ComputeConfig = DEFAULT_COMPUTE) -> KVCache:
