@@ -136,6 +136,12 @@ class ComputeConfig(_Strict):
     # Pallas' interpret mode, as the tests do); xla forces the einsum.
     attention: Literal["auto", "xla", "flash"] = Field("auto", description="attention of the passes without a "
                                                        "KV cache: auto = Pallas flash attention on TPU, else XLA")
+    # A decode step's attention reads the KV cache block by block, only up to the block holding the furthest live
+    # row's newest token (online softmax, static shapes; a loop whose trip count grows with the step). One einsum
+    # over the whole P + N-slot cache reads every slot at every step, and made libtpu copy each layer's slice of the
+    # stacked cache before reading it. 0 (or a cache no longer than a block): that einsum, the reference.
+    decode_block: int = Field(256, ge=0, description="KV-cache slots a decode step's attention reads per block, "
+                              "up to the furthest live token only; 0: the whole cache in one einsum (the reference)")
 
     def scans(self, n_layers: int) -> bool:
         """Whether the decoder layers run as one lax.scan."""

@@ -33,9 +33,9 @@ What is measured, and what is estimated:
   - sample: each of the sampler's phases (the weights gathered for sampling, a prefill, a continuous-batching
     refill, one decode step) compiled as a program of its own with its layers unrolled, at 2 and 4 layers, and
     extrapolated to the model's depth (trainer/fit_phases.py): the compiler's optimal_seconds per run, which sees
-    the decode step's real reads (the whole P + N-slot cache, the weights), layouts and collectives, times the runs
-    of a step whose every row generates max_new_tokens. With `phases=False` (fit --search), or where the compiler
-    gives no usable time, a FLOPs / HBM-bandwidth roofline instead.
+    the decode step's real reads (the cache blocks up to the furthest live token, the weights), layouts and
+    collectives, times the runs of a step whose every row generates max_new_tokens. With `phases=False`
+    (fit --search), or where the compiler gives no usable time, a FLOPs / HBM-bandwidth roofline instead.
 - Lower bounds next to each estimate: prefill, reference log-probs and update at their model FLOPs over peak; each
   decode step at the bytes a chip must read (its share of the weights, its rows' live KV cache) over HBM bandwidth.
   The step's estimate / lower bound says how far the programs are from the hardware.
@@ -398,22 +398,38 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
     """Compile each sampler phase at fit_phases.DEPTHS layers and extrapolate its time to the model's depth."""
     import jax
 
+    from trainer.model import static_decode_blocks
+
     seconds: dict[str, list[float]] = {}
     runs: dict[str, int] = {}
     spent: dict[str, float] = {}
+    blocks: dict[str, tuple[float, int]] = {}
+    all_blocks: dict[str, float] = {}  # a block loop's phase reading all its blocks, at the deeper depth
+
+    def compile_seconds(ph: FP.Phase, depth: int, n_blocks: int | None) -> float:
+        read = "" if n_blocks is None else f" reading {n_blocks} cache block{'s' if n_blocks > 1 else ''}"
+        say(f"compiling the sampler's {ph.name} step{read} with {depth} layer{'s' if depth > 1 else ''} for "
+            f"{target.label}")
+        t0 = time.perf_counter()
+        fixed = contextlib.nullcontext() if n_blocks is None else static_decode_blocks(n_blocks)
+        with jax.set_mesh(mesh), fixed:
+            compiled = ph.program.lower(*ph.args).compile()
+        spent[ph.name] = spent.get(ph.name, 0.0) + time.perf_counter() - t0
+        return _optimal_seconds(compiled)
+
     for depth in FP.DEPTHS:
         for ph in FP.phases(FP.with_depth(cfg, depth), mesh):
-            say(f"compiling the sampler's {ph.name} step with {depth} layer{'s' if depth > 1 else ''} for "
-                f"{target.label}")
-            t0 = time.perf_counter()
-            with jax.set_mesh(mesh):
-                compiled = ph.program.lower(*ph.args).compile()
-            seconds.setdefault(ph.name, []).append(_optimal_seconds(compiled))
-            spent[ph.name] = spent.get(ph.name, 0.0) + time.perf_counter() - t0
+            seconds.setdefault(ph.name, []).append(compile_seconds(ph, depth, None if ph.blocks is None else 1))
             runs[ph.name] = ph.runs
+            if ph.blocks is not None:
+                blocks[ph.name] = ph.blocks
+                if depth == FP.DEPTHS[-1]:
+                    all_blocks[ph.name] = compile_seconds(ph, depth, ph.blocks[1])
     layers = cfg.model_cfg.n_layers
     out = []
     for name, (shallow, deep) in seconds.items():
+        if name in blocks and min(shallow, deep, all_blocks[name]) > 0:
+            shallow, deep = FP.at_mean_blocks((shallow, deep), all_blocks[name], blocks[name])
         per_run = FP.extrapolate((shallow, deep), layers) if shallow > 0 and deep > 0 else 0.0
         out.append(PhaseFit(name, runs[name], per_run, (shallow, deep), spent[name]))
     return out

@@ -10,6 +10,9 @@ batch row adds its own slot's low-rank update to the targeted projections.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -289,12 +292,13 @@ def _layer(
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
     q = rope(q, pos_BT, cfg)
     k = rope(k, pos_BT, cfg)
-    if kv is not None:  # the new keys and values written into the whole cache in place, then this layer's read
+    if kv is not None:  # the new keys and values written into the whole cache in place, then read from it
         k_all, v_all, layer = kv
         k_all, v_all = write_slots(k_all, k, index, layer), write_slots(v_all, v, index, layer)
-        k, v = k_all[layer], v_all[layer]
+        attn, k_all, v_all = attend(q, k_all, v_all, layer)
         kv = (k_all, v_all, layer)
-    attn = attend(q, k, v)
+    else:
+        attn = attend(q, k, v)
     x_BTD = x_BTD + proj("bthe,hed->btd", attn, "wo")
     x_BTD = constrain(x_BTD, ("batch", "seq", None))
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
@@ -303,6 +307,73 @@ def _layer(
     ff = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
     x_BTD = x_BTD + proj("btf,fd->btd", ff, "w_down")
     return constrain(x_BTD, ("batch", "seq", None)), kv
+
+
+# fit prices the decode step's block loop at a fixed number of blocks (the compiler counts a loop's body once).
+_STATIC_DECODE_BLOCKS: contextvars.ContextVar[int | None] = contextvars.ContextVar("decode_blocks", default=None)
+
+
+@contextlib.contextmanager
+def static_decode_blocks(n: int) -> Iterator[None]:
+    """Trace decode steps whose attention reads exactly `n` blocks, unrolled: how fit prices the loop."""
+    token = _STATIC_DECODE_BLOCKS.set(n)
+    try:
+        yield
+    finally:
+        _STATIC_DECODE_BLOCKS.reset(token)
+
+
+def live_blocks(q_slot_BT: jax.Array, live_BT: jax.Array, block: int, slots: int) -> jax.Array:
+    """Blocks of `block` cache slots up to the one holding the furthest live query's own slot (at most all)."""
+    last = jnp.max(jnp.where(live_BT, q_slot_BT, 0))
+    return jnp.minimum(last // block + 1, -(-slots // block)).astype(jnp.int32)
+
+
+def block_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, layer: jax.Array | int,
+                    valid_BS: jax.Array, q_slot_BT: jax.Array, block: int, blocks: jax.Array | int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`attention` of the queries to layer `layer` of a stacked cache, read `block` slots at a time for the first
+    `blocks` blocks only (online softmax in fp32): a query sees slot s if valid_BS and s <= its own slot, so slots
+    past the furthest live query are never read. Each block is one dynamic slice of the stacked cache (no copy of the
+    layer). The last block ends at the cache's end, overlapping the one before; its slots already seen are masked.
+    A query with no visible key gets zeros (the einsum's uniform row), a row nothing reads.
+
+    Returns the output and the caches, threaded through the loop: a cache the loop only closed over is also read by
+    the next layer's in-place write, and libtpu then copies it."""
+    B, T, H, E = q_BTHE.shape
+    S, K = k_LBSKE.shape[2], k_LBSKE.shape[3]
+    G = H // K
+    q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
+    # A float32 cache at default precision is a bf16 matmul on TPU: libtpu hoists the convert out of the loop, as a
+    # bf16 copy of the whole cache at every layer. At HIGHEST each block is read as it is.
+    prec = jax.lax.Precision.HIGHEST if k_LBSKE.dtype == f32 else None
+
+    def step(j: jax.Array | int, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        m, total, acc, k_all, v_all = carry
+        start = jnp.minimum(j * block, S - block)
+        k_BSKE, v_BSKE = (jax.lax.dynamic_slice(c, (layer, 0, start, 0, 0), (1, B, block, K, E))[0]
+                          for c in (k_all, v_all))
+        slot_S = start + jnp.arange(block)
+        seen_BTS = (jax.lax.dynamic_slice_in_dim(valid_BS, start, block, axis=1)[:, None, :]
+                    & (slot_S >= j * block) & (slot_S <= q_slot_BT[:, :, None]))[:, None, None]
+        s = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=f32, precision=prec) * E**-0.5
+        m_new = jnp.maximum(m, jnp.max(jnp.where(seen_BTS, s, jnp.finfo(f32).min), axis=-1))
+        p = jnp.where(seen_BTS, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgts,bske->bkgte", p.astype(v_BSKE.dtype), v_BSKE, preferred_element_type=f32,
+                        precision=prec)
+        return m_new, scale * total + jnp.sum(p, axis=-1), scale[..., None] * acc + pv, k_all, v_all
+
+    carry: tuple[jax.Array, ...] = (jnp.full((B, K, G, T), jnp.finfo(f32).min), jnp.zeros((B, K, G, T), f32),
+                                    jnp.zeros((B, K, G, T, E), f32), k_LBSKE, v_LBSKE)
+    if isinstance(blocks, int):
+        for j in range(blocks):
+            carry = step(j, carry)
+    else:
+        carry = jax.lax.fori_loop(0, blocks, step, carry)
+    _, total, acc, k_LBSKE, v_LBSKE = carry
+    out_BKGTE = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(v_LBSKE.dtype), k_LBSKE, v_LBSKE
 
 
 def write_slots(cache: jax.Array, new_BT: jax.Array, index: jax.Array | int, layer: jax.Array | None = None
@@ -323,6 +394,28 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, cc: ComputeConfig = DE
     shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
     dt = compute_dtype(cfg, cc)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch, length), bool))
+
+
+def _cached_attend(valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array, index: jax.Array | int,
+                   block: int) -> Any:
+    """The attention of new tokens to the cache they were written into: a prefill (a static `index`) reads only
+    the slots up to its last token; a decode step (index per step or per row) reads block by block up to the
+    furthest live token (`block_attention`), or, with block 0 or a cache of one block, the whole cache."""
+    B, T = q_slot_BT.shape
+    S = valid_BS.shape[1]
+    if isinstance(index, int) or block <= 0 or block >= S:
+        n = min(S, index + T) if isinstance(index, int) else S
+        mask_BTS = valid_BS[:, None, :n] & (jnp.arange(n)[None, None, :] <= q_slot_BT[:, :, None])
+
+        def whole(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            return attention(q, k_all[layer, :, :n], v_all[layer, :, :n], mask_BTS), k_all, v_all
+
+        return whole
+    fixed = _STATIC_DECODE_BLOCKS.get()
+    blocks = live_blocks(q_slot_BT, live_BT, block, S) if fixed is None else fixed
+    return lambda q, k_all, v_all, layer: block_attention(q, k_all, v_all, layer, valid_BS, q_slot_BT, block,
+                                                          blocks)
 
 
 def forward(
@@ -357,12 +450,12 @@ def forward(
         mask_BTS = valid_BT[:, None, :] & (jnp.arange(T)[None, None, :] <= q_slot_BT[:, :, None])
     else:
         valid_BS = write_slots(cache.valid_BS, valid_BT.astype(bool), index)
-        S = valid_BS.shape[1]
-        mask_BTS = valid_BS[:, None, :] & (jnp.arange(S)[None, None, :] <= q_slot_BT[:, :, None])
 
     lora_layers = (adapter.weights.get("layers") or None) if adapter is not None else None
     gate_BS = adapter.gate_BS if adapter is not None else None
-    if cache is None and cc.attention == "flash" and T % FLASH_BLOCK == 0:
+    if cache is not None:
+        attend = _cached_attend(valid_BS, q_slot_BT, valid_BT.astype(bool), index, cc.decode_block)
+    elif cc.attention == "flash" and T % FLASH_BLOCK == 0:
         valid = valid_BT.astype(bool)
         attend = lambda q, k, v: flash_attention(q, k, v, valid)  # noqa: E731
     else:

@@ -5,6 +5,7 @@ Small models on v6e 2x2 / v5e 2x2 keep each compile to a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -352,6 +353,36 @@ def test_a_phase_extrapolates_linearly_in_depth() -> None:
     assert seconds[2] == pytest.approx(FP.extrapolate((seconds[0], seconds[1]), 6), rel=0.1)
 
 
+def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
+    """compute.decode_block: the compiler counts the block loop's body once (a 4-layer step with the loop costs less
+    than two blocks unrolled), so fit compiles it unrolled, reading 1 block at 2 and 4 layers and all at 4, and takes
+    a block's cost per layer: that predicts a 6-layer step reading 3 of the 8 blocks, and a step reading all costs
+    more than one reading the first."""
+    from trainer import fit_phases as FP
+    from trainer import model as M
+    from trainer.sharding import make_mesh
+
+    F.prepare_environment(V6E_2X2)
+    devices = F.topology_devices(V6E_2X2)
+    cfg = F.resolve_model(resolve_mesh(_cfg({"head_dim": 128, "max_seq_len": 1024}, compute={"decode_block": 128},
+                                            sampling={"max_new_tokens": 1000}), 4))[0]
+    mean, most = FP.decode_blocks(cfg)
+    assert most == 8 and mean == pytest.approx(sum(min(8, (24 + i) // 128 + 1) for i in range(1000)) / 1000)
+    mesh = make_mesh(1, 4, 1, devices)
+
+    def seconds(depth: int, blocks: int | None) -> float:
+        decode = next(ph for ph in FP.phases(FP.with_depth(cfg, depth), mesh) if ph.name == "decode")
+        assert decode.blocks == (mean, most)
+        with jax.set_mesh(mesh), M.static_decode_blocks(blocks) if blocks else contextlib.nullcontext():
+            return F._optimal_seconds(decode.program.lower(*decode.args).compile())
+
+    one, one_deep, all_deep = seconds(2, 1), seconds(4, 1), seconds(4, most)
+    assert all_deep > 1.5 * one_deep
+    assert one_deep <= seconds(4, None) < one_deep + (all_deep - one_deep) / (most - 1)  # less than 2 blocks
+    at3 = FP.at_mean_blocks((one, one_deep), all_deep, (3.0, most))
+    assert seconds(6, 3) == pytest.approx(FP.extrapolate(at3, 6), rel=0.1)
+
+
 def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
     """The decode floor by hand: 2 steps of 4 rows on fsdp 2 x tensor 2 read each chip's half of the bf16 weights
     and its 2 rows' KV cache (split over 2 KV heads' tensor halves) at P + 1 and P + 2 positions."""
@@ -370,8 +401,9 @@ def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
 
 def test_a_decode_step_writes_the_cache_in_place() -> None:
     """Compiled for a v6e chip with the cache donated, a decode step keeps no cache-sized temporary, its layers
-    scanned or unrolled, one write position for every row or one per row (continuous batching). The cache as a
-    scan input restacked into a fresh output, or a per-row dynamic-update-slice, kept 0.4-1x the cache."""
+    scanned or unrolled, one write position for every row or one per row (continuous batching), its attention a loop
+    over 256-slot blocks of the 2048-slot float32 cache. The cache as a scan input restacked into a fresh output, or a
+    per-row dynamic-update-slice, kept 0.4-1x the cache; the loop's blocks read at default precision, 0.5x."""
     from trainer import model as M
     from trainer.config import ComputeConfig, ModelConfig
 

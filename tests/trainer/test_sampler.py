@@ -174,3 +174,58 @@ def test_continuous_batching_with_one_slot_per_row_and_greedy() -> None:
     np.testing.assert_array_equal(np.asarray(one.tokens_BN), whole[0])
     np.testing.assert_array_equal(np.asarray(one.mask_BN), whole[2])
     assert int(one.steps) == int(whole[2].sum())  # one slot: a step per generated token
+
+
+@pytest.mark.parametrize("block", [8, 5])
+def test_block_attention_decodes_as_the_whole_cache(block: int) -> None:
+    """compute.decode_block: a decode step reads the cache block by block up to the furthest live token. float32:
+    the same tokens as the whole-cache einsum (the reference), with log-probs within rounding, sampled all at once
+    or continuously batched (rows then sit at different slots), blocks dividing the cache (48 + 16 = 64 slots) or
+    not (the last block overlaps the one before)."""
+    from trainer.config import ComputeConfig
+
+    B, P, n_new = 8, 16, 48
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32))
+    valid = jnp.asarray(np.arange(P)[None, :] >= rng.integers(0, 6, (B, 1)))
+
+    def run(decode_block: int, **kw: object) -> tuple[np.ndarray, ...]:
+        cc = ComputeConfig(dtype="float32", decode_block=decode_block)
+        f = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=n_new, eos_id=tuple(range(10, 14)), pad_id=PAD,
+                                      cc=cc, **kw))
+        out = f(_params(), prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5))
+        return tuple(np.asarray(x) for x in out[:3])
+
+    ref = run(0)
+    assert len(set(ref[2].sum(axis=1))) > 3 and ref[2].sum(axis=1).max() == n_new  # rows end at different steps
+    for kw in ({}, {"max_num_sequences": 4}):
+        out = run(block, **kw)
+        np.testing.assert_array_equal(out[0], ref[0])
+        np.testing.assert_array_equal(out[2], ref[2])
+        np.testing.assert_allclose(out[1], ref[1], atol=2e-5)
+
+
+def test_block_attention_never_reads_past_the_live_block() -> None:
+    """Slots in blocks past the one holding the furthest live token are never read: filled with NaN they leave the
+    step's logits finite and equal to a clean cache's (the whole-cache einsum reads them: its probabilities are 0
+    there, but 0 x NaN is NaN). In bfloat16 the blocks' online softmax rounds differently from the einsum's, within
+    a few hundredths of a logit."""
+    from trainer.config import ComputeConfig
+    from trainer.sampler import decode_step, prefill
+
+    P, S, block = 8, 40, 8
+    prompt, valid = _padded(left=True)
+    for dtype, atol in (("float32", 2e-5), ("bfloat16", 0.1)):
+        whole, blocks = (ComputeConfig(dtype=dtype, decode_block=b) for b in (0, block))
+        _, cache = prefill(_params(), CFG, prompt, valid, S, whole, None)
+        slot = jnp.array([P + 3, P + 9, P + 1, P])  # rows at their own slots; the furthest live one in block 2
+        live = jnp.array([True, True, True, False])
+        tok = jnp.array([5, 6, 7, 8], jnp.int32)
+        pos = jnp.sum(valid, axis=1) + slot - P
+        want, _ = decode_step(_params(), CFG, tok, live, pos, slot, cache, whole, None)
+        poisoned = cache._replace(v_LBSKE=cache.v_LBSKE.at[:, :, 3 * block:].set(jnp.nan))
+        got, _ = decode_step(_params(), CFG, tok, live, pos, slot, poisoned, blocks, None)
+        assert bool(jnp.all(jnp.isfinite(got[:3])))
+        np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(want[:3]), atol=atol)
+        spoiled, _ = decode_step(_params(), CFG, tok, live, pos, slot, poisoned, whole, None)
+        assert not bool(jnp.all(jnp.isfinite(spoiled[:3])))
