@@ -423,8 +423,9 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
             runs[ph.name] = ph.runs
             if ph.blocks is not None:
                 blocks[ph.name] = ph.blocks
-                if depth == FP.DEPTHS[-1]:
-                    all_blocks[ph.name] = compile_seconds(ph, depth, ph.blocks[1])
+                if depth == FP.DEPTHS[-1]:  # a fresh program: jit would reuse its 1-block trace
+                    again = next(p for p in FP.phases(FP.with_depth(cfg, depth), mesh) if p.name == ph.name)
+                    all_blocks[ph.name] = compile_seconds(again, depth, ph.blocks[1])
     layers = cfg.model_cfg.n_layers
     out = []
     for name, (shallow, deep) in seconds.items():

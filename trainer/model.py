@@ -315,7 +315,8 @@ _STATIC_DECODE_BLOCKS: contextvars.ContextVar[int | None] = contextvars.ContextV
 
 @contextlib.contextmanager
 def static_decode_blocks(n: int) -> Iterator[None]:
-    """Trace decode steps whose attention reads exactly `n` blocks, unrolled: how fit prices the loop."""
+    """Trace decode steps whose attention reads exactly `n` blocks, unrolled: how fit prices the loop. Not part of
+    jit's cache key: trace a fresh program under it."""
     token = _STATIC_DECODE_BLOCKS.set(n)
     try:
         yield

@@ -364,7 +364,8 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
 
     F.prepare_environment(V6E_2X2)
     devices = F.topology_devices(V6E_2X2)
-    cfg = F.resolve_model(resolve_mesh(_cfg({"head_dim": 128, "max_seq_len": 1024}, compute={"decode_block": 128},
+    cfg = F.resolve_model(resolve_mesh(_cfg({"head_dim": 128, "max_seq_len": 1024, "n_layers": 8},
+                                            compute={"decode_block": 128},
                                             sampling={"max_new_tokens": 1000}), 4))[0]
     mean, most = FP.decode_blocks(cfg)
     assert most == 8 and mean == pytest.approx(sum(min(8, (24 + i) // 128 + 1) for i in range(1000)) / 1000)
@@ -381,6 +382,10 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     assert one_deep <= seconds(4, None) < one_deep + (all_deep - one_deep) / (most - 1)  # less than 2 blocks
     at3 = FP.at_mean_blocks((one, one_deep), all_deep, (3.0, most))
     assert seconds(6, 3) == pytest.approx(FP.extrapolate(at3, 6), rel=0.1)
+    # fit's own pricing does the same (each block count a freshly traced program: jit's cache ignores the count)
+    decode = next(ph for ph in F._price_sampler(cfg, V6E_2X2, mesh, lambda _: None) if ph.name == "decode")
+    want = FP.extrapolate(FP.at_mean_blocks((one, one_deep), all_deep, (mean, most)), cfg.model_cfg.n_layers)
+    assert decode.seconds == pytest.approx(want, rel=1e-6) and decode.seconds > FP.extrapolate((one, one_deep), 8)
 
 
 def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
