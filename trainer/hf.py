@@ -1,22 +1,28 @@
 """Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoints <-> the trainer's stacked parameter tree (NumPy, no torch).
 
 Reads `config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json` from a local
-directory (nothing is downloaded). Safetensors files are parsed here (header + memory map) so bf16 works
-with any safetensors version; ml_dtypes (a JAX dependency) provides the bfloat16 NumPy dtype.
+directory (nothing is downloaded). Safetensors files are read and written with the `safetensors` library (>= 0.4.1:
+0.4.0 cannot return bf16 as NumPy). Opening a file reads its header only; a tensor is read when it is looked up, and a
+part of one can be read alone (LazyTensor), so checking a 70B checkpoint reads no weight. ml_dtypes (a JAX dependency)
+provides the bfloat16 NumPy dtype.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import struct
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# Imported for its side effect too: safetensors' numpy framework asks for np.dtype("bfloat16"), a name NumPy only
+# knows once ml_dtypes has registered it (without it, reading a BF16 tensor raises "data type 'bfloat16' not
+# understood"). The writer, in turn, maps an array's dtype name "bfloat16" to BF16.
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from trainer.config import ConfigError, ModelConfig
 
@@ -27,6 +33,8 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+# The safetensors dtypes this module reads and writes. The library knows more (F8_*, ...), but its numpy framework
+# cannot return those, so they are refused when a file is opened rather than when a tensor is read.
 _ST_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -36,73 +44,130 @@ _ST_DTYPES: dict[str, np.dtype] = {
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),
     "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
 }
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+# By dtype name, so a big-endian array (which the library byte-swaps on write) is accepted too.
+_WRITABLE = {dt.name for dt in _ST_DTYPES.values()}
 
 
 # ---------------------------------------------------------------------------------------------- safetensors
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as read-only memory-mapped NumPy arrays."""
-    path = Path(path)
-    with path.open("rb") as f:
+class LazyTensor:
+    """One tensor of a safetensors file: shape and dtype come from the header; the data is read only when the tensor
+    is converted (`np.asarray`, `read`) or indexed, and indexing reads only the selected part (e.g. one device's
+    rows). Each read is a fresh, writable copy."""
+
+    __slots__ = ("_handle", "dtype", "name", "path", "shape")
+
+    def __init__(self, handle: safe_open, path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self._handle = handle
+        self.path = path
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def read(self) -> np.ndarray:
+        """The whole tensor."""
         try:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        except (struct.error, ValueError) as err:
-            raise ValueError(f"{path}: not a safetensors file (unreadable header: {err})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: not a safetensors file (the header is not a JSON object)")
-    header.pop("__metadata__", None)
-    if not header:
-        return {}
-    size = path.stat().st_size - 8 - n
-    if size <= 0:
-        raise ValueError(f"{path}: truncated: the file ends in its header")
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
-    out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        if end > size:
-            raise ValueError(f"{path}: truncated: tensor {name!r} ends at byte {end} of the data, which has {size}")
-        out[name] = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
+            return self._handle.get_tensor(self.name)
+        except SafetensorError as err:
+            raise ValueError(f"{self.path}: tensor {self.name!r}: {err}") from None
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """Basic indexing (ints, slices, `...`); only the selected elements are read from the file."""
+        try:
+            return self._handle.get_slice(self.name)[index]
+        except SafetensorError as err:
+            raise IndexError(f"{self.path}: tensor {self.name!r} {list(self.shape)}: {err}") from None
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        arr = self.read()  # already a private copy, so `copy` asks nothing more of us
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype}, path={str(self.path)!r})"
+
+
+class LazyTensors(Mapping[str, np.ndarray]):
+    """Tensors of one or more safetensors files by name, of which only the headers have been read. Looking a name up
+    reads that tensor from disk, each time (nothing is cached, so a loader converting tensors one at a time holds one
+    at a time); `lazy(name)` gives its shape and dtype, or a part of it, without reading the rest."""
+
+    def __init__(self, tensors: Mapping[str, LazyTensor]) -> None:
+        self._lazy = dict(tensors)
+
+    def lazy(self, name: str) -> LazyTensor:
+        return self._lazy[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._lazy[name].read()
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._lazy
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lazy)
+
+    def __len__(self) -> int:
+        return len(self._lazy)
+
+    def update(self, other: LazyTensors) -> None:
+        """Add another file's tensors (a sharded checkpoint); a name in both is other's."""
+        self._lazy.update(other._lazy)
+
+
+def read_safetensors(path: str | Path) -> LazyTensors:
+    """The tensors of one .safetensors file, lazily (see LazyTensors): opening reads and checks the header only."""
+    path = Path(path)
+    if not path.is_file():  # checked here: the library's own message does not always name the file
+        raise FileNotFoundError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    try:
+        handle = safe_open(str(path), framework="numpy")
+        out: dict[str, LazyTensor] = {}
+        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            info = handle.get_slice(name)  # header information only; no data is read
+            st_dtype = info.get_dtype()
+            if st_dtype not in _ST_DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {st_dtype}")
+            out[name] = LazyTensor(handle, path, name, tuple(info.get_shape()), _ST_DTYPES[st_dtype])
+    except SafetensorError as err:  # a bad header, or a file shorter or longer than the header says
+        raise ValueError(f"{path}: not a safetensors file ({err})") from None
+    except OSError as err:
+        raise OSError(f"{path}: {err}") from None
+    return LazyTensors(out)
 
 
 def write_safetensors(
     path: str | Path, tensors: Mapping[str, np.ndarray], metadata: dict[str, str] | None = None
 ) -> None:
-    """Write tensors in the safetensors layout (little-endian, header padded to 8 bytes)."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    arrays: list[np.ndarray] = []
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype not in _ST_NAMES:
+    """Write tensors with safetensors' own writer (little-endian; bfloat16 arrays as BF16)."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, tensor in tensors.items():
+        arr = np.asarray(tensor)
+        if arr.dtype.name not in _WRITABLE:
             raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be written to safetensors")
-        header[name] = {
-            "dtype": _ST_NAMES[arr.dtype],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-        arrays.append(arr)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with Path(path).open("wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr in arrays:
-            f.write(arr.tobytes())
+        # save_file copies from the array's buffer pointer (safetensors 0.8): a strided view, e.g. a transpose,
+        # would be written in memory order, silently scrambled.
+        arrays[name] = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+    save_file(arrays, str(path), metadata=metadata)
 
 
-def read_checkpoint_tensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Tensors of a single-file or sharded (`model.safetensors.index.json`) checkpoint directory."""
+def read_checkpoint_tensors(path: str | Path) -> LazyTensors:
+    """Tensors of a single-file or sharded (`model.safetensors.index.json`) checkpoint directory, lazily (see
+    LazyTensors): only the headers are read."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -110,7 +175,9 @@ def read_checkpoint_tensors(path: str | Path) -> dict[str, np.ndarray]:
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{index}: not a safetensors index (no readable weight_map: {err!r})") from None
-        tensors: dict[str, np.ndarray] = {}
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: not a safetensors index (weight_map is not an object of file names)")
+        tensors = LazyTensors({})
         for shard in sorted(set(weight_map.values())):
             tensors.update(read_safetensors(root / shard))
         missing = sorted(set(weight_map) - set(tensors))
@@ -399,15 +466,16 @@ def _read_config(root: Path) -> dict[str, Any]:
     return hf_cfg
 
 
-def _validated(root: Path, param_dtype: str | None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """The checkpoint's ModelConfig and its (memory-mapped) tensors, checked from config.json and the safetensors
+def _validated(root: Path, param_dtype: str | None) -> tuple[ModelConfig, LazyTensors]:
+    """The checkpoint's ModelConfig and its (lazily read) tensors, checked from config.json and the safetensors
     headers alone: every tensor the config implies is there with its shape, and nothing else is."""
     hf_cfg = _read_config(root)
-    tensors = read_checkpoint_tensors(root)  # memory-mapped: headers and file sizes only
+    tensors = read_checkpoint_tensors(root)  # headers only: no weight is read here
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"{root}: checkpoint has no tensor 'model.embed_tokens.weight'")
     if param_dtype is None:
-        param_dtype = "bfloat16" if tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16 else "float32"
+        embed_dtype = tensors.lazy("model.embed_tokens.weight").dtype
+        param_dtype = "bfloat16" if embed_dtype == ml_dtypes.bfloat16 else "float32"
     cfg = model_config_from_hf(hf_cfg, param_dtype)
     expected = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
     expected.update({f"model.layers.{i}.{suffix}": _hf_shape(key, cfg)
@@ -417,8 +485,8 @@ def _validated(root: Path, param_dtype: str | None) -> tuple[ModelConfig, dict[s
     for name, shape in expected.items():
         if name not in tensors:
             raise ValueError(f"{root}: checkpoint has no tensor {name!r}")
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{root}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies {shape}")
+        if tensors.lazy(name).shape != shape:
+            raise ValueError(f"{root}: tensor {name!r} has shape {tensors.lazy(name).shape}, config implies {shape}")
     # Some tied checkpoints still store lm_head.weight; the embedding wins.
     unexpected = sorted(n for n in set(tensors) - set(expected) - {"lm_head.weight"} if not _ignored(n))
     if unexpected:
@@ -434,7 +502,7 @@ def init_path_errors(path: str | Path) -> Iterator[None]:
     """A missing, empty, truncated or mismatched checkpoint as a ConfigError naming init.path (no traceback)."""
     try:
         yield
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+    except (OSError, ValueError, KeyError, TypeError) as err:
         if isinstance(err, ConfigError):
             raise
         msg = f"{path}: missing field {err}" if isinstance(err, KeyError) else str(err)
@@ -455,15 +523,23 @@ def import_hf(path: str | Path, param_dtype: str | None = None) -> tuple[dict[st
     """
     cfg, tensors = _validated(Path(path), param_dtype)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.dtype(np.float32)
-    params: dict[str, Any] = {"embed": np.array(tensors["model.embed_tokens.weight"], dtype)}
-    params["layers"] = {
-        key: np.stack([_from_hf(key, tensors[f"model.layers.{i}.{suffix}"], cfg)
-                       for i in range(cfg.n_layers)]).astype(dtype)
-        for key, suffix in _layer_keys(cfg)
-    }
-    params["final_norm"] = np.array(tensors["model.norm.weight"], dtype)
+
+    def stacked(key: str, suffix: str) -> np.ndarray:
+        # Filled layer by layer: besides the result, one layer's tensor is in memory at a time (np.stack of a list
+        # would hold every layer twice).
+        first = _from_hf(key, tensors[f"model.layers.0.{suffix}"], cfg)
+        out = np.empty((cfg.n_layers, *first.shape), dtype)
+        out[0] = first
+        for i in range(1, cfg.n_layers):
+            out[i] = _from_hf(key, tensors[f"model.layers.{i}.{suffix}"], cfg)
+        return out
+
+    # Each lookup reads that tensor from disk (a fresh array), so asarray converts it without another copy.
+    params: dict[str, Any] = {"embed": np.asarray(tensors["model.embed_tokens.weight"], dtype)}
+    params["layers"] = {key: stacked(key, suffix) for key, suffix in _layer_keys(cfg)}
+    params["final_norm"] = np.asarray(tensors["model.norm.weight"], dtype)
     if not cfg.tie_embeddings:
-        params["lm_head"] = np.array(tensors["lm_head.weight"].T, dtype)
+        params["lm_head"] = np.asarray(tensors["lm_head.weight"].T, dtype)
     return params, cfg
 
 

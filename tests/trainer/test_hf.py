@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,18 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
+from trainer.config import ConfigError
 from trainer.hf import (
+    LazyTensor,
+    check_hf,
     export_hf,
     hf_config_from_model,
     import_hf,
     model_config_from_hf,
     model_family,
     read_checkpoint_tensors,
+    read_safetensors,
+    write_safetensors,
 )
 from trainer.tokenizer import HFTokenizer, load_tokenizer
 
@@ -274,6 +280,155 @@ def test_import_errors(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         import_hf(tmp_path / "empty")
+
+
+def test_safetensors_round_trip_through_the_library(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    square = rng.standard_normal((5, 7)).astype(np.float32)
+    tensors = {
+        "bf16": rng.standard_normal((4, 6)).astype(ml_dtypes.bfloat16),
+        "transposed": square.T,  # a strided view: must be written in logical order, not memory order
+        "big_endian": np.arange(6, dtype=">i4").reshape(2, 3),
+        "f16": rng.standard_normal(3).astype(np.float16),
+        "u16": np.array([1, 65535], np.uint16),
+        "mask": np.array([True, False, True]),
+        "scalar": np.array(2.5, np.float64),
+        "empty": np.zeros((0, 4), np.int8),
+    }
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, tensors, {"format": "pt"})
+    with safe_open(str(path), framework="numpy") as f:  # the library's reader agrees with ours
+        assert f.metadata() == {"format": "pt"}
+        lib = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    ours = read_safetensors(path)
+    assert sorted(ours) == sorted(lib) == sorted(tensors)
+    for name, want in tensors.items():
+        want = want.astype(want.dtype.newbyteorder("<"))  # safetensors is little-endian
+        for got in (lib[name], ours[name], np.asarray(ours.lazy(name))):
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert got.tobytes() == np.ascontiguousarray(want).tobytes(), name
+        assert (ours.lazy(name).shape, ours.lazy(name).dtype) == (want.shape, want.dtype)
+    np.testing.assert_array_equal(ours["transposed"], square.T)
+    assert np.asarray(ours.lazy("bf16"), np.float32).dtype == np.float32
+    with pytest.raises(ValueError, match="'c': dtype complex128 cannot be written"):
+        write_safetensors(tmp_path / "c.safetensors", {"c": np.zeros(2, np.complex128)})
+
+
+def _sparse_safetensors(path: Path, rows: int, cols: int, written: dict[int, np.ndarray]) -> None:
+    """A BF16 tensor 'big' [rows, cols] stored as a file hole except for the `written` rows, and an F32 'small'."""
+    n = rows * cols * 2
+    header = {
+        "big": {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, n]},
+        "small": {"dtype": "F32", "shape": [3], "data_offsets": [n, n + 12]},
+    }
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        start = f.tell()
+        f.truncate(start + n + 12)  # sparse: the big tensor takes no disk and no page cache
+        for row, values in written.items():
+            f.seek(start + row * cols * 2)
+            f.write(values.astype(ml_dtypes.bfloat16).tobytes())
+        f.seek(start + n)
+        f.write(np.array([1.0, 2.0, 3.0], np.float32).tobytes())
+
+
+def test_reads_are_lazy_and_slices_read_only_their_rows(tmp_path: Path) -> None:
+    import tracemalloc
+
+    rows, cols = 1 << 14, 1 << 13  # 256 MiB of bf16
+    row5 = np.arange(cols, dtype=np.float32) % 256
+    path = tmp_path / "sparse.safetensors"
+    _sparse_safetensors(path, rows, cols, {5: row5, rows - 1: -row5})
+    tracemalloc.start()  # safetensors returns arrays in Python-allocated buffers, which tracemalloc counts
+    try:
+        tensors = read_safetensors(path)
+        big = tensors.lazy("big")
+        assert "big" in tensors and (big.shape, big.dtype) == ((rows, cols), ml_dtypes.bfloat16)
+        assert big.nbytes == 256 << 20
+        np.testing.assert_array_equal(tensors["small"], [1.0, 2.0, 3.0])
+        part = big[4:7]
+        last = big[-1]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"reading 3 rows and a 12-byte tensor allocated {peak} bytes"
+    assert part.shape == (3, cols) and part.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(part[1], row5.astype(ml_dtypes.bfloat16))
+    assert not part[0].any() and not part[2].any()
+    np.testing.assert_array_equal(last, (-row5).astype(ml_dtypes.bfloat16))
+    with pytest.raises(IndexError, match=rf"^{re.escape(str(path))}: tensor 'big' \[16384, 8192\]:.*out of bounds"):
+        big[rows]
+
+
+def test_check_hf_reads_no_weight_and_import_reads_each_once(
+    qwen3_dir: tuple[Path, dict[str, np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, t = qwen3_dir
+    reads: list[str] = []
+    real_read, real_getitem = LazyTensor.read, LazyTensor.__getitem__
+
+    def read(self: LazyTensor) -> np.ndarray:
+        reads.append(self.name)
+        return real_read(self)
+
+    def getitem(self: LazyTensor, index: Any) -> np.ndarray:
+        reads.append(self.name)
+        return real_getitem(self, index)
+
+    monkeypatch.setattr(LazyTensor, "read", read)
+    monkeypatch.setattr(LazyTensor, "__getitem__", getitem)
+    assert check_hf(path).param_dtype == "bfloat16"  # the dtype comes from the header
+    assert reads == []
+    import_hf(path)
+    assert sorted(reads) == sorted(t)
+
+
+def test_damaged_safetensors_are_clear_errors(tmp_path: Path) -> None:
+    t = hf_tensors(LLAMA, np.float32, seed=8)
+    single = write_checkpoint(tmp_path / "single", LLAMA, t)
+    weights = single / "model.safetensors"
+    data = weights.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    for content, why in [
+        (b"", "header too small"),
+        (b"this is not a safetensors file, only text", "header"),
+        (data[:-100], "incomplete metadata"),  # truncated weights
+        (data[:header_end], "incomplete metadata"),  # the header alone
+    ]:
+        weights.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(weights))}: not a safetensors file \(.*{why}"):
+            read_checkpoint_tensors(single)
+        with pytest.raises(ConfigError, match=rf"^init.path: {re.escape(str(weights))}: not a safetensors file"):
+            check_hf(single)
+    f8 = tmp_path / "f8.safetensors"
+    save_file({"x": np.zeros(4, ml_dtypes.float8_e4m3fn)}, str(f8))  # the library writes it; NumPy cannot read it
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(f8))}: tensor 'x' has unsupported dtype F8_E4M3"):
+        read_safetensors(f8)
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(tmp_path / 'nope'))}: no such file"):
+        read_safetensors(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(tmp_path))}: not a file"):
+        read_safetensors(tmp_path)
+    write_safetensors(tmp_path / "ok.safetensors", {"x": np.zeros(2, np.float32)})
+    with pytest.raises(KeyError, match="'model.nothing'"):
+        read_safetensors(tmp_path / "ok.safetensors")["model.nothing"]
+
+    sharded = write_checkpoint(tmp_path / "sharded", LLAMA, t, shards=3)
+    index = sharded / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    index.write_text(json.dumps({"weight_map": weight_map | {"model.extra": "x.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(sharded / 'x.safetensors'))}: no such file"):
+        read_checkpoint_tensors(sharded)
+    index.write_text(json.dumps({"weight_map": weight_map | {"model.extra": "model-00001-of-00003.safetensors"}}))
+    with pytest.raises(ValueError, match=r"tensors listed but not found in the shards: \['model.extra'\]"):
+        read_checkpoint_tensors(sharded)
+    index.write_text(json.dumps({"weight_map": ["model-00001-of-00003.safetensors"]}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(index))}: not a safetensors index \(weight_map is not"):
+        read_checkpoint_tensors(sharded)
+    index.write_text("{")
+    with pytest.raises(ConfigError, match=rf"^init.path: {re.escape(str(index))}: not a safetensors index"):
+        check_hf(sharded)
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
