@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import TrainConfig
-from trainer.flops import _fwd_flops, param_count
+from trainer.flops import _fwd_flops, decode_blocks, param_count
 
 # Layers of the two compiles a phase's per-layer cost is taken from. Not 1: libtpu prices a 1-layer decode step
 # off the line the deeper ones lie on (Qwen3-8B on v6e 4x4: 1 layer 0.649 ms, 2 layers 0.637, 4 0.938, 6 1.211).
@@ -47,16 +47,6 @@ class Phase:
     args: tuple[Any, ...]
     runs: int
     blocks: tuple[float, int] | None = None  # a decode step's cache blocks read: the step's mean, and at most
-
-
-def decode_blocks(cfg: TrainConfig) -> tuple[float, int] | None:
-    """The cache blocks a decode step reads on average over a step whose every row generates max_new_tokens (token
-    i of every row at slot P + i), and at most; None where the step reads the whole cache in one einsum."""
-    P, N, block = cfg.prompt_len, cfg.sampling.max_new_tokens, cfg.compute.decode_block
-    most = -(-(P + N) // block) if block else 1
-    if most <= 1:
-        return None
-    return sum(min(most, (P + i) // block + 1) for i in range(N)) / N, most
 
 
 def at_mean_blocks(one: tuple[float, float], all_deep: float, blocks: tuple[float, int]) -> tuple[float, float]:

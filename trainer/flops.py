@@ -37,16 +37,27 @@ class StepFlops:
     decode_row: float  # executed, one row, one decode step
 
 
+def decode_blocks(cfg: TrainConfig) -> tuple[float, int] | None:
+    """The cache blocks a decode step reads (compute.decode_block) on average over a step whose every row generates
+    max_new_tokens (token i of every row at slot P + i), and at most; None where it reads the whole cache at once."""
+    P, N, block = cfg.prompt_len, cfg.sampling.max_new_tokens, cfg.compute.decode_block
+    most = -(-(P + N) // block) if block else 1
+    if most <= 1:
+        return None
+    return sum(min(most, (P + i) // block + 1) for i in range(N)) / N, most
+
+
 def step_flops(cfg: TrainConfig) -> StepFlops:
     m, B, P, N = cfg.model_cfg, cfg.batch_size, cfg.prompt_len, cfg.sampling.max_new_tokens
     T, S = P + N, P + N
     chunk = min(cfg.compute.logprob_chunk, N)
     n_head = -(-N // chunk) * chunk  # log-prob chunks are padded to whole chunks
     causal = T * (T + 1) / 2
-    # The sampler: prefill writes the prompt into an S-slot cache and attends over all S slots (masked), each
-    # decode step runs one token per row against the S slots.
-    prefill = _fwd_flops(m, P, P * S, 1)
-    decode = _fwd_flops(m, 1, S, 1)
+    # The sampler: prefill writes the prompt into an S-slot cache and attends over its own P slots (masked), each
+    # decode step runs one token per row against the S slots, or against the cache blocks it reads (on average).
+    blocks = decode_blocks(cfg)
+    prefill = _fwd_flops(m, P, P * P, 1)
+    decode = _fwd_flops(m, 1, S if blocks is None else min(S, blocks[0] * cfg.compute.decode_block), 1)
     fwd = _fwd_flops(m, T, T * T, n_head)  # completion_logprobs: full [T, T] attention, padded head chunks
     head = 2 * m.d_model * m.vocab_size * n_head
     attn = 4 * m.n_heads * m.head_dim * m.n_layers * T * T

@@ -357,9 +357,10 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     """compute.decode_block: the compiler counts the block loop's body once (a 4-layer step with the loop costs less
     than two blocks unrolled), so fit compiles it unrolled, reading 1 block at 2 and 4 layers and all at 4, and takes
     a block's cost per layer: that predicts a 6-layer step reading 3 of the 8 blocks, and a step reading all costs
-    more than one reading the first."""
+    more than one reading the first. Its FLOPs count the blocks read on average."""
     from trainer import fit_phases as FP
     from trainer import model as M
+    from trainer.flops import decode_blocks
     from trainer.sharding import make_mesh
 
     F.prepare_environment(V6E_2X2)
@@ -367,8 +368,11 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     cfg = F.resolve_model(resolve_mesh(_cfg({"head_dim": 128, "max_seq_len": 1024, "n_layers": 8},
                                             compute={"decode_block": 128},
                                             sampling={"max_new_tokens": 1000}), 4))[0]
-    mean, most = FP.decode_blocks(cfg)
+    mean, most = decode_blocks(cfg)
     assert most == 8 and mean == pytest.approx(sum(min(8, (24 + i) // 128 + 1) for i in range(1000)) / 1000)
+    whole = cfg.model_copy(update={"compute": cfg.compute.model_copy(update={"decode_block": 0})})
+    read = F.step_flops(whole).decode_row - F.step_flops(cfg).decode_row  # attention's 4 x heads x E per slot
+    assert read == pytest.approx(4 * 4 * 128 * 8 * (1024 - mean * 128))
     mesh = make_mesh(1, 4, 1, devices)
 
     def seconds(depth: int, blocks: int | None) -> float:
