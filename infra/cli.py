@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from infra.config import EnvironmentSpec
+    from envspec.config import EnvironmentSpec
     from infra.fit import FitJob
     from trainer.fit import FitReport
     from trainer.fit_search import SearchResult
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser(
         "reference", help="print the stack or trainer config reference, or rewrite both docs with --write",
         description="Renders docs/stack-config.md and docs/trainer-config.md from the typed specs "
-        "(infra/config.py, trainer/config.py): every key, its type, default, allowed values and description.")
+        "(envspec/config.py, trainer/config.py): every key, its type, default, allowed values and description.")
     ref.add_argument("doc", nargs="?", choices=("stack", "trainer"),
                      help="which reference (default: both, or the stack's when printing)")
     ref.add_argument("--write", action="store_true", help="write it (or both) under docs/ instead of printing")
@@ -133,8 +133,8 @@ SEARCH_BUDGET = 12  # program compiles: the config as given and about ten candid
 
 
 def _fit(args: argparse.Namespace) -> int:
+    from envspec.config import ConfigError
     from infra import render
-    from infra.config import ConfigError
     from infra.fit import env_job, env_spec, file_job
     from infra.plan import PlanError
     from trainer.config import ConfigError as TrainerConfigError
@@ -194,8 +194,8 @@ def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True, sea
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from envspec.config import ConfigError
     from infra import render
-    from infra.config import ConfigError
     from infra.diff import diff_plan
     from infra.diff import markdown as diff_markdown
     from infra.diff import text as diff_text
@@ -249,7 +249,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
     """`plan --fit`: the environment's trainer (or, without one, its service's engine), as `fit ENV` compiles it;
     None when it has neither."""
-    from infra.config import ConfigError
+    from envspec.config import ConfigError
     from infra.fit import env_job
     from trainer.config import ConfigError as TrainerConfigError
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.config import EnvironmentSpec, gke_version_tuple
+from envspec.config import EnvironmentSpec, gke_version_tuple
 from infra.network import POD_RANGE, SERVICE_RANGE
 from workloads.labels import SYSTEM_POOL
 

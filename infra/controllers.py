@@ -8,7 +8,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 import yaml
 
-from infra.config import EnvironmentSpec
+from envspec.config import EnvironmentSpec
 from workloads import kueue
 
 JOBSET_CHART = "oci://registry.k8s.io/jobset/charts/jobset"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.config import EnvironmentSpec
+from envspec.config import EnvironmentSpec
 from infra.iam import workload_principal
 from infra.storage import CHECKPOINT_ROLE
 from trainer.service.store import CLOUDSQL_OWNER_ROLE as OWNER_ROLE

@@ -320,7 +320,7 @@ def compare(env: str, ref: str, old: Snapshot, new: Snapshot) -> PlanDiff:
     rebuilt = old.context is not None and new.context is not None and old.context != new.context
     for urn in new.resources:
         if rebuilt and new.resources[urn]["type"] == IMAGE_TYPE and urn in old.resources:
-            # Its arguments are the same; what it builds changed (pyproject.toml, README.md or trainer/).
+            # Its arguments are the same; what it builds changed (pyproject.toml, README.md, envspec/ or trainer/).
             changed.append(change(urn, new.resources[urn], [("build context (digest)", old.context, new.context)]))
             continue
         if urn in old.resources:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra import tpu, user_code
-from infra.config import NAMESPACE, ConfigError, EnvironmentSpec, parse_spec
+from envspec import tpu
+from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec, parse_spec
+from infra import user_code
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -28,25 +29,20 @@ class FitJob:
 def env_spec(env: str, config_file: Path | None = None, root: Path | None = None) -> EnvironmentSpec:
     """The validated spec of environments/Pulumi.ENV.yaml (or `config_file`), without running the program."""
     from infra.plan import load_stack_config, repo_root, stack_file
+    from trainer.config import bundled_configs
 
     raw = load_stack_config(config_file if config_file is not None else stack_file(env, root or repo_root()))
     prefix = NAMESPACE + ":"
     ours = {k.removeprefix(prefix): v for k, v in raw.items() if k.startswith(prefix) or ":" not in k}
-    return parse_spec(ours, env)
+    return parse_spec(ours, env, bundled_configs())
 
 
 def target(shape: tpu.SliceShape, slices: int) -> Target:
-    """The trainer's compile target for `slices` slices of `shape`, every figure from the TPU catalog."""
+    """The trainer's compile target for `slices` slices of `shape`, every figure from the TPU catalog (a seam the
+    tests replace to shrink a chip's HBM)."""
     from trainer.fit import Target
 
-    gen = shape.generation
-    dims = tuple(int(d) for d in shape.topology.split("x"))
-    return Target(
-        tpu_type=gen.name, topology=shape.topology, slices=slices, chips_per_slice=shape.chips,
-        hbm_bytes_per_chip=gen.hbm_gib_per_chip << 30, peak_flops_per_chip=gen.peak_bf16_tflops_per_chip * 1e12,
-        hbm_bytes_per_s_per_chip=gen.hbm_gbps_per_chip * 1e9,
-        host_bounds=None if shape.multi_host else (*dims, *(1,) * (3 - len(dims))),  # type: ignore[arg-type]
-    )
+    return Target.of(shape, slices)
 
 
 def parse_tpu(value: str) -> tpu.SliceShape:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from infra.config import NAMESPACE, ConfigError, EnvironmentSpec
+from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
 
 KEY = f"{NAMESPACE}:trainer.terminationGraceSeconds"
 # Sustained write rate of one host to Cloud Storage through its gcsfuse sidecar, assumed. gcsfuse's own benchmarks

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.config import EnvironmentSpec
+from envspec.config import EnvironmentSpec
 
 # What a GKE node needs and nothing more: write logs and metrics.
 NODE_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter", "roles/monitoring.viewer",

@@ -10,8 +10,8 @@ import pulumi
 import pulumi_docker_build as docker_build
 import pulumi_gcp as gcp
 
+from envspec.config import EnvironmentSpec
 from infra import user_code
-from infra.config import EnvironmentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "trainer" / "Dockerfile"
@@ -55,7 +55,8 @@ class TrainerImage(pulumi.ComponentResource):
         token = gcp.organizations.get_client_config_output().access_token
         self.image = docker_build.Image(
             f"{name}-trainer",
-            # .dockerignore keeps the main context to trainer/; trainer.code comes as the named context user-code.
+            # .dockerignore keeps the main context to trainer/ and envspec/; trainer.code comes as the named context
+            # user-code.
             context=docker_build.BuildContextArgs(location=_rel(ROOT), named={
                 USER_CODE_CONTEXT: docker_build.ContextArgs(location=_rel(code or NO_USER_CODE))}),
             # The provider's context hash misses the named context's files (infra/user_code.py): their digest does not.
@@ -65,7 +66,7 @@ class TrainerImage(pulumi.ComponentResource):
             tags=[f"{repo}:{spec.trainer.image_tag}"],
             push=True,
             # Previews (every pull request) do not need a TPU image built; `pulumi up` builds when the context
-            # hash changes, i.e. when pyproject.toml, README.md or trainer/ changed.
+            # hash changes, i.e. when pyproject.toml, README.md, envspec/ or trainer/ changed.
             build_on_preview=False,
             # Layers of the last pushed image are reused, so a code-only change rebuilds the last layers only.
             cache_from=[docker_build.CacheFromArgs(registry=docker_build.CacheFromRegistryArgs(

@@ -26,7 +26,8 @@ from pulumi.runtime.config import set_all_config
 from pulumi.runtime.stack import run_in_stack
 from pulumi.runtime.sync_await import _sync_await
 
-from infra import config as cfg
+from envspec.config import EnvironmentSpec
+from infra import stack_config
 
 PROJECT = "gke-tpu-rl"
 SECRET_MASK = "[secret]"
@@ -68,7 +69,7 @@ class Resource:
 @dataclass(frozen=True)
 class PlanResult:
     env: str
-    spec: cfg.EnvironmentSpec
+    spec: EnvironmentSpec
     stack_urn: str
     resources: list[Resource]  # depth-first from the stack, siblings sorted by (type, name): deterministic
     outputs: dict[str, Any]  # stack outputs, secrets masked
@@ -342,7 +343,7 @@ def _tree_order(regs: list[_Registration], stack_urn: str) -> list[_Registration
 
 
 def _run_in_fresh_context(env: str, values: dict[str, str], secrets: list[str], program: Callable[[], Any],
-                          monitor: RecordingMonitor) -> cfg.EnvironmentSpec:
+                          monitor: RecordingMonitor) -> EnvironmentSpec:
     # Everything below sets context variables; the caller runs us in a copied context.
     settings.reset_options(project=PROJECT, stack=env, preview=False)
     set_all_config(values, secrets)
@@ -354,7 +355,7 @@ def _run_in_fresh_context(env: str, values: dict[str, str], secrets: list[str], 
     settings.SETTINGS.outputs = set()  # MockSettings leaves this unset; never share the caller's
     _sync_await(run_in_stack(program))
     # The program validated the same config before registering anything; read the spec it used.
-    return cfg.load_spec()
+    return stack_config.load_spec()
 
 
 def run_stack(env: str, config: Mapping[str, Any], secret_keys: Iterable[str] = (), *,
@@ -364,7 +365,8 @@ def run_stack(env: str, config: Mapping[str, Any], secret_keys: Iterable[str] = 
     config: a stack file's `config:` map (`gke-tpu-rl:key` or bare `key` -> value, structured values as
     dicts/lists, `{secure: ...}` allowed). secret_keys: further keys to mark secret (e.g. a plain test token).
     program: defaults to `infra.program.main`, what `pulumi up` runs. monitor: pass one to inspect the
-    registrations even when the program raises (e.g. ConfigError, which propagates unchanged).
+    registrations even when the program raises (e.g. ConfigError, which propagates as `pulumi up` gets it: a
+    StackConfigError, infra/stack_config.py).
     """
     values, secrets = runtime_config(config, secret_keys)
     monitor = monitor or RecordingMonitor(PlanMocks())

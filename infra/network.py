@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.config import EnvironmentSpec
+from envspec.config import EnvironmentSpec
 
 POD_RANGE = "pods"
 SERVICE_RANGE = "services"

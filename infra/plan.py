@@ -65,7 +65,7 @@ def load_stack_config(path: Path) -> dict[str, Any]:
 def plan(env: str, config_file: Path | None = None, root: Path | None = None) -> PlanResult:
     """Runs the stack `env` (environments/Pulumi.ENV.yaml, or `config_file`) under mocks.
 
-    Raises PlanError for a missing/unreadable file and infra.config.ConfigError for invalid config."""
+    Raises PlanError for a missing/unreadable file and envspec.config.ConfigError for invalid config."""
     path = config_file if config_file is not None else stack_file(env, root or repo_root())
     return run_stack(env, load_stack_config(path))
 

@@ -6,9 +6,9 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
+from envspec.config import NAMESPACE, EnvironmentSpec
 from infra import grace, service, system_pool, user_code
 from infra.cluster import Cluster, ClusterArgs
-from infra.config import NAMESPACE, EnvironmentSpec, load_spec
 from infra.controllers import Controllers, ControllersArgs
 from infra.database import ServiceDatabase, ServiceDatabaseArgs
 from infra.iam import NodeIdentity, NodeIdentityArgs
@@ -17,6 +17,7 @@ from infra.network import Network, NetworkArgs
 from infra.queues import Queues, QueuesArgs
 from infra.registry import Registry, RegistryArgs
 from infra.slices import TpuSlices, TpuSlicesArgs
+from infra.stack_config import config_errors_for_pulumi, load_spec
 from infra.storage import Storage, StorageArgs
 from infra.trainer_job import TrainerJob, TrainerJobArgs, stage_targets
 
@@ -76,11 +77,13 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
 
 
 def main() -> None:
-    # Validate everything before the first resource is registered.
-    spec = load_spec()
-    system_pool.check(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
-    grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
-    stage_targets(spec)  # what trainer.stage fetches has a place on the bucket the trainer config reads
-    user_code.check(spec)  # the trainer config's own tasks and rewards are in trainer.code
-    service.check(spec)  # the service's engine config loads with the arguments its pods get
-    build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))
+    # A config problem found anywhere below reaches `pulumi up` as a RunError: its message, no traceback.
+    with config_errors_for_pulumi():
+        # Validate everything before the first resource is registered.
+        spec = load_spec()
+        system_pool.check(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
+        grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
+        stage_targets(spec)  # what trainer.stage fetches has a place on the bucket the trainer config reads
+        user_code.check(spec)  # the trainer config's own tasks and rewards are in trainer.code
+        service.check(spec)  # the service's engine config loads with the arguments its pods get
+        build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))

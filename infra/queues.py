@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pulumi
 
-from infra.config import EnvironmentSpec
+from envspec.config import EnvironmentSpec
 from infra.k8s import apply
 from workloads import core, kueue
 

@@ -1,6 +1,6 @@
 """The config references, docs/stack-config.md and docs/trainer-config.md, generated from the typed specs.
 
-Every key comes from walking the pydantic models (infra/config.py EnvironmentSpec, trainer/config.py TrainConfig):
+Every key comes from walking the pydantic models (envspec/config.py EnvironmentSpec, trainer/config.py TrainConfig):
 its name as a user writes it (the alias), type, default, allowed values (Literal choices, numeric bounds, list and
 mapping shapes) and the Field's description. Values that validators check against a catalog (TPU types, chart
 versions, bundled trainer configs, tasks, rewards) are read from that catalog. `gke-tpu-rl reference --write`
@@ -26,7 +26,7 @@ STACK_DOC = "docs/stack-config.md"
 TRAINER_DOC = "docs/trainer-config.md"
 SECTION = "section"
 LIST_OF_MAPPINGS = "list of mappings, each with the `[i]` keys"
-# What each secret key (infra/config.py SECRET_KEYS: read outside the typed spec) does.
+# What each secret key (envspec/config.py SECRET_KEYS: read outside the typed spec) does.
 SECRET_DESCRIPTIONS = {
     "hfToken": "the Hugging Face token: the stack puts it in a Kubernetes Secret the trainer pods read as "
     "HF_TOKEN. Set it with `pulumi config set --secret gke-tpu-rl:hfToken hf_...`",
@@ -168,7 +168,7 @@ def _codes(values: Any) -> str:
 
 
 def _stack_extra() -> dict[str, Callable[[], str]]:
-    from infra import config, machines, tpu
+    from envspec import config, machines, tpu
 
     def machine_types() -> str:
         kinds = sorted({k for f in machines.MACHINE_FAMILIES.values() for k in f})
@@ -197,7 +197,7 @@ def _stack_extra() -> dict[str, Callable[[], str]]:
 
 def stack_keys() -> list[Key]:
     """Every key of a stack file (without the `gke-tpu-rl:` namespace), the secret keys after the top level ones."""
-    from infra.config import SECRET_KEYS, EnvironmentSpec
+    from envspec.config import SECRET_KEYS, EnvironmentSpec
 
     # `env` is the stack's name (parse_spec sets it), not a key a stack file sets.
     keys = walk(EnvironmentSpec, _stack_extra(), skip=("env",))
@@ -242,10 +242,10 @@ def _tables(keys: list[Key], render: Callable[[str], str], sections: dict[str, s
 
 
 def _topologies() -> str:
-    from infra import tpu
+    from envspec import tpu
 
     lines = ["TPU types and the topologies each offers (`slices[i].topology`), from the TPU catalog "
-             "(infra/tpu.py):", "", "| tpuType | topologies |", "|---|---|"]
+             "(envspec/tpu.py):", "", "| tpuType | topologies |", "|---|---|"]
     lines += [f"| `{name}` | {', '.join(g.topologies)} |" for name, g in tpu.GENERATIONS.items()]
     return "\n".join(lines)
 
@@ -255,7 +255,7 @@ def stack_markdown() -> str:
     lines = [
         "# Stack config reference",
         "",
-        f"<!-- Generated from infra/config.py by `{REGENERATE}`; do not edit by hand. -->",
+        f"<!-- Generated from envspec/config.py by `{REGENERATE}`; do not edit by hand. -->",
         "",
         "Every key of an environment's stack file, `environments/Pulumi.<env>.yaml`, all under the `gke-tpu-rl:` "
         "namespace. A dotted key is a nested mapping in the file: `gke-tpu-rl:cluster.systemPool.machineType` is",

@@ -26,7 +26,7 @@ from infra.mockrun import (
 from infra.plan import is_kubernetes_object
 
 if TYPE_CHECKING:
-    from infra.config import EnvironmentSpec
+    from envspec.config import EnvironmentSpec
     from trainer.fit import FitReport
     from trainer.fit_search import SearchResult as FitSearch
 

@@ -17,7 +17,7 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.config import EnvironmentSpec
+from envspec.config import EnvironmentSpec
 from infra.k8s import apply, resource_name
 from infra.trainer_job import DELETE_MARGIN_S, REPLACE_ON_CHANGES
 from workloads import dra, service, trainer_pod

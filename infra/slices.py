@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
+from envspec.config import EnvironmentSpec, SliceGroupSpec
 from infra.cluster import OAUTH_SCOPES
-from infra.config import EnvironmentSpec, SliceGroupSpec
 from workloads.labels import DRANET_NODE
 
 RESERVATION_KEY = "compute.googleapis.com/reservation-name"

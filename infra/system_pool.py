@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from infra.config import NAMESPACE, ConfigError, EnvironmentSpec
-from infra.machines import (
+from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
+from envspec.machines import (
     MACHINE_FAMILIES,
     Machine,
     Requests,

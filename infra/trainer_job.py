@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pulumi
 
-from infra.config import NAMESPACE, ConfigError, EnvironmentSpec
+from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
 from infra.k8s import apply
 from workloads import core, dra, jobset, rayjob, stage, trainer_pod
 from workloads.labels import MANAGED_BY

@@ -17,31 +17,16 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from envspec.repo import REPO_ROOT
 from infra.digests import tree_digest
 
 if TYPE_CHECKING:
-    from infra.config import EnvironmentSpec
+    from envspec.config import EnvironmentSpec
     from trainer.config import TrainConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # where Pulumi.yaml is and `pulumi` runs the program
 # Never part of the digest (nor worth sending): bytecode and tool caches the user's runs leave behind.
 SKIPPED_DIRS = frozenset({"__pycache__", ".git", ".venv", ".pytest_cache", ".ruff_cache", ".mypy_cache"})
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
-
-
-def within_repo(value: str) -> bool:
-    """A relative path that cannot leave the folder it is resolved in (no '..')."""
-    path = Path(value)
-    return not path.is_absolute() and ".." not in path.parts
-
-
-def repo_folder(value: str) -> str:
-    """A relative path inside the repository, without '..': what the image build and `plan --diff` of another
-    revision both resolve against the repository they run in. Returns it as given; raises ValueError."""
-    if not within_repo(value) or value.strip() in ("", "."):
-        raise ValueError(f"{value!r} must be a path inside this repository, relative to Pulumi.yaml, without '..' "
-                         "(so the code is versioned with the environment)")
-    return value
 
 
 def folder(spec: EnvironmentSpec) -> Path | None:
@@ -150,7 +135,7 @@ def check_references(spec: EnvironmentSpec, cfg: TrainConfig) -> list[str]:
 
 def check(spec: EnvironmentSpec) -> None:
     """The trainer config's MODULE:NAME references resolve in trainer.code; raises ConfigError naming each key."""
-    from infra.config import NAMESPACE, ConfigError
+    from envspec.config import NAMESPACE, ConfigError
     from infra.fit import env_job
 
     if not spec.trainer.enabled:

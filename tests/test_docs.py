@@ -11,8 +11,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from envspec.config import SECRET_KEYS, EnvironmentSpec
 from infra.cli import build_parser
-from infra.config import SECRET_KEYS, EnvironmentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

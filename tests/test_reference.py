@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+from envspec.config import NAMESPACE, SECRET_KEYS
 from infra import reference
 from infra.cli import main
-from infra.config import NAMESPACE, SECRET_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,12 +8,15 @@ is initialised.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
 
 from trainer import yamlfile
+
+if TYPE_CHECKING:
+    from envspec.config import BundledConfigs
 
 
 class ConfigError(ValueError):
@@ -454,6 +457,16 @@ def bundled_run_configs() -> list[str]:
     """The bundled configs (trainer/configs/) that are RL training runs: those with a service section configure the
     post-training service's engine instead, which `python -m trainer` refuses."""
     return [name for name, service in _bundled_configs().items() if not service]
+
+
+def bundled_configs() -> BundledConfigs:
+    """Both lists, as the environment spec takes them (envspec.config.parse_spec checks trainer.config and
+    service.config against them: the spec sits below the trainer and cannot list trainer/configs/ itself)."""
+    from envspec.config import BundledConfigs  # here, not at the top: the trainer itself never parses an environment
+
+    kinds = _bundled_configs()
+    return BundledConfigs(runs=tuple(n for n, service in kinds.items() if not service),
+                          services=tuple(n for n, service in kinds.items() if service))
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from envspec import tpu
+
 GiB = 1 << 30
 WARN_FRACTION = 0.9  # above this share of the usable HBM a program fits, with a warning
 BUDGET_SPENT = "not compiled: the compile budget is spent"
@@ -15,7 +17,8 @@ BUDGET_SPENT = "not compiled: the compile budget is spent"
 
 @dataclass(frozen=True)
 class Target:
-    """The TPU to compile for. The caller fills it from its TPU catalog (the CLI: infra/tpu.py)."""
+    """The TPU to compile for: a generation of the TPU catalog (envspec/tpu.py), which `of` reads every figure from.
+    The figures are fields so a test can shrink a chip (dataclasses.replace)."""
 
     tpu_type: str  # catalog name: v4, v5e, v5p, v6e, tpu7x
     topology: str  # e.g. 4x4
@@ -27,6 +30,27 @@ class Target:
     # Chips per host as (x, y, z) for a single-host slice: libtpu assumes a 2x2x1 host otherwise, which a 1x1
     # slice does not divide. None for multi-host slices (libtpu's default host shape).
     host_bounds: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tpu_type not in tpu.GENERATIONS:  # the catalog's per-chip facts are looked up by this name
+            raise ValueError(f"Target: {self.tpu_type!r} is not a TPU catalog name; allowed: "
+                             f"{', '.join(sorted(tpu.GENERATIONS))}")
+
+    @classmethod
+    def of(cls, shape: tpu.SliceShape, slices: int) -> Target:
+        """`slices` slices of a catalog shape, every figure from the catalog."""
+        gen = shape.generation
+        dims = tuple(int(d) for d in shape.topology.split("x"))
+        return cls(
+            tpu_type=gen.name, topology=shape.topology, slices=slices, chips_per_slice=shape.chips,
+            hbm_bytes_per_chip=gen.hbm_gib_per_chip << 30, peak_flops_per_chip=gen.peak_bf16_tflops_per_chip * 1e12,
+            hbm_bytes_per_s_per_chip=gen.hbm_gbps_per_chip * 1e9,
+            host_bounds=None if shape.multi_host else (*dims, *(1,) * (3 - len(dims))),  # type: ignore[arg-type]
+        )
+
+    @property
+    def generation(self) -> tpu.TpuGeneration:
+        return tpu.GENERATIONS[self.tpu_type]
 
     @property
     def chips(self) -> int:
@@ -44,9 +68,7 @@ class Target:
     @property
     def accelerator_type(self) -> str:
         """A TPU_ACCELERATOR_TYPE value for this slice (libtpu wants one set; it does not change compilation)."""
-        name = {"v5e": "v5litepod"}.get(self.tpu_type, self.tpu_type)
-        cores = self.chips_per_slice * (2 if self.tpu_type in ("v4", "v5p", "tpu7x") else 1)
-        return f"{name}-{cores}"
+        return self.generation.accelerator_type(self.chips_per_slice)
 
 
 @dataclass

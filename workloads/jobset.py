@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.config import REPLICATED_JOB, EnvironmentSpec
+from envspec.config import REPLICATED_JOB, EnvironmentSpec
 from workloads import labels as L
 from workloads.trainer_pod import (
     CONTAINER_SECURITY,

@@ -7,8 +7,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from infra.config import EnvironmentSpec, SliceGroupSpec
-from infra.tpu import SliceShape
+from envspec.config import EnvironmentSpec, SliceGroupSpec
+from envspec.tpu import SliceShape
 from workloads.dra import DRANET_DEVICE_CLASS
 from workloads.labels import MANAGED_BY, SYSTEM_POOL, TPU_ACCELERATOR, TPU_RESOURCE, TPU_TOPOLOGY
 from workloads.rayjob import head_quota
@@ -24,7 +24,7 @@ DRANET_RESOURCE = "gke-tpu-rl/netdev"
 # The Kueue chart's own manager Configuration per chart version (charts/kueue/values.yaml,
 # managerConfig.controllerManagerConfigYaml, at tag v<version>), restated because the chart takes it as one YAML
 # string: overriding it to add the DRA mapping must keep these, the default integrations above all. Config
-# validation refuses any controllers.kueueVersion not listed in infra/config.py KUEUE_CHART_VERSIONS, and a test
+# validation refuses any controllers.kueueVersion not listed in envspec/config.py KUEUE_CHART_VERSIONS, and a test
 # keeps that list equal to these keys and compares each entry with the chart's values.yaml (a vendored copy under
 # tests/fixtures/), so a chart bump cannot silently keep an older chart's config.
 CHART_MANAGER_CONFIGS: dict[str, dict[str, Any]] = {

@@ -12,8 +12,8 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from infra.config import EnvironmentSpec
-from infra.machines import Requests, requests_of
+from envspec.config import EnvironmentSpec
+from envspec.machines import Requests, requests_of
 from workloads import labels as L
 from workloads.trainer_pod import (
     CONTAINER_SECURITY,

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infra.config import NAMESPACE, ConfigError, EnvironmentSpec, ServiceSpec, SliceGroupSpec
+from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec, ServiceSpec, SliceGroupSpec
 from trainer.service.store import (
     CLOUDSQL_CREDENTIALS_ENV,
     CLOUDSQL_DATABASE_ENV,

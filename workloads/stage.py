@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infra.config import EnvironmentSpec
+from envspec.config import EnvironmentSpec
 from workloads import labels as L
 from workloads.trainer_pod import (
     CHECKPOINT_MOUNT,

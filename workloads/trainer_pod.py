@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infra.config import EnvironmentSpec, SliceGroupSpec
+from envspec.config import EnvironmentSpec, SliceGroupSpec
 from workloads import labels as L
 
 CHECKPOINT_MOUNT = "/checkpoints"

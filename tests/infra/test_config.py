@@ -6,10 +6,13 @@ import copy
 from typing import Any
 
 import pytest
+from pulumi.errors import RunError
 
-from infra.config import ConfigError, parse_spec
+from envspec.config import ConfigError, EnvironmentSpec, parse_spec
 from infra.mockrun import PlanMocks, RecordingMonitor, run_stack
+from infra.stack_config import StackConfigError
 from tests.infra.conftest import stack_config
+from trainer.config import bundled_configs
 
 
 def _raw(env: str) -> dict[str, Any]:
@@ -79,7 +82,7 @@ BAD = [
 @pytest.mark.parametrize(("case", "env", "path", "value", "message"), BAD, ids=[b[0] for b in BAD])
 def test_bad_config_names_the_key(case: str, env: str, path: str, value: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        parse_spec(_with(env, path, value), env)
+        parse_spec(_with(env, path, value), env, bundled_configs())
 
 
 @pytest.mark.parametrize(("case", "env", "path", "value", "message"), BAD[:7], ids=[b[0] for b in BAD[:7]])
@@ -91,24 +94,53 @@ def test_bad_config_registers_nothing(case: str, env: str, path: str, value: Any
     assert monitor.registrations == []
 
 
+@pytest.mark.parametrize(("env", "path", "value", "message"), [
+    ("dev", "slices.0.tpuType", "v9", r"gke-tpu-rl:slices\[0\]\.tpuType: unknown TPU type 'v9'"),  # the spec
+    # A check the program runs on the parsed spec (infra/grace.py), after load_spec.
+    ("prod", "trainer.terminationGraceSeconds", 600, r"trainer\.terminationGraceSeconds: 600 s is too short"),
+], ids=["spec", "grace check"])
+def test_pulumi_up_gets_config_errors_as_run_errors(env: str, path: str, value: Any, message: str) -> None:
+    """envspec's ConfigError is a plain ValueError (the floor has no Pulumi); the program raises it on as a RunError,
+    which pulumi-language-python prints without the program's traceback, with the same message."""
+    raw = _with(env, path, value)
+    with pytest.raises(RunError, match=message) as err:
+        run_stack(env, {f"gke-tpu-rl:{k}": v for k, v in raw.items()})
+    assert isinstance(err.value, StackConfigError) and isinstance(err.value, ConfigError)
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # the message is all `pulumi up` shows
+    if path.startswith("slices"):
+        with pytest.raises(ConfigError) as floor:
+            parse_spec(raw, env, bundled_configs())
+        assert not isinstance(floor.value, RunError) and str(floor.value) == str(err.value)
+
+
+def test_the_spec_needs_the_bundled_configs_to_check_a_config_name() -> None:
+    # Validating without them is a programming error, not a config problem: it must not pass unchecked.
+    with pytest.raises(TypeError, match=r"validate it with parse_spec\(raw, env, bundled_configs\)"):
+        EnvironmentSpec.model_validate({**_raw("dev"), "env": "dev"})
+    # An environment naming no config needs none (the trainer's embedded demo config).
+    raw = _raw("dev")
+    raw["trainer"] = {k: v for k, v in raw["trainer"].items() if k != "config"}
+    assert EnvironmentSpec.model_validate({**raw, "env": "dev"}).trainer.config is None
+
+
 def test_every_error_is_reported_at_once() -> None:
     raw = _with("dev", "zone", "nowhere")
     raw["slices"][0]["topology"] = "9x9"
     with pytest.raises(ConfigError) as err:
-        parse_spec(raw, "dev")
+        parse_spec(raw, "dev", bundled_configs())
     assert "gke-tpu-rl:zone" in str(err.value)
     assert "gke-tpu-rl:slices[0].topology" in str(err.value)
 
 
 def test_version_prefix_gets_a_trailing_dot_and_dranet_sets_the_floor() -> None:
-    spec = parse_spec(_with("staging", "cluster.versionPrefix", "1.35"), "staging")
+    spec = parse_spec(_with("staging", "cluster.versionPrefix", "1.35"), "staging", bundled_configs())
     assert spec.cluster.version_prefix == "1.35."  # so '1.3' could never match 1.30+
     assert spec.gke_version_floor == "1.34.1-gke.1829001"
-    assert parse_spec(_raw("dev"), "dev").gke_version_floor is None
+    assert parse_spec(_raw("dev"), "dev", bundled_configs()).gke_version_floor is None
 
 
 def test_aliases_become_catalog_names() -> None:
-    spec = parse_spec(_with("dev", "slices.0.tpuType", "trillium"), "dev")
+    spec = parse_spec(_with("dev", "slices.0.tpuType", "trillium"), "dev", bundled_configs())
     assert spec.slices[0].tpu_type == "v6e"
 
 
@@ -118,4 +150,4 @@ def test_dranet_needs_a_managed_dranet_machine() -> None:
     raw["network"] = {"dranet": {"enabled": True}}
     with pytest.raises(ConfigError, match=r"gke-tpu-rl:network\.dranet\.enabled: none of the slice groups' "
                                           r"machines \(ct6e-standard-4t\) supports GKE managed DRANET"):
-        parse_spec(raw, "dev")
+        parse_spec(raw, "dev", bundled_configs())

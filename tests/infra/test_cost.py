@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra import cost, diff, machines, render, zones
+from envspec import machines, zones
+from infra import cost, diff, render
 from infra.mockrun import run_stack
 from tests.infra.conftest import stack_config
 

@@ -13,10 +13,12 @@ import pulumi
 import pulumi_gcp as gcp
 import pytest
 
+from envspec.config import parse_spec
 from infra import database
-from infra.config import load_spec, parse_spec
 from infra.mockrun import PlanResult, run_stack
+from infra.stack_config import load_spec
 from tests.infra.conftest import stack_config
+from trainer.config import bundled_configs
 
 INSTANCE = "gcp:sql/databaseInstance:DatabaseInstance"
 USER = "gcp:sql/user:User"
@@ -221,7 +223,7 @@ def test_a_regional_instance_and_another_version() -> None:
 def test_an_environment_without_a_service_has_no_database() -> None:
     config = copy.deepcopy(stack_config("tinker"))
     del config["gke-tpu-rl:service"]
-    spec = parse_spec({k.removeprefix("gke-tpu-rl:"): v for k, v in config.items()}, "tinker")
+    spec = parse_spec({k.removeprefix("gke-tpu-rl:"): v for k, v in config.items()}, "tinker", bundled_configs())
     with pytest.raises(ValueError, match="no service section"):
         database.ServiceDatabase("x", database.ServiceDatabaseArgs(spec, network="vpc", project_number="1"))
 

@@ -17,7 +17,7 @@ from tests.infra.conftest import new_env_name
 
 ROOT = Path(__file__).resolve().parents[2]
 # The program and environments, and the image's build context (.dockerignore decides what of it the build sees).
-COPIED = ("Pulumi.yaml", "environments", "infra", "workloads", "trainer", ".dockerignore", "pyproject.toml",
+COPIED = ("Pulumi.yaml", "environments", "envspec", "infra", "workloads", "trainer", ".dockerignore", "pyproject.toml",
           "README.md")
 
 

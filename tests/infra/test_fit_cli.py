@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from envspec.config import ConfigError
 from infra import cli
-from infra.config import ConfigError
 from tests.infra.conftest import ROOT
 
 TINY_HF = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 2,

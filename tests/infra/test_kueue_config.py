@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.config import KUEUE_CHART_VERSIONS, ConfigError, parse_spec
+from envspec.config import KUEUE_CHART_VERSIONS, ConfigError, parse_spec
 from infra.mockrun import PlanMocks, RecordingMonitor, run_stack
 from tests.infra.conftest import stack_config
+from trainer.config import bundled_configs
 from workloads.kueue import CHART_MANAGER_CONFIGS, DRANET_RESOURCE, manager_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"
@@ -39,7 +40,7 @@ def _with_kueue(env: str, version: str) -> dict[str, Any]:
 
 
 def test_config_and_workloads_know_the_same_chart_versions() -> None:
-    # infra/config.py cannot import workloads/ (data flows config -> workloads), so the allow-list lives there and
+    # envspec/config.py cannot import workloads/ (data flows config -> workloads), so the allow-list lives there and
     # this keeps it equal to the versions whose config is restated.
     assert set(KUEUE_CHART_VERSIONS) == set(CHART_MANAGER_CONFIGS)
 
@@ -50,7 +51,7 @@ def test_restated_config_is_the_charts_default(version: str) -> None:
 
 
 def test_the_default_version_is_restated_and_the_fixture_names_its_source() -> None:
-    spec = parse_spec(_raw("dev"), "dev")
+    spec = parse_spec(_raw("dev"), "dev", bundled_configs())
     assert spec.controllers.kueue_version in CHART_MANAGER_CONFIGS
     for version in CHART_MANAGER_CONFIGS:
         header = (FIXTURES / f"controller-manager-config-v{version}.yaml").read_text().split("\napiVersion:")[0]
@@ -60,7 +61,7 @@ def test_the_default_version_is_restated_and_the_fixture_names_its_source() -> N
 
 @pytest.mark.parametrize("env", ["dev", "staging"])
 def test_manager_config_is_the_chart_default_plus_only_the_dranet_mapping(env: str) -> None:
-    spec = parse_spec(_raw(env), env)
+    spec = parse_spec(_raw(env), env, bundled_configs())
     config = manager_config(spec)
     chart = _chart_default(spec.controllers.kueue_version)
     extra = {k: v for k, v in config.items() if k not in chart}
@@ -77,7 +78,7 @@ def test_manager_config_is_the_chart_default_plus_only_the_dranet_mapping(env: s
 @pytest.mark.parametrize("version", ["0.20.0", "0.19.1", "0.19.3"])
 def test_another_kueue_chart_is_refused_with_what_to_do(version: str) -> None:
     with pytest.raises(ConfigError) as err:
-        parse_spec(_with_kueue("staging", version), "staging")
+        parse_spec(_with_kueue("staging", version), "staging", bundled_configs())
     message = str(err.value)
     assert (f"gke-tpu-rl:controllers.kueueVersion: '{version}' is not a Kueue chart version whose default "
             "manager config the stack restates; allowed: 0.19.2. ") in message
@@ -96,4 +97,4 @@ def test_another_kueue_chart_registers_nothing() -> None:
 
 def test_a_bad_version_is_still_named_as_bad_semver() -> None:
     with pytest.raises(ConfigError, match=r"gke-tpu-rl:controllers\.kueueVersion: '0\.20' is not a chart version"):
-        parse_spec(_with_kueue("dev", "0.20"), "dev")
+        parse_spec(_with_kueue("dev", "0.20"), "dev", bundled_configs())

@@ -1,4 +1,5 @@
-"""The installed package carries the data files infra/ reads (a non-editable `pip install` has nothing else)."""
+"""The installed package carries the data files infra/ and envspec/ read (a non-editable `pip install` has nothing
+else)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_wheel_holds_every_data_file_of_infra(tmp_path: Path) -> None:
-    for name in ("pyproject.toml", "README.md", "infra", "workloads", "trainer"):
+def test_the_wheel_holds_every_data_file_of_infra_and_envspec(tmp_path: Path) -> None:
+    for name in ("pyproject.toml", "README.md", "envspec", "infra", "workloads", "trainer"):
         src = ROOT / name
         (shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
          if src.is_dir() else shutil.copy(src, tmp_path / name))
@@ -22,6 +23,7 @@ def test_the_wheel_holds_every_data_file_of_infra(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     [wheel] = (tmp_path / "w").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    data = sorted(f"infra/{p.name}" for p in (ROOT / "infra").iterdir() if p.suffix in (".yaml", ".yml", ".json"))
-    assert data and {"infra/tpu_prices.yaml", "infra/tpu_zones.yaml", "infra/gke_prices.yaml"} <= set(data)
+    data = sorted(f"{package}/{p.name}" for package in ("infra", "envspec") for p in (ROOT / package).iterdir()
+                  if p.suffix in (".yaml", ".yml", ".json"))
+    assert data and {"infra/tpu_prices.yaml", "envspec/tpu_zones.yaml", "infra/gke_prices.yaml"} <= set(data)
     assert [d for d in data if d not in names] == []

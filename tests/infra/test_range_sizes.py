@@ -8,9 +8,10 @@ import ipaddress
 
 import pytest
 
-from infra import rules
-from infra.config import ConfigError, parse_spec
+from envspec import rules
+from envspec.config import ConfigError, parse_spec
 from tests.infra.test_config import _raw
+from trainer.config import bundled_configs
 
 
 def _prod(**network: str) -> dict:
@@ -27,13 +28,13 @@ def test_capacity_of_a_range() -> None:
 
 def test_prod_needs_room_for_84_nodes() -> None:
     # 3 system nodes + 1 surge + 4 x 16 v5p hosts + 2 x 8 v6e hosts.
-    spec = parse_spec(_raw("prod"), "prod")
+    spec = parse_spec(_raw("prod"), "prod", bundled_configs())
     assert spec.cluster.system_pool.nodes + 1 + sum(g.count * g.shape.hosts for g in spec.slices) == 84
-    parse_spec(_prod(nodeCidr="10.0.0.0/25"), "prod")  # 124 nodes: enough
+    parse_spec(_prod(nodeCidr="10.0.0.0/25"), "prod", bundled_configs())  # 124 nodes: enough
     with pytest.raises(ConfigError, match=r"network\.nodeCidr: 10\.0\.0\.0/26 holds 60 nodes .* has 84"):
-        parse_spec(_prod(nodeCidr="10.0.0.0/26"), "prod")
+        parse_spec(_prod(nodeCidr="10.0.0.0/26"), "prod", bundled_configs())
     with pytest.raises(ConfigError, match=r"network\.podCidr: 10\.32\.0\.0/18 holds the pod ranges of 64 nodes"):
-        parse_spec(_prod(podCidr="10.32.0.0/18"), "prod")
+        parse_spec(_prod(podCidr="10.32.0.0/18"), "prod", bundled_configs())
 
 
 def test_dranet_subnets_hold_their_hosts() -> None:
@@ -41,4 +42,4 @@ def test_dranet_subnets_hold_their_hosts() -> None:
     raw = _prod()
     raw["network"]["dranet"] = {**raw["network"]["dranet"], "cidrs": ["10.200.0.0/28", "10.201.0.0/24"]}
     with pytest.raises(ConfigError, match=r"network\.dranet\.cidrs\[0\]: 10\.200\.0\.0/28 holds 12 nodes, but 16"):
-        parse_spec(raw, "prod")
+        parse_spec(raw, "prod", bundled_configs())

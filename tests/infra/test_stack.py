@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.config import ConfigError, parse_spec
+from envspec.config import ConfigError, parse_spec
 from infra.mockrun import PlanResult, Resource, run_stack
 from tests.infra.conftest import ROOT, raw_inputs, stack_config
 from tests.infra.test_config import _raw as _raw_config
+from trainer.config import bundled_configs
 
 POOL = "gcp:container/nodePool:NodePool"
 NETWORK = "gcp:compute/network:Network"
@@ -384,7 +385,7 @@ def test_ironwood_slices_are_placed_like_cluster_toolkit() -> None:
     config = {**raw, "gke-tpu-rl:slices": [
         {"name": "ironwood", "tpuType": "tpu7x", "topology": "2x2x2", "count": 2, "capacity": "on-demand"}]}
     config["gke-tpu-rl:trainer"] = {**raw["gke-tpu-rl:trainer"], "slices": 2}
-    # A zone Google lists for Ironwood (infra/tpu_zones.yaml).
+    # A zone Google lists for Ironwood (envspec/tpu_zones.yaml).
     config["gke-tpu-rl:region"], config["gke-tpu-rl:zone"] = "us-central1", "us-central1-c"
     plan = run_stack("dev", config)
     [policy] = plan.of_type("gcp:compute/resourcePolicy:ResourcePolicy")
@@ -423,7 +424,7 @@ def test_the_grace_period_covers_a_sigterm_checkpoint() -> None:
     the step in flight; a shorter trainer.terminationGraceSeconds is refused with the figures before anything runs."""
     from infra import grace
 
-    spec = parse_spec(_raw_config("prod"), "prod")
+    spec = parse_spec(_raw_config("prod"), "prod", bundled_configs())
     found = grace.estimate(spec)
     assert found is not None and found.model == "Llama-3.1-70B"
     # Llama-3.1-70B in float32 (prod's config): 3 copies x 4 bytes; replicas per slice, so one slice's 16 hosts write.
@@ -432,16 +433,16 @@ def test_the_grace_period_covers_a_sigterm_checkpoint() -> None:
     assert found.seconds == math.ceil(2 * per_host_s + grace.STEP_ALLOWANCE_S) == 625
     # staging shards the bf16 state across both slices (every one of the 8 hosts writes its own eighth) and uses
     # Adafactor: no first moment, factored second moments, so about the parameters alone.
-    staging = grace.estimate(parse_spec(_raw_config("staging"), "staging"))
+    staging = grace.estimate(parse_spec(_raw_config("staging"), "staging", bundled_configs()))
     assert staging is not None and staging.writers == 8 and staging.state_bytes == 2 * 70_553_706_496
     assert staging.seconds == 289
     short = _raw_config("prod")
     short["trainer"] = {**short["trainer"], "terminationGraceSeconds": 600}
     with pytest.raises(ConfigError, match=r"trainer\.terminationGraceSeconds: 600 s is too short .* about 625 s"):
-        grace.check(parse_spec(short, "prod"))
+        grace.check(parse_spec(short, "prod", bundled_configs()))
     # The Ray path has no SIGTERM checkpoint (Ray kills its workers): nothing to size.
-    assert grace.estimate(parse_spec(_raw_config("dev"), "dev")) is None
+    assert grace.estimate(parse_spec(_raw_config("dev"), "dev", bundled_configs())) is None
     # Every environment in environments/ passes (users add their own).
     for path in sorted((ROOT / "environments").glob("Pulumi.*.yaml")):
         env = path.name.split(".")[1]
-        grace.check(parse_spec(_raw_config(env), env))
+        grace.check(parse_spec(_raw_config(env), env, bundled_configs()))

@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import cli, machines, mockrun
+from envspec import machines
+from envspec.config import ConfigError, EnvironmentSpec, parse_spec
+from infra import cli, mockrun
 from infra import system_pool as sp
-from infra.config import ConfigError, EnvironmentSpec, parse_spec
 from tests.infra.conftest import ROOT, stack_config
+from trainer.config import bundled_configs
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES
 from workloads.trainer_pod import GCSFUSE_SIDECAR
 
@@ -20,7 +22,7 @@ ENV_FILES = sorted((ROOT / "environments").glob("Pulumi.*.yaml"))
 
 
 def _spec(env: str, config: dict[str, Any]) -> EnvironmentSpec:
-    return parse_spec({k.removeprefix(NS): v for k, v in config.items()}, env)
+    return parse_spec({k.removeprefix(NS): v for k, v in config.items()}, env, bundled_configs())
 
 
 def _with_pool(config: dict[str, Any], machine_type: str, nodes: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra import tpu
+from envspec import tpu
 
 
 @pytest.mark.parametrize(

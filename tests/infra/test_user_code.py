@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from envspec.config import ConfigError
 from infra import image, user_code
-from infra.config import ConfigError
 from infra.mockrun import IMAGE_TYPE, PlanResult, run_stack
 from tests.infra.conftest import stack_config
 from trainer.user_code import USER_CODE_DIR
@@ -118,7 +118,7 @@ def test_a_change_to_the_users_code_rebuilds_the_image_and_replaces_the_job(tmp_
     repo = tmp_path / "repo"
     repo.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
-    for name in ("Pulumi.yaml", "environments", "infra", "workloads", "trainer", "examples", ".dockerignore",
+    for name in ("Pulumi.yaml", "environments", "envspec", "infra", "workloads", "trainer", "examples", ".dockerignore",
                  "pyproject.toml", "README.md"):
         src = ROOT / name
         (shutil.copytree(src, repo / name, ignore=ignore) if src.is_dir() else shutil.copy(src, repo / name))

@@ -1,4 +1,4 @@
-"""A TPU type the zone does not offer (infra/tpu_zones.yaml, from Google's zone list) is refused before any resource,
+"""A TPU type the zone does not offer (envspec/tpu_zones.yaml, from Google's zone list) is refused before any resource,
 naming the keys, the zone and the zones that do offer it; skipZoneCheck lets a zone newer than the table through."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import tpu, zones
-from infra.config import ConfigError, parse_spec
+from envspec import tpu, zones
+from envspec.config import ConfigError, parse_spec
 from tests.infra.conftest import stack_config
+from trainer.config import bundled_configs
 
 ENVS = ("dev", "staging", "prod")
 
@@ -31,7 +32,7 @@ def _dev_with(group: dict[str, Any], zone: str | None = None) -> dict[str, Any]:
 
 @pytest.mark.parametrize("env", ENVS)
 def test_the_shipped_environments_use_zones_a_source_lists(env: str) -> None:
-    spec = parse_spec(_raw(env), env)
+    spec = parse_spec(_raw(env), env, bundled_configs())
     table = zones.default_table()
     for group in spec.slices:
         assert not group.skip_zone_check
@@ -41,11 +42,11 @@ def test_the_shipped_environments_use_zones_a_source_lists(env: str) -> None:
 def test_a_zone_without_the_tpu_is_refused_with_the_zones_that_have_it() -> None:
     # v4 is only in us-central2-b; dev's zone is us-east5-b.
     with pytest.raises(ConfigError) as e:
-        parse_spec(_dev_with({"tpuType": "v4", "topology": "2x2x1"}), "dev")
+        parse_spec(_dev_with({"tpuType": "v4", "topology": "2x2x1"}), "dev", bundled_configs())
     msg = str(e.value)
     assert "gke-tpu-rl:slices[0].tpuType: v4 is not offered in zone 'us-east5-b'" in msg
     assert "no zone of us-east5 offers it; every zone that offers v4: us-central2-b" in msg
-    assert "infra/tpu_zones.yaml (read 2026-11-23)" in msg
+    assert "envspec/tpu_zones.yaml (read 2026-11-23)" in msg
     assert "set slices[0].skipZoneCheck: true" in msg
 
 
@@ -56,13 +57,13 @@ def test_the_error_names_the_group_and_the_zones_of_the_same_region() -> None:
     raw["slices"] = list(reversed(raw["slices"]))  # v6e first (fine), then v5p: the message names slices[1]
     with pytest.raises(ConfigError, match=re.escape(
             "gke-tpu-rl:slices[1].tpuType: v5p is not offered in zone 'us-central1-b'")) as e:
-        parse_spec(raw, "prod")
+        parse_spec(raw, "prod", bundled_configs())
     assert "in us-central1 it is offered in us-central1-a;" in str(e.value)
 
 
 def test_skip_zone_check_lets_a_zone_newer_than_the_table_through() -> None:
     raw = _dev_with({"tpuType": "v4", "topology": "2x2x1", "skipZoneCheck": True})
-    spec = parse_spec(raw, "dev")
+    spec = parse_spec(raw, "dev", bundled_configs())
     assert spec.slices[0].skip_zone_check and spec.zone == "us-east5-b"
 
 
@@ -70,7 +71,7 @@ def test_a_zone_that_only_the_api_lists_passes() -> None:
     # v6e in us-east4-a: not on Google's page (the generally available zones) but in the Cloud TPU API's listing.
     table = zones.default_table()
     assert table.listed_by("v6e", "us-east4-a") == ["api"]
-    spec = parse_spec(_dev_with({"tpuType": "v6e", "topology": "2x2"}, "us-east4-a"), "dev")
+    spec = parse_spec(_dev_with({"tpuType": "v6e", "topology": "2x2"}, "us-east4-a"), "dev", bundled_configs())
     assert spec.zone == "us-east4-a"
 
 

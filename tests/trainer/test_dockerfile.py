@@ -1,4 +1,5 @@
-"""trainer/Dockerfile: lint-clean, the dev venv's JAX, the pod's non-root user, and a context of the trainer only."""
+"""trainer/Dockerfile: lint-clean, the dev venv's JAX, the pod's non-root user, and a context of the trainer and the
+floor it reads (envspec/, the TPU catalog) only."""
 
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def test_runs_as_the_pods_non_root_user() -> None:
     assert _instructions()[-1] == ("ENTRYPOINT", '["python", "-m", "trainer"]')
 
 
-def test_image_holds_the_trainer_only() -> None:
-    assert sorted(_copied()) == ["README.md", "pyproject.toml", "trainer"]
+def test_image_holds_the_trainer_and_its_floor_only() -> None:
+    assert sorted(_copied()) == ["README.md", "envspec", "pyproject.toml", "trainer"]
     allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.startswith("!")}
     assert set(_copied()) <= allowed  # the stack's context hash covers exactly what the image copies
@@ -67,15 +68,17 @@ def test_image_holds_the_trainer_only() -> None:
 
 
 def test_trainer_runs_without_infra_or_workloads() -> None:
-    # The image has no infra/ or workloads/: every trainer module must import, and the entry point start, without.
+    # The image has no infra/ or workloads/: every trainer and envspec module must import, and the entry point
+    # start, without.
     code = """
 import importlib, pkgutil, runpy, sys
 sys.modules["infra"] = None
 sys.modules["workloads"] = None
-import trainer
-for m in pkgutil.walk_packages(trainer.__path__, "trainer."):
-    if m.name != "trainer.__main__":
-        importlib.import_module(m.name)
+import envspec, trainer
+for package in (envspec, trainer):
+    for m in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if m.name != "trainer.__main__":
+            importlib.import_module(m.name)
 sys.argv = ["trainer", "--help"]
 runpy.run_module("trainer", run_name="__main__")
 """
@@ -97,6 +100,17 @@ def test_the_image_context_builds_a_complete_trainer_package(tmp_path: Path) -> 
     assert not [n for n in names if n.startswith(("infra/", "workloads/"))]
     assert "trainer/configs/qwen3-8b-grpo-v6e-4x4.yaml" in names and "trainer/__main__.py" in names
     assert any(n.startswith("trainer/presets/") for n in names)
+    assert {"envspec/tpu.py", "envspec/config.py", "envspec/tpu_zones.yaml"} <= set(names)
+    # Installed alone, the wheel gives the trainer its catalog. -S: no site-packages, whose editable install of
+    # this repository would find envspec/ in the source tree.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = (f"import sys; sys.path.insert(0, {str(site)!r}); import trainer.fit_report as r; "
+            "print(r.tpu.__file__, r.Target('v5p', '2x2x1', 1, 4, 1, 1.0, 1.0).accelerator_type)")
+    result = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [str(site / "envspec" / "tpu.py"), "v5p-8"]
 
 
 def test_user_code_comes_from_the_named_context_the_stack_passes() -> None:

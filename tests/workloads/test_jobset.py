@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from infra.config import parse_spec
+from envspec.config import parse_spec
 from tests.infra.test_config import _raw
 from trainer import distributed
+from trainer.config import bundled_configs
 from workloads import jobset
 
 
@@ -22,7 +23,7 @@ def _spec(env: str):  # noqa: ANN202
     raw = copy.deepcopy(_raw(env))
     if env == "dev":
         raw["trainer"] = {k: v for k, v in raw["trainer"].items() if k not in ("launcher", "minSlices", "slices")}
-    return parse_spec(raw, env)
+    return parse_spec(raw, env, bundled_configs())
 
 
 def _resolve(env_list: list[dict[str, Any]], annotations: dict[str, str], labels: dict[str, str]) -> dict[str, str]:
@@ -109,7 +110,7 @@ def test_trainer_args_span_the_slices_and_keep_user_overrides_last() -> None:
 def test_flex_start_trainer_tolerates_the_queued_provisioning_taint(group: str, tolerated: set[str]) -> None:
     raw = copy.deepcopy(_raw("prod"))
     raw["trainer"] = {**raw["trainer"], "sliceGroup": group, "slices": 1}
-    spec = parse_spec(raw, "prod")
+    spec = parse_spec(raw, "prod", bundled_configs())
     pod = jobset.trainer_jobset(spec, jobset.TrainerRefs(image="img", bucket="b", service_account="trainer"))[
         "spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     queued = {t["key"] for t in pod["tolerations"] if t["key"] == "cloud.google.com/gke-queued"}

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from infra import tpu
-from infra.config import ConfigError, EnvironmentSpec, parse_spec
-from infra.machines import cpu_millicores, memory_mib
+from envspec import tpu
+from envspec.config import ConfigError, EnvironmentSpec, parse_spec
+from envspec.machines import cpu_millicores, memory_mib
 from tests import k8s_schemas
 from tests.infra.test_config import _raw
+from trainer.config import bundled_configs
 from workloads import jobset, kueue, rayjob, trainer_pod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _ray_spec(env: str, **trainer: Any) -> EnvironmentSpec:
     raw = copy.deepcopy(_raw(env))
     raw["trainer"] = {**raw["trainer"], "launcher": "ray", **trainer}
-    return parse_spec(raw, env)
+    return parse_spec(raw, env, bundled_configs())
 
 
 def _refs(spec: EnvironmentSpec) -> trainer_pod.TrainerRefs:
@@ -41,7 +42,7 @@ def _rayjob(spec: EnvironmentSpec) -> dict[str, Any]:
 
 # dev as shipped; staging's two 4-host v6e slices with DRANET, and prod's v5p group without it, moved onto Ray.
 CASES = {
-    "dev": lambda: parse_spec(_raw("dev"), "dev"),
+    "dev": lambda: parse_spec(_raw("dev"), "dev", bundled_configs()),
     "staging": lambda: _ray_spec("staging", minSlices=1),
     "prod": lambda: _ray_spec("prod", minSlices=2),
 }
@@ -168,7 +169,7 @@ def test_kueue_quota_covers_the_head_pod_set_exactly() -> None:
     worker = obj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert set(worker["resources"]["limits"]) == {"google.com/tpu"}
     # A JobSet environment has no CPU group at all.
-    staging = parse_spec(_raw("staging"), "staging")
+    staging = parse_spec(_raw("staging"), "staging", bundled_configs())
     assert all("cpu" not in g["coveredResources"] for g in kueue.cluster_queue(staging)["spec"]["resourceGroups"])
     assert all(f["metadata"]["name"] != kueue.SYSTEM_FLAVOR for f in kueue.resource_flavors(staging))
 
@@ -226,17 +227,17 @@ def test_ray_needs_its_operator_and_only_ray_resizes() -> None:
     raw = copy.deepcopy(_raw("dev"))
     raw["cluster"] = {**raw["cluster"], "rayOperator": False}
     with pytest.raises(ConfigError, match="cluster.rayOperator: false"):
-        parse_spec(raw, "dev")
+        parse_spec(raw, "dev", bundled_configs())
     raw = copy.deepcopy(_raw("staging"))
     raw["trainer"] = {**raw["trainer"], "minSlices": 1}
     with pytest.raises(ConfigError, match="trainer.minSlices: only the 'ray' launcher resizes"):
-        parse_spec(raw, "staging")
+        parse_spec(raw, "staging", bundled_configs())
     raw = copy.deepcopy(_raw("dev"))
     raw["slices"] = [{**raw["slices"][0], "name": "head"}]
     with pytest.raises(ConfigError, match="'head' names the Ray worker group"):
-        parse_spec(raw, "dev")
-    assert parse_spec(_raw("dev"), "dev").ray_operator_enabled
-    assert not parse_spec(_raw("staging"), "staging").ray_operator_enabled
+        parse_spec(raw, "dev", bundled_configs())
+    assert parse_spec(_raw("dev"), "dev", bundled_configs()).ray_operator_enabled
+    assert not parse_spec(_raw("staging"), "staging", bundled_configs()).ray_operator_enabled
 
 
 def test_network_policy_lets_the_operator_reach_only_the_token_guarded_dashboard() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from infra.config import ConfigError, EnvironmentSpec, parse_spec
+from envspec.config import ConfigError, EnvironmentSpec, parse_spec
 from infra.mockrun import PlanResult, run_stack
 from infra.plan import kubernetes_objects
 from infra.trainer_job import DELETE_MARGIN_S
@@ -19,6 +19,7 @@ from tests import k8s_schemas
 from tests.infra.conftest import stack_config
 from tests.infra.test_config import _raw
 from trainer import distributed
+from trainer.config import bundled_configs
 from workloads import jobset, service, trainer_pod
 from workloads import labels as L
 
@@ -32,7 +33,7 @@ TRAINER = {"enabled": True, "name": "grpo", "config": "qwen3-8b-grpo-v6e-4x4.yam
 def _tinker(**service_keys: Any) -> EnvironmentSpec:
     raw = copy.deepcopy(_raw("tinker"))
     raw["service"] = {**raw["service"], **service_keys}
-    return parse_spec(raw, "tinker")
+    return parse_spec(raw, "tinker", bundled_configs())
 
 
 def _with_service(env: str, group: str, trainer: dict[str, Any] | None = None, **service_keys: Any) -> EnvironmentSpec:
@@ -41,7 +42,7 @@ def _with_service(env: str, group: str, trainer: dict[str, Any] | None = None, *
     raw["trainer"] = {k: v for k, v in raw["trainer"].items() if k not in ("launcher", "minSlices")}
     raw["trainer"].update({"sliceGroup": group, "slices": 1, **(trainer or {})})
     raw["service"] = {**SERVICE, "sliceGroup": group, **service_keys}
-    return parse_spec(raw, env)
+    return parse_spec(raw, env, bundled_configs())
 
 
 # The service's engine on every kind of slice group the shipped environments have, a trainer beside it on the same
@@ -49,7 +50,7 @@ def _with_service(env: str, group: str, trainer: dict[str, Any] | None = None, *
 # flex-start v6e (queued provisioning) and its reserved v5p, dev's single-host v6e on spot.
 CASES = {
     "tinker": lambda: parse_spec({**copy.deepcopy(_raw("tinker")), "trainer": {**TRAINER, "sliceGroup": "v6e-svc"}},
-                                 "tinker"),
+                                 "tinker", bundled_configs()),
     "staging-dranet": lambda: _with_service("staging", "v6e-stg"),
     "prod-flex-start": lambda: _with_service("prod", "v6e-burst"),
     "prod-v5p": lambda: _with_service("prod", "v5p-prod"),

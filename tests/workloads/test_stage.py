@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
+from envspec.config import ConfigError, EnvironmentSpec, parse_spec
 from infra import system_pool
-from infra.config import ConfigError, EnvironmentSpec, parse_spec
 from infra.mockrun import run_stack
 from infra.trainer_job import stage_targets
 from tests import k8s_schemas
 from tests.infra.conftest import stack_config
 from tests.infra.test_config import _raw
+from trainer.config import bundled_configs
 from workloads import labels as L
 from workloads import stage, trainer_pod
 
@@ -21,7 +22,7 @@ from workloads import stage, trainer_pod
 def _spec(env: str, **trainer: Any) -> EnvironmentSpec:
     raw = copy.deepcopy(_raw(env))
     raw["trainer"] = {**raw["trainer"], **trainer}
-    return parse_spec(raw, env)
+    return parse_spec(raw, env, bundled_configs())
 
 
 def _job(spec: EnvironmentSpec) -> dict[str, Any]:
@@ -34,7 +35,7 @@ def _job(spec: EnvironmentSpec) -> dict[str, Any]:
 
 @pytest.mark.parametrize("env", ["dev", "staging", "prod"])
 def test_stage_job_fetches_what_the_trainer_config_reads(env: str) -> None:
-    spec = parse_spec(_raw(env), env)
+    spec = parse_spec(_raw(env), env, bundled_configs())
     job = _job(spec)
     k8s_schemas.need_schemas()
     k8s_schemas.assert_valid(job)
@@ -55,7 +56,7 @@ def test_stage_job_fetches_what_the_trainer_config_reads(env: str) -> None:
 
 
 def test_stage_job_runs_on_the_system_pool_as_the_trainer_with_the_bucket_writable() -> None:
-    spec = parse_spec(_raw("prod"), "prod")
+    spec = parse_spec(_raw("prod"), "prod", bundled_configs())
     job = _job(spec)
     pod = job["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == dict(L.SYSTEM_POOL) and "tolerations" not in pod
@@ -98,6 +99,6 @@ def test_staging_needs_the_bucket_paths_in_the_trainer_config() -> None:
 
 
 def test_the_system_pool_holds_the_staging_pod() -> None:
-    names = [p.name for p in system_pool.pinned_pods(parse_spec(_raw("dev"), "dev"))]
+    names = [p.name for p in system_pool.pinned_pods(parse_spec(_raw("dev"), "dev", bundled_configs()))]
     assert "staging Job" in names
     assert "staging Job" not in [p.name for p in system_pool.pinned_pods(_spec("dev", stage=None))]

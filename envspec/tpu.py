@@ -25,6 +25,13 @@ class TpuGeneration:
     dranet_nics: int = 0
     # Boot disk type where the machine needs one other than GKE's default (pd-balanced).
     boot_disk_type: str | None = None
+    # Cloud TPU's name for the generation in accelerator types (v5litepod-16) where it is not `name`.
+    accelerator_type_name: str | None = None
+
+    def accelerator_type(self, chips: int) -> str:
+        """Cloud TPU's accelerator type of a slice of `chips` chips (TPU_ACCELERATOR_TYPE, which libtpu reads): the
+        generation's name and the slice's TensorCores, e.g. v5p-8 for 4 chips, v6e-16 for 16."""
+        return f"{self.accelerator_type_name or self.name}-{chips * self.tensorcores_per_chip}"
 
 
 _2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -53,6 +60,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             multi_host_machine="ct5lp-hightpu-4t",
             single_host_machines={"1x1": "ct5lp-hightpu-1t", "2x2": "ct5lp-hightpu-4t", "2x4": "ct5lp-hightpu-8t"},
             tensorcores_per_chip=1,
+            accelerator_type_name="v5litepod",
             peak_bf16_tflops_per_chip=197.0,
             hbm_gib_per_chip=16,
             hbm_gbps_per_chip=819.0,

@@ -1,4 +1,4 @@
-"""Which zones offer each TPU generation, from the table in infra/tpu_zones.yaml (Google's TPU regions-and-zones page
+"""Which zones offer each TPU generation, from the table in envspec/tpu_zones.yaml (Google's TPU regions-and-zones page
 and the Cloud TPU API's zone-by-zone listing, with their sources and dates). The environment spec refuses a slice group
 whose TPU type no source lists in its zone, before anything is created: `pulumi up` would otherwise find out when the
 node pool is created, after the network and the cluster."""

@@ -1,18 +1,23 @@
-"""The typed environment spec: stack config in, a validated EnvironmentSpec out, before any resource exists."""
+"""The typed environment spec: stack config in, a validated EnvironmentSpec out, before any resource exists.
+
+No Pulumi here: the Pulumi program (and the offline plan, which runs it under mocks) reads the running stack's
+config (infra/stack_config.py), `gke-tpu-rl fit` reads the stack file (infra/fit.py), and both hand the values to
+parse_spec.
+"""
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pulumi.errors import RunError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from infra import machines, rules, tpu, user_code, zones
+from envspec import machines, repo, rules, tpu, zones
 
 NAMESPACE = "gke-tpu-rl"
 STACK_NAME = "stack name"  # how errors name the environment, which is not a config key
@@ -36,11 +41,33 @@ _VERSION_PREFIX = re.compile(r"^\d+\.\d+\.?$")
 _GKE_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:-gke\.(\d+))?$")
 
 
-class ConfigError(RunError, ValueError):
+class ConfigError(ValueError):
     """A stack config problem; the message names the config key, the value and what is allowed.
 
-    A RunError, so `pulumi up` prints the message alone, not the program's traceback (pulumi-language-python's
-    exec wrapper logs str(e) for RunError and the full stack for anything else)."""
+    A plain ValueError: the Pulumi program turns it into a RunError at its boundary (infra/stack_config.py), so
+    `pulumi up` prints the message without a traceback."""
+
+
+@dataclass(frozen=True)
+class BundledConfigs:
+    """The trainer configs the trainer image bundles (trainer/configs/): what trainer.config and service.config may
+    name. The spec sits below the trainer and never imports it, so the caller passes the trainer's own listing
+    (trainer.config.bundled_configs())."""
+
+    runs: Sequence[str]  # RL training runs
+    services: Sequence[str]  # the post-training service's engine configs (a `service` section)
+
+
+_BUNDLED = "bundled_configs"  # the validation context's key for them (parse_spec sets it)
+
+
+def _bundled(info: ValidationInfo) -> BundledConfigs:
+    configs = (info.context or {}).get(_BUNDLED)
+    if not isinstance(configs, BundledConfigs):
+        # A programming error, not a config problem: pydantic lets a TypeError through unchanged.
+        raise TypeError("the spec names a bundled trainer config; validate it with parse_spec(raw, env, "
+                        "bundled_configs) so it can be checked")
+    return configs
 
 
 class _Model(BaseModel):
@@ -138,7 +165,7 @@ class SystemPoolSpec(_Model):
     @field_validator("machine_type")
     @classmethod
     def _machine(cls, v: str) -> str:
-        # A type whose vCPUs and memory the system-pool check knows (infra/machines.py MACHINE_FAMILIES).
+        # A type whose vCPUs and memory the system-pool check knows (envspec/machines.py MACHINE_FAMILIES).
         machines.machine(rules.gcp_name(v, 63, "machine type"))
         return v
 
@@ -194,7 +221,7 @@ class SliceGroupSpec(_Model):
     """`count` identical slices of one shape; each slice becomes one node pool."""
 
     name: str = Field(description="the group's name; its node pools are <name>-0, <name>-1, ...")
-    tpu_type: str = Field(description="TPU generation: a name or alias of the TPU catalog (infra/tpu.py)")
+    tpu_type: str = Field(description="TPU generation: a name or alias of the TPU catalog (envspec/tpu.py)")
     topology: str = Field(description="the slice's topology (chips along each axis); one the TPU type offers")
     count: int = Field(1, ge=1, le=64, description="identical slices in the group, one node pool each")
     capacity: Capacity = Field("on-demand", description="how the slices' VMs are obtained: on-demand, spot, a "
@@ -203,7 +230,7 @@ class SliceGroupSpec(_Model):
     reservation: str | None = Field(None, description="the reservation's name; required with capacity "
                                     "'reservation', and only then")
     skip_zone_check: bool = Field(False, description="skip the check that `zone` offers tpuType (the table in "
-                                  "infra/tpu_zones.yaml, from Google's TPU zone list): for a zone Google opened "
+                                  "envspec/tpu_zones.yaml, from Google's TPU zone list): for a zone Google opened "
                                   "after that table was read")
 
     @field_validator("name")
@@ -294,7 +321,7 @@ class ControllersSpec(_Model):
                 f"{', '.join(KUEUE_CHART_VERSIONS)}. To deploy it, restate that chart's "
                 f"managerConfig.controllerManagerConfigYaml (charts/kueue/values.yaml at tag v{v}) in "
                 "workloads/kueue.py CHART_MANAGER_CONFIGS, vendor it under tests/fixtures/kueue/, and add the "
-                "version to KUEUE_CHART_VERSIONS in infra/config.py")
+                "version to KUEUE_CHART_VERSIONS in envspec/config.py")
         return v
 
     @field_validator("namespace")
@@ -413,8 +440,8 @@ class TrainerSpec(_Model):
     def config_in_code(self) -> bool:
         """trainer.config names a file inside trainer.code (which wins over a bundled config of the same name)."""
         v = self.config
-        return (v is not None and self.code is not None and user_code.within_repo(v)
-                and (user_code.REPO_ROOT / self.code / v).is_file())
+        return (v is not None and self.code is not None and repo.within_repo(v)
+                and (repo.REPO_ROOT / self.code / v).is_file())
 
     @field_validator("name")
     @classmethod
@@ -444,9 +471,9 @@ class TrainerSpec(_Model):
     def _code(cls, v: str | None) -> str | None:
         if v is None:
             return None
-        user_code.repo_folder(v)
-        if not (user_code.REPO_ROOT / v).is_dir():
-            raise ValueError(f"{v!r} is not a folder of this repository ({user_code.REPO_ROOT})")
+        repo.repo_folder(v)
+        if not (repo.REPO_ROOT / v).is_dir():
+            raise ValueError(f"{v!r} is not a folder of this repository ({repo.REPO_ROOT})")
         return v
 
     @model_validator(mode="after")
@@ -458,13 +485,13 @@ class TrainerSpec(_Model):
         return self
 
     @model_validator(mode="after")
-    def _config(self) -> TrainerSpec:
+    def _config(self, info: ValidationInfo) -> TrainerSpec:
         # The image holds the trainer package and trainer.code, so the pod can only name a config in one of them.
-        from trainer.config import bundled_run_configs
-
         v = self.config
-        bundled = bundled_run_configs()  # a service config is not a run: the trainer refuses it
-        if v is None or self.config_in_code or ("/" not in v and v in bundled):
+        if v is None or self.config_in_code:
+            return self
+        bundled = _bundled(info).runs  # a service config is not a run: the trainer refuses it
+        if "/" not in v and v in bundled:
             return self
         inside = f", or a file inside trainer.code ({self.code})" if self.code else ""
         raise ValueError(f"trainer.config: {v!r} is not a trainer config under trainer/configs/{inside}; allowed: "
@@ -581,10 +608,8 @@ class ServiceSpec(_Model):
 
     @field_validator("config")
     @classmethod
-    def _config(cls, v: str) -> str:
-        from trainer.config import bundled_service_configs
-
-        allowed = bundled_service_configs()
+    def _config(cls, v: str, info: ValidationInfo) -> str:
+        allowed = _bundled(info).services
         if v not in allowed:
             raise ValueError(f"{v!r} is not a bundled service config under trainer/configs/; allowed: "
                              f"{', '.join(allowed)}")
@@ -951,37 +976,14 @@ def _describe(err: dict[str, Any]) -> str:
     return f"{where}: {msg}"
 
 
-def parse_spec(raw: dict[str, Any], env: str) -> EnvironmentSpec:
-    """Validates a stack's config (keys without the namespace) into an EnvironmentSpec, or raises ConfigError."""
+def parse_spec(raw: dict[str, Any], env: str, bundled: BundledConfigs) -> EnvironmentSpec:
+    """Validates a stack's config (keys without the namespace) into an EnvironmentSpec, or raises ConfigError.
+
+    bundled: the trainer configs the trainer image holds (trainer.config.bundled_configs()), which trainer.config and
+    service.config are checked against."""
     values = {k: v for k, v in raw.items() if k not in SECRET_KEYS}
     try:
-        return EnvironmentSpec.model_validate({**values, "env": env})
+        return EnvironmentSpec.model_validate({**values, "env": env}, context={_BUNDLED: bundled})
     except ValidationError as e:
         lines = [_describe(err) for err in e.errors()]
         raise ConfigError(f"invalid stack config for environment {env!r}:\n  " + "\n  ".join(lines)) from None
-
-
-def _decode(value: Any) -> Any:
-    # Pulumi hands structured config to the program as JSON text.
-    if isinstance(value, str) and value[:1] in "[{":
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
-def read_pulumi_config() -> dict[str, Any]:
-    """All `gke-tpu-rl:*` keys of the running stack, namespace stripped, structured values decoded."""
-    from pulumi.runtime import config as rc
-
-    merged = {**rc.get_config_env(), **rc.CONFIG.get()}
-    prefix = NAMESPACE + ":"
-    return {k[len(prefix):]: _decode(v) for k, v in merged.items() if k.startswith(prefix)}
-
-
-def load_spec() -> EnvironmentSpec:
-    """The running stack's spec (what `pulumi up` and `plan` both call)."""
-    import pulumi
-
-    return parse_spec(read_pulumi_config(), pulumi.get_stack())

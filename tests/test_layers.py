@@ -1,0 +1,116 @@
+"""Data flows one way: config -> envspec (the typed spec, the TPU catalog) -> components (infra/, workloads/) ->
+objects, and each fact lives on the lowest floor that needs it. So envspec/ imports nothing above it, nor Pulumi (a
+Terraform renderer reads it too); workloads/ never imports infra/; and what the trainer image holds (trainer/,
+envspec/) never imports infra/ or workloads/, which the image lacks."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# A call that imports the module its first argument names: the rule covers those too.
+_DYNAMIC = ("import_module", "__import__")
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a Python file, wherever it is (module level, function
+    bodies, TYPE_CHECKING blocks) and however written (relative, importlib.import_module("...") with a literal)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = path.relative_to(root).parts[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            # `from .. import workloads` from a top-level package imports the package it names.
+            found += [(node.lineno, module)] if module else [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in _DYNAMIC:
+                found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def violations(folder: str, banned: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """`file:line imports module` for each import of a banned top-level package (a name ending in '*' is a prefix:
+    'pulumi*' is pulumi, pulumi_gcp, ...) in the .py files under `folder`."""
+
+    def is_banned(module: str) -> bool:
+        top = module.split(".")[0]
+        return any(top.startswith(b[:-1]) if b.endswith("*") else top == b for b in banned)
+
+    files = sorted((root / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}/"
+    return [f"{path.relative_to(root)}:{line} imports {module}"
+            for path in files for line, module in sorted(imports(path, root)) if is_banned(module)]
+
+
+def test_the_scanner_finds_imports_however_they_are_written(tmp_path: Path) -> None:
+    pkg = tmp_path / "envspec"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bad.py").write_text(
+        "from __future__ import annotations\n"
+        "import importlib\n"
+        "from typing import TYPE_CHECKING\n"
+        "from . import tpu\n"  # its own package: allowed
+        "if TYPE_CHECKING:\n"
+        "    from infra.config import X\n"
+        "def f() -> None:\n"
+        "    import pulumi.errors\n"
+        "    from pulumi_gcp import compute\n"
+        "    importlib.import_module('trainer.fit')\n"
+        "    from .. import workloads\n")
+    found = violations("envspec", ("infra", "workloads", "trainer", "pulumi*"), tmp_path)
+    assert found == ["envspec/bad.py:6 imports infra.config", "envspec/bad.py:8 imports pulumi.errors",
+                     "envspec/bad.py:9 imports pulumi_gcp", "envspec/bad.py:10 imports trainer.fit",
+                     "envspec/bad.py:11 imports workloads"]
+    assert violations("envspec", ("tests",), tmp_path) == []
+
+
+def test_the_floor_imports_nothing_above_it_nor_pulumi() -> None:
+    assert violations("envspec", ("infra", "workloads", "trainer", "tests", "pulumi*")) == []
+
+
+def test_workloads_never_import_infra() -> None:
+    assert violations("workloads", ("infra",)) == []
+
+
+@pytest.mark.parametrize("folder", ["trainer", "envspec"])
+def test_what_the_trainer_image_holds_never_imports_infra_or_workloads(folder: str) -> None:
+    assert violations(folder, ("infra", "workloads")) == []
+
+
+def test_the_floor_runs_without_pulumi_or_the_packages_above_it() -> None:
+    # Every module imports, and each shipped environment parses, with those packages made unimportable: what a
+    # Terraform renderer or the trainer image (which have no Pulumi) get.
+    code = """
+import importlib, pkgutil, sys
+from pathlib import Path
+import yaml
+for name in ("pulumi", "pulumi_gcp", "pulumi_kubernetes", "pulumi_docker_build", "infra", "workloads", "trainer"):
+    sys.modules[name] = None
+import envspec
+for m in pkgutil.walk_packages(envspec.__path__, "envspec."):
+    importlib.import_module(m.name)
+from envspec.config import NAMESPACE, BundledConfigs, parse_spec
+# The spec only checks that a config is named in these lists; the trainer's own listing would need the trainer.
+names = tuple(sorted(p.name for p in Path("trainer/configs").glob("*.yaml")))
+for path in sorted(Path("environments").glob("Pulumi.*.yaml")):
+    raw = yaml.safe_load(path.read_text())["config"]
+    env = path.name.split(".")[1]
+    spec = parse_spec({k.removeprefix(NAMESPACE + ":"): v for k, v in raw.items()}, env, BundledConfigs(names, names))
+    print(env, spec.slices[0].shape.key)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dev v6e-2x2" in result.stdout.splitlines()
