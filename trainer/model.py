@@ -335,8 +335,9 @@ def block_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, l
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`attention` of the queries to layer `layer` of a stacked cache, read `block` slots at a time for the first
     `blocks` blocks only (online softmax in fp32): a query sees slot s if valid_BS and s <= its own slot, so slots
-    past the furthest live query are never read. Each block is one dynamic slice of the stacked cache (no copy of the
-    layer). The last block ends at the cache's end, overlapping the one before; its slots already seen are masked.
+    past the furthest live query are never read. Each block is one dynamic slice of the stacked cache, not of a copy
+    of the layer (libtpu still copies each block before the dot reads it: a kernel reading the cache by DMA would
+    not). The last block ends at the cache's end, overlapping the one before; its slots already seen are masked.
     A query with no visible key gets zeros (the einsum's uniform row), a row nothing reads.
 
     Returns the output and the caches, threaded through the loop: a cache the loop only closed over is also read by
@@ -402,8 +403,7 @@ def _cached_attend(valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array
     """The attention of new tokens to the cache they were written into: a prefill (a static `index`) reads only
     the slots up to its last token; a decode step (index per step or per row) reads block by block up to the
     furthest live token (`block_attention`), or, with block 0 or a cache of one block, the whole cache."""
-    B, T = q_slot_BT.shape
-    S = valid_BS.shape[1]
+    T, S = q_slot_BT.shape[1], valid_BS.shape[1]
     if isinstance(index, int) or block <= 0 or block >= S:
         n = min(S, index + T) if isinstance(index, int) else S
         mask_BTS = valid_BS[:, None, :n] & (jnp.arange(n)[None, None, :] <= q_slot_BT[:, :, None])
