@@ -295,8 +295,8 @@ def _layer(
     if kv is not None:  # the new keys and values written into the whole cache in place, then read from it
         k_all, v_all, layer = kv
         k_all, v_all = write_slots(k_all, k, index, layer), write_slots(v_all, v, index, layer)
-        attn, k_all, v_all = attend(q, k_all, v_all, layer)
         kv = (k_all, v_all, layer)
+        attn = attend(q, k_all, v_all, layer)
     else:
         attn = attend(q, k, v)
     x_BTD = x_BTD + proj("bthe,hed->btd", attn, "wo")
@@ -331,17 +331,13 @@ def live_blocks(q_slot_BT: jax.Array, live_BT: jax.Array, block: int, slots: int
 
 
 def block_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, layer: jax.Array | int,
-                    valid_BS: jax.Array, q_slot_BT: jax.Array, block: int, blocks: jax.Array | int
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    valid_BS: jax.Array, q_slot_BT: jax.Array, block: int, blocks: jax.Array | int) -> jax.Array:
     """`attention` of the queries to layer `layer` of a stacked cache, read `block` slots at a time for the first
     `blocks` blocks only (online softmax in fp32): a query sees slot s if valid_BS and s <= its own slot, so slots
     past the furthest live query are never read. Each block is one dynamic slice of the stacked cache, not of a copy
     of the layer (libtpu still copies each block before the dot reads it: a kernel reading the cache by DMA would
     not). The last block ends at the cache's end, overlapping the one before; its slots already seen are masked.
-    A query with no visible key gets zeros (the einsum's uniform row), a row nothing reads.
-
-    Returns the output and the caches, threaded through the loop: a cache the loop only closed over is also read by
-    the next layer's in-place write, and libtpu then copies it."""
+    A query with no visible key gets zeros (the einsum's uniform row), a row nothing reads."""
     B, T, H, E = q_BTHE.shape
     S, K = k_LBSKE.shape[2], k_LBSKE.shape[3]
     G = H // K
@@ -351,10 +347,10 @@ def block_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, l
     prec = jax.lax.Precision.HIGHEST if k_LBSKE.dtype == f32 else None
 
     def step(j: jax.Array | int, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        m, total, acc, k_all, v_all = carry
+        m, total, acc = carry
         start = jnp.minimum(j * block, S - block)
         k_BSKE, v_BSKE = (jax.lax.dynamic_slice(c, (layer, 0, start, 0, 0), (1, B, block, K, E))[0]
-                          for c in (k_all, v_all))
+                          for c in (k_LBSKE, v_LBSKE))
         slot_S = start + jnp.arange(block)
         seen_BTS = (jax.lax.dynamic_slice_in_dim(valid_BS, start, block, axis=1)[:, None, :]
                     & (slot_S >= j * block) & (slot_S <= q_slot_BT[:, :, None]))[:, None, None]
@@ -364,18 +360,18 @@ def block_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, l
         scale = jnp.exp(m - m_new)
         pv = jnp.einsum("bkgts,bske->bkgte", p.astype(v_BSKE.dtype), v_BSKE, preferred_element_type=f32,
                         precision=prec)
-        return m_new, scale * total + jnp.sum(p, axis=-1), scale[..., None] * acc + pv, k_all, v_all
+        return m_new, scale * total + jnp.sum(p, axis=-1), scale[..., None] * acc + pv
 
     carry: tuple[jax.Array, ...] = (jnp.full((B, K, G, T), jnp.finfo(f32).min), jnp.zeros((B, K, G, T), f32),
-                                    jnp.zeros((B, K, G, T, E), f32), k_LBSKE, v_LBSKE)
+                                    jnp.zeros((B, K, G, T, E), f32))
     if isinstance(blocks, int):
         for j in range(blocks):
             carry = step(j, carry)
     else:
         carry = jax.lax.fori_loop(0, blocks, step, carry)
-    _, total, acc, k_LBSKE, v_LBSKE = carry
+    _, total, acc = carry
     out_BKGTE = acc / jnp.where(total > 0, total, 1.0)[..., None]
-    return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(v_LBSKE.dtype), k_LBSKE, v_LBSKE
+    return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(v_LBSKE.dtype)
 
 
 def write_slots(cache: jax.Array, new_BT: jax.Array, index: jax.Array | int, layer: jax.Array | None = None
@@ -408,9 +404,8 @@ def _cached_attend(valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array
         n = min(S, index + T) if isinstance(index, int) else S
         mask_BTS = valid_BS[:, None, :n] & (jnp.arange(n)[None, None, :] <= q_slot_BT[:, :, None])
 
-        def whole(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-            return attention(q, k_all[layer, :, :n], v_all[layer, :, :n], mask_BTS), k_all, v_all
+        def whole(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array) -> jax.Array:
+            return attention(q, k_all[layer, :, :n], v_all[layer, :, :n], mask_BTS)
 
         return whole
     fixed = _STATIC_DECODE_BLOCKS.get()
