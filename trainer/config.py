@@ -448,20 +448,11 @@ def _bundled_configs() -> dict[str, bool]:
     return out
 
 
-def bundled_service_configs() -> list[str]:
-    """The bundled configs that configure the post-training service's engine (a service section)."""
-    return [name for name, service in _bundled_configs().items() if service]
-
-
-def bundled_run_configs() -> list[str]:
-    """The bundled configs (trainer/configs/) that are RL training runs: those with a service section configure the
-    post-training service's engine instead, which `python -m trainer` refuses."""
-    return [name for name, service in _bundled_configs().items() if not service]
-
-
 def bundled_configs() -> BundledConfigs:
-    """Both lists, as the environment spec takes them (envspec.config.parse_spec checks trainer.config and
-    service.config against them: the spec sits below the trainer and cannot list trainer/configs/ itself)."""
+    """The bundled configs (trainer/configs/) as the environment spec takes them: the RL training runs, and those
+    with a service section, which configure the post-training service's engine instead (`python -m trainer`
+    refuses them). envspec.config.parse_spec checks trainer.config and service.config against them: the spec sits
+    below the trainer and cannot list trainer/configs/ itself."""
     from envspec.config import BundledConfigs  # here, not at the top: the trainer itself never parses an environment
 
     kinds = _bundled_configs()

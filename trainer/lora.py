@@ -333,11 +333,13 @@ def adapter_from_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, lc
     if HEAD in shapes:
         expected[f"{_module_name(HEAD, None)}.lora_A.weight"] = (lcfg.rank, cfg.d_model)
         expected[f"{_module_name(HEAD, None)}.lora_B.weight"] = (cfg.vocab_size, lcfg.rank)
+    got: dict[str, np.ndarray] = {}  # each looked up once: a lazily read file (trainer/hf.py) reads at each lookup
     for name, shape in expected.items():
         if name not in tensors:
             raise ValueError(f"{where}: no tensor {name!r}")
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{where}: {name!r} has shape {tuple(tensors[name].shape)}, the model "
+        got[name] = tensors[name]
+        if tuple(got[name].shape) != shape:
+            raise ValueError(f"{where}: {name!r} has shape {tuple(got[name].shape)}, the model "
                              f"and adapter_config.json imply {shape}")
     extra = sorted(set(tensors) - set(expected))
     if extra:
@@ -347,14 +349,14 @@ def adapter_from_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, lc
     layers = {}
     for key, ab in shapes.get("layers", {}).items():
         L = ab["a"][0]
-        a = np.stack([tensors[f"{_module_name(key, i)}.lora_A.weight"].T for i in range(L)])
-        b = np.stack([tensors[f"{_module_name(key, i)}.lora_B.weight"].T for i in range(L)])
+        a = np.stack([got[f"{_module_name(key, i)}.lora_A.weight"].T for i in range(L)])
+        b = np.stack([got[f"{_module_name(key, i)}.lora_B.weight"].T for i in range(L)])
         layers[key] = {"a": a.reshape(ab["a"]), "b": b.reshape(ab["b"])}
     if layers:
         weights["layers"] = layers
     if HEAD in shapes:
-        weights[HEAD] = {"a": np.asarray(tensors[f"{_module_name(HEAD, None)}.lora_A.weight"]).T[None],
-                         "b": np.asarray(tensors[f"{_module_name(HEAD, None)}.lora_B.weight"]).T[None]}
+        weights[HEAD] = {"a": np.asarray(got[f"{_module_name(HEAD, None)}.lora_A.weight"]).T[None],
+                         "b": np.asarray(got[f"{_module_name(HEAD, None)}.lora_B.weight"]).T[None]}
     return weights
 
 

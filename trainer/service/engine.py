@@ -723,7 +723,7 @@ class Engine:
         state = json.loads((root / STATE_FILE).read_text())
         moments = tuple(
             jax.tree.map(lambda x: np.asarray(x, np.float32), L.adapter_from_tensors(
-                {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, self.mcfg, single_cfg,
+                {k[len(prefix):]: tensors[k] for k in tensors if k.startswith(prefix)}, self.mcfg, single_cfg,
                 root / OPTIMIZER_FILE))
             for prefix in ("exp_avg.", "exp_avg_sq."))
         return (moments[0], moments[1]), int(state["step"])
