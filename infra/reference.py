@@ -181,9 +181,9 @@ def _stack_extra() -> dict[str, Callable[[], str]]:
         return _codes(JOBSET_CHART_PODS)
 
     def trainer_configs() -> str:
-        from trainer.config import bundled_run_configs
+        from trainer.config import bundled_configs
 
-        return "a file under trainer/configs/: " + _codes(bundled_run_configs())
+        return "a file under trainer/configs/: " + _codes(bundled_configs().runs)
 
     return {
         "cluster.systemPool.machineType": machine_types,
