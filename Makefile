@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed-stamp
 # checkov (tests/infra/test_checkov.py) pins packaging<24, older than the project's: its own venv, inside ours so
 # `make clean` removes it and .gitignore already covers it.
 CHECKOV_VENV := $(VENV)/checkov
+# cdktf (`gke-tpu-rl synth`, infra/cdktf_app.py) is deprecated upstream: its own pinned venv too, nothing imports it.
+CDKTF_VENV := $(VENV)/cdktf
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 
 .PHONY: install demo plan train-demo test lint golden bench bench-ray bench-tinker bench-tunix clean
 
-$(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt
+$(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt tools/cdktf-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -20,6 +22,9 @@ $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt
 	test -x $(CHECKOV_VENV)/bin/python || $(PY) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
 	$(CHECKOV_VENV)/bin/python -m pip install -q -r tools/checkov-requirements.txt
+	test -x $(CDKTF_VENV)/bin/python || $(PY) -m venv $(CDKTF_VENV)
+	$(CDKTF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CDKTF_VENV)/bin/python -m pip install -q -r tools/cdktf-requirements.txt
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,7 +46,7 @@ test: install lint
 
 # Rewrites tests/golden/ from the current program; review the diff like any other change.
 golden: install
-	UPDATE_GOLDEN=1 $(BIN)/pytest -q tests/infra/test_plan.py
+	UPDATE_GOLDEN=1 $(BIN)/pytest -q tests/infra/test_plan.py tests/infra/test_terraform.py
 
 bench: install
 	$(PY) -m bench.train_step

@@ -1,5 +1,5 @@
-"""`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline), `fit` (the trainer compiled for a TPU slice on this
-machine) and `train` (the trainer's own CLI)."""
+"""`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline), `synth` (the same environment as Terraform), `fit`
+(the trainer compiled for a TPU slice on this machine) and `train` (the trainer's own CLI)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", add_help=False, help="run the trainer (gke-tpu-rl train --help for its flags)")
     sub.add_parser("service", add_help=False, help="the Tinker-compatible post-training service: API keys, the API "
                    "and its engine (gke-tpu-rl service --help)")
+    synth = sub.add_parser(
+        "synth", help="write an environment as Terraform (cdktf JSON): three stacks, applied in order",
+        description="Runs the same Pulumi program under mocks and writes each environment as Terraform JSON through "
+        "CDK for Terraform's prebuilt google, helm and kubernetes bindings: OUT/ENV/stacks/gcp (the GCP resources), "
+        "stacks/controllers (the Helm releases) and stacks/workloads (every Kubernetes object as a "
+        "kubernetes_manifest), each with a gcs state backend, plus OUT/ENV/build-image.sh for the trainer image. "
+        "Needs the cdktf venv `make install` builds; no credentials, no network.")
+    synth.add_argument("env", nargs="?", metavar="ENV",
+                       help="environment (stack) name: reads environments/Pulumi.ENV.yaml; omit for all")
+    synth.add_argument("--all", action="store_true", help="every environments/Pulumi.*.yaml")
+    synth.add_argument("--config-file", type=Path, metavar="FILE", help="this stack config file instead")
+    synth.add_argument("--out", type=Path, default=Path("terraform-out"), metavar="DIR",
+                       help="where to write OUT/ENV/stacks/<stack>/cdk.tf.json (default: terraform-out)")
+    synth.add_argument("--state-bucket", metavar="BUCKET",
+                       help="the gcs backend's bucket (default: <project>-tfstate); each stack's state is under "
+                       "gke-tpu-rl/ENV/<stack>")
     ref = sub.add_parser(
         "reference", help="print the stack or trainer config reference, or rewrite both docs with --write",
         description="Renders docs/stack-config.md and docs/trainer-config.md from the typed specs "
@@ -246,6 +262,34 @@ def _plan(args: argparse.Namespace) -> int:
     return status
 
 
+def _synth(args: argparse.Namespace) -> int:
+    from envspec.config import ConfigError
+    from infra import synth
+    from infra.plan import PlanError, available_envs, load_stack_config, repo_root, stack_file
+    from infra.terraform import TerraformError, synthesize
+
+    root = repo_root()
+    if args.config_file is not None and args.all:
+        print("error: --all and --config-file do not go together", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.config_file is not None:
+        envs = [args.env or _env_from_file(args.config_file)]
+    else:
+        envs = [args.env] if args.env and not args.all else available_envs(root)
+    documents = []
+    try:
+        for env in envs:
+            path = args.config_file if args.config_file is not None else stack_file(env, root)
+            documents.append(synthesize(env, load_stack_config(path), args.state_bucket).document)
+        synth.write(documents, args.out)
+    except (ConfigError, PlanError, TerraformError, synth.SynthError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    for doc in documents:
+        print(synth.next_steps(doc, args.out))
+    return EXIT_OK
+
+
 def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
     """`plan --fit`: the environment's trainer (or, without one, its service's engine), as `fit ENV` compiles it;
     None when it has neither."""
@@ -287,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "reference":
         return _reference(args)
+    if args.command == "synth":
+        return _synth(args)
     return _fit(args) if args.command == "fit" else _plan(args)
 
 

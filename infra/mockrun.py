@@ -229,6 +229,8 @@ def _options(request: Any) -> dict[str, Any]:
         opts["replaceOnChanges"] = list(request.replaceOnChanges)
     if request.deleteBeforeReplace:
         opts["deleteBeforeReplace"] = True
+    if request.ignoreChanges:
+        opts["ignoreChanges"] = list(request.ignoreChanges)
     timeouts = request.customTimeouts
     if timeouts and (timeouts.create or timeouts.update or timeouts.delete):
         opts["customTimeouts"] = {k: v for k in ("create", "update", "delete") if (v := getattr(timeouts, k))}
@@ -359,14 +361,16 @@ def _run_in_fresh_context(env: str, values: dict[str, str], secrets: list[str], 
 
 
 def run_stack(env: str, config: Mapping[str, Any], secret_keys: Iterable[str] = (), *,
-              program: Callable[[], Any] | None = None, monitor: RecordingMonitor | None = None) -> PlanResult:
+              program: Callable[[], Any] | None = None, monitor: RecordingMonitor | None = None,
+              mask_secrets: bool = True) -> PlanResult:
     """Runs the Pulumi program for stack `env` under mocks and returns what it registered.
 
     config: a stack file's `config:` map (`gke-tpu-rl:key` or bare `key` -> value, structured values as
     dicts/lists, `{secure: ...}` allowed). secret_keys: further keys to mark secret (e.g. a plain test token).
     program: defaults to `infra.program.main`, what `pulumi up` runs. monitor: pass one to inspect the
     registrations even when the program raises (e.g. ConfigError, which propagates as `pulumi up` gets it: a
-    StackConfigError, infra/stack_config.py).
+    StackConfigError, infra/stack_config.py). mask_secrets=False keeps secret inputs' values (the Terraform
+    renderer runs with references in place of secrets, which it must keep).
     """
     values, secrets = runtime_config(config, secret_keys)
     monitor = monitor or RecordingMonitor(PlanMocks())
@@ -375,7 +379,7 @@ def run_stack(env: str, config: Mapping[str, Any], secret_keys: Iterable[str] = 
     stack_urn = monitor.stack_urn or f"urn:pulumi:{env}::{PROJECT}::{STACK_TYPE}::{PROJECT}-{env}"
     resources = [
         Resource(urn=r.urn, type=r.type, name=r.name, parent=r.parent or stack_urn, custom=r.custom,
-                 inputs=clean(r.inputs), id=r.id, options=r.options)
+                 inputs=clean(r.inputs if mask_secrets else _unwrap_secrets(r.inputs)), id=r.id, options=r.options)
         for r in _tree_order(monitor.registrations, stack_urn)
     ]
     raw_outputs = monitor.stack_outputs

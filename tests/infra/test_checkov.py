@@ -139,7 +139,7 @@ def _findings(results: list[dict[str, Any]]) -> list[Finding]:
                     r["file_path"]) for r in results]
 
 
-def run_checkov(directory: Path, home: Path) -> dict[str, Any]:
+def run_checkov(directory: Path, home: Path, framework: str = "kubernetes") -> dict[str, Any]:
     binary = checkov_binary()
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         pytest.fail(f"checkov not found at {binary}: run `make install` (it builds that venv from "
@@ -147,7 +147,7 @@ def run_checkov(directory: Path, home: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not FOREIGN_ENV.match(k)}
     # A HOME of its own: no ~/.checkov.yaml of the caller's is read, and nothing is left in the real one.
     env.update(OFFLINE_ENV, HOME=str(home))
-    cmd = [str(binary), "--directory", str(directory), "--framework", "kubernetes", "--output", "json", "--compact",
+    cmd = [str(binary), "--directory", str(directory), "--framework", framework, "--output", "json", "--compact",
            "--skip-download", "--soft-fail"]
     proc = subprocess.run(cmd, cwd=home, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"checkov failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -156,7 +156,7 @@ def run_checkov(directory: Path, home: Path) -> dict[str, Any]:
     except json.JSONDecodeError:
         pytest.fail(f"checkov printed no JSON report:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     # One framework gives one report; with none found checkov prints a bare summary without results.
-    [report] = [r for r in (report if isinstance(report, list) else [report]) if r.get("check_type") == "kubernetes"]
+    [report] = [r for r in (report if isinstance(report, list) else [report]) if r.get("check_type") == framework]
     return report
 
 
