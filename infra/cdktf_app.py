@@ -5,7 +5,8 @@
 Each document (infra/terraform.py) becomes OUT/<env>/stacks/<stack>/cdk.tf.json through cdktf's prebuilt provider
 bindings. Pulumi names arguments as the Terraform provider does, in camelCase, with list blocks pluralised; each
 name is matched against the binding's own parameters, so a name the frozen bindings lack fails here, loudly, unless
-the provider version that has it is pinned and the argument written as an override (OVERRIDES).
+the document lists it as an override (infra/terraform.py OVERRIDES): written raw, with the google provider pinned to
+the major version that has it.
 """
 
 from __future__ import annotations
@@ -41,13 +42,7 @@ from constructs import Construct
 REF = re.compile("\u27e6tf:([^|\u27e7]+)\\|([^\u27e7]*)\u27e7")
 PACKAGES = {"google": "cdktf_cdktf_provider_google", "helm": "cdktf_cdktf_provider_helm",
             "kubernetes": "cdktf_cdktf_provider_kubernetes"}
-# Arguments the pinned bindings (google provider 6.50) do not have, which the Pulumi program sets: written as
-# overrides, and the google provider pinned to the major version that has them.
-OVERRIDES = {
-    ("google_container_node_pool", "networkConfig.acceleratorNetworkProfile"),
-    ("google_sql_database_instance", "settings.dataApiAccess"),
-    ("google_sql_user", "databaseRoles"),
-}
+# The google provider version the overrides (infra/terraform.py OVERRIDES) need; the bindings pin 6.50.0.
 GOOGLE_PROVIDER = "~> 7.0"
 AUTH_PLUGIN = {"api_version": "client.authentication.k8s.io/v1beta1", "command": "gke-gcloud-auth-plugin"}
 
@@ -300,7 +295,7 @@ def render(app_dir: Path, document: dict[str, Any]) -> App:
     app = App(outdir=str(app_dir), skip_validation=False)
     backend, providers = document["backend"], document["providers"]
     stacks: dict[str, TerraformStack] = {}
-    renderer = Renderer(stacks, OVERRIDES)
+    renderer = Renderer(stacks, {(t, p) for t, p in document["overrides"]})
     for stage, content in document["stacks"].items():
         stack = TerraformStack(app, stage)
         stacks[stage] = stack

@@ -53,6 +53,12 @@ DATA_SOURCES = {
     "gcp:container/getEngineVersions:getEngineVersions": "google_container_engine_versions",
     "gcp:organizations/getClientConfig:getClientConfig": "google_client_config",
 }
+# Arguments the Pulumi program sets that cdktf's google bindings (frozen at provider 6.50) lack: the renderer writes
+# them as raw overrides and pins the provider to 7.x, which has them.
+OVERRIDES = (
+    ("google_sql_database_instance", "settings.dataApiAccess"),
+    ("google_sql_user", "databaseRoles"),
+)
 HELM_TYPE = "kubernetes:helm.sh/v3:Release"
 MANIFEST = "kubernetes_manifest"
 # What the provider computes and the program reads, besides every resource's id and a GCP resource's selfLink.
@@ -374,7 +380,8 @@ def synthesize(env: str, config: Mapping[str, Any], state_bucket: str | None = N
         stacks[stage]["outputs"][key] = value
     bucket = state_bucket or f"{spec.project}-tfstate"
     document = {"env": env, "backend": {"bucket": bucket, "prefix": f"gke-tpu-rl/{env}"},
-                "providers": _providers(spec), "image": image, "stacks": stacks}
+                "providers": _providers(spec), "image": image, "overrides": [list(o) for o in OVERRIDES],
+                "stacks": stacks}
     return Synthesis(document=document, plan=result)
 
 

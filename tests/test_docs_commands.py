@@ -91,10 +91,13 @@ RUN: dict[str, str] = {
     "kubectl describe rayjob grpo -n rl": "test_walkthrough",
     "kubectl logs -n rl -l ray.io/node-type=head -c ray-job-submitter -f": "test_walkthrough",
     "kubectl get pods -n rl -l gke-tpu-rl/rayjob=grpo -o wide": "test_walkthrough",
+    # docs/terraform.md
+    "gke-tpu-rl synth staging --out terraform-out": "test_terraform_commands",
 }
 
 _NO_CLI = "needs the Pulumi CLI and a state backend (no pulumi binary here)"
 _CONFIG_SET = f"{_NO_CLI}: applied as Pulumi stores it, the stack file planned (real CLI when on PATH)"
+_TF = "needs GCP and the providers from the Terraform registry: -chdir is a stack synth wrote"
 CHECKED: dict[str, tuple[str, str]] = {
     # README
     "make demo": ("test_readme_make_targets", "installs from the package registries: `make -n` shows its steps "
@@ -171,6 +174,14 @@ CHECKED: dict[str, tuple[str, str]] = {
     "gcloud storage cat gs://acme-rl-qa-qa-checkpoints/grpo/run/metrics.jsonl | tail -n 3": (
         "test_walkthrough", "needs GCP: command tree; the object is the JobSet's run folder in the plan's bucket"),
     "pulumi destroy -s qa": ("test_walkthrough", f"needs GCP and {_NO_CLI}: the plan retains the bucket"),
+    # docs/terraform.md
+    **{f"terraform -chdir=terraform-out/staging/stacks/{stack} {verb}": ("test_terraform_commands", _TF)
+       for stack in ("gcp", "controllers", "workloads") for verb in ("init", "apply") if (stack, verb) != (
+           "workloads", "apply")},
+    'terraform -chdir=terraform-out/staging/stacks/workloads apply -var "trainer_image_digest=$(terraform-out/'
+    'staging/build-image.sh)"': ("test_terraform_commands", f"{_TF}; the variable is one it declares, and "
+                                 "build-image.sh (run with a stand-in docker in tests/infra/test_terraform.py) prints "
+                                 "the digest it takes"),
 }
 
 
@@ -195,6 +206,8 @@ INLINE: dict[str, tuple[str, str]] = {
     "gke-tpu-rl train": (MENTION, "the train commands above"),
     "gke-tpu-rl fit": (MENTION, "the fit commands above"),
     "gke-tpu-rl plan": (MENTION, "the plan commands above"),
+    "gke-tpu-rl synth ENV": (MENTION, "`gke-tpu-rl synth staging --out terraform-out` in docs/terraform.md"),
+    "gke-tpu-rl synth staging": ("test_terraform_commands", "run: writes terraform-out/staging"),
     "python -m trainer": (MENTION, "`python -m trainer --config my.yaml` above"),
     "gcloud container node-pools create": (MENTION, "Google's command whose flags the README's table maps"),
     "gke-tpu-rl plan ENV": ("test_readme_inline_commands", "a template: parses with ENV filled in"),
@@ -1409,3 +1422,37 @@ def test_pulumi_config_set_with_the_real_cli(tmp_path: Path) -> None:
         k: v for k, v in emulated.items() if k != "gke-tpu-rl:hfToken"}
     assert env_spec("qa", project / "environments" / "Pulumi.qa.yaml").slices[0].count == 2
 
+
+
+# ------------------------------------------------------------------------------------------------ docs/terraform.md
+
+def test_terraform_commands(clone: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/terraform.md: synth runs for real (through the cdktf venv); each terraform line names a stack it wrote and,
+    for the workloads apply, the variable that stack declares and the script that prints its value."""
+    doc = ROOT / "docs" / "terraform.md"
+    ledger = Ledger("test_terraform_commands", doc, inline=[README])
+    monkeypatch.chdir(clone)
+    for span in ledger.mine:
+        if span == "gke-tpu-rl synth staging":  # the README's: the default --out
+            r = gke_tpu_rl(shlex.split(span), capsys)
+            assert r.status == 0, r.err
+            assert (clone / "terraform-out" / "staging" / "stacks" / "gcp" / "cdk.tf.json").is_file()
+            ledger.ran(span)
+    for command, argv in commands_of(doc, ledger):
+        if argv[0] == "gke-tpu-rl":
+            r = gke_tpu_rl(argv, capsys)
+            assert r.status == 0, r.err
+            assert "apply in order" in r.out
+            ledger.ran(command)
+            continue
+        assert argv[0] == "terraform" and argv[1].startswith("-chdir=") and argv[2] in ("init", "apply")
+        stack = clone / argv[1].split("=", 1)[1]
+        config = json.loads((stack / "cdk.tf.json").read_text())
+        assert config["terraform"]["backend"]["gcs"]["prefix"].endswith(f"/staging/{stack.name}")
+        for arg in argv[3:]:
+            if arg.startswith("trainer_image_digest="):
+                assert "trainer_image_digest" in config["variable"]
+                script = arg.split("$(", 1)[1].rstrip(")")
+                assert os.access(clone / script, os.X_OK) and "docker buildx build" in (clone / script).read_text()
+        ledger.checked(command)
+    ledger.close()

@@ -145,6 +145,21 @@ def test_the_synthesized_stacks_are_the_golden_ones(written: Path) -> None:
                 f"{env}/{stack} differs from {path.relative_to(ROOT)}: review, then `make golden`")
 
 
+def test_each_override_is_one_the_frozen_bindings_need_and_is_written(written: Path) -> None:
+    # Every entry is used by some environment (tinker's store): written raw at its Terraform path.
+    from infra.terraform import OVERRIDES
+    for tf_type, path in OVERRIDES:
+        tf_path = [re.sub(r"(?<=[a-z])(?=[A-Z])", "_", p).lower() for p in path.split(".")]
+        found = []
+        for env in ENVIRONMENTS:
+            for body in _stack(written, env, "gcp")["resource"].get(tf_type, {}).values():
+                node = body
+                for key in tf_path:
+                    node = node.get(key) if isinstance(node, dict) else None
+                found += [node] if node is not None else []
+        assert found, f"{tf_type} {path}: no environment sets it; drop the override"
+
+
 def test_each_stack_has_its_own_state_and_reaches_the_cluster_without_a_stored_token(written: Path) -> None:
     for env in ENVIRONMENTS:
         for stack in STAGES:
