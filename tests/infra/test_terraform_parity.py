@@ -18,6 +18,7 @@ import pytest
 from infra.mockrun import PlanResult
 from infra.plan import is_kubernetes_object, kubernetes_object
 from infra.terraform import GCP_TYPES, HELM_TYPE, address_of
+from tests import k8s_schemas
 from tests.infra.conftest import ENVIRONMENTS
 from tests.infra.test_terraform import golden_path
 
@@ -182,3 +183,15 @@ def test_every_helm_release_is_the_same_chart_with_the_same_values(plans: dict[s
             inputs["name"], inputs["chart"], inputs["version"], inputs["namespace"])
         assert got["create_namespace"] is inputs["createNamespace"] and got["atomic"] is inputs["atomic"]
         assert [json.loads(v) for v in got["values"]] == [inputs["values"]]
+
+
+@pytest.mark.parametrize("env", ENVIRONMENTS)
+def test_every_manifest_terraform_applies_matches_its_upstream_schema(env: str) -> None:
+    # What the API server gets once Terraform has filled in its references (a digest for the image's).
+    k8s_schemas.need_schemas()
+    manifests = golden(env, "workloads")["resource"]["kubernetes_manifest"]
+    assert manifests
+    for body in manifests.values():
+        text = json.dumps(_unescape(body["manifest"])).replace("${var.trainer_image_digest}", "sha256:" + "0" * 64)
+        assert not REFERENCE.search(text), f"{env}: a reference left unfilled in {text[:200]}"
+        k8s_schemas.assert_valid(json.loads(text))
