@@ -104,8 +104,7 @@ def _param(cls: type, key: str, where: str) -> str:
 
 
 class Renderer:
-    def __init__(self, stacks: dict[str, TerraformStack], overrides: set[tuple[str, str]]) -> None:
-        self.stacks = stacks
+    def __init__(self, overrides: set[tuple[str, str]]) -> None:
         self.constructs: dict[str, Construct] = {}  # resources, by address: cdktf links them across stacks
         self.local: dict[str, Construct] = {}  # this stack's variables and data sources
         self.overrides = overrides
@@ -294,11 +293,9 @@ def render(app_dir: Path, document: dict[str, Any]) -> App:
     app_dir.mkdir(parents=True, exist_ok=True)
     app = App(outdir=str(app_dir), skip_validation=False)
     backend, providers = document["backend"], document["providers"]
-    stacks: dict[str, TerraformStack] = {}
-    renderer = Renderer(stacks, {(t, p) for t, p in document["overrides"]})
+    renderer = Renderer({(t, p) for t, p in document["overrides"]})
     for stage, content in document["stacks"].items():
         stack = TerraformStack(app, stage)
-        stacks[stage] = stack
         renderer.local = {}
         GcsBackend(stack, bucket=backend["bucket"], prefix=f"{backend['prefix']}/{stage}")
         GoogleProvider(stack, "google", project=providers["google"]["project"], region=providers["google"]["region"])

@@ -65,7 +65,7 @@ set -euo pipefail
 meta="$(mktemp)"
 # The program's build context paths start from infra/ of a checkout of this repository.
 cd "${{GKE_TPU_RL_ROOT:-{ROOT}}}/{image['workdir']}"
-{shlex.join(image['command']).replace('image.json', '"$meta"')} >&2
+{shlex.join(image['command'][:-1])} --metadata-file "$meta" {shlex.quote(image['command'][-1])} >&2
 python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["containerimage.digest"])' "$meta"
 """
 

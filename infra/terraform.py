@@ -174,7 +174,7 @@ class TerraformMocks(PlanMocks):
 
 @dataclass(frozen=True)
 class Synthesis:
-    """What the renderer gets (`document`) and what the parity test compares (`plan`: the same run's resources)."""
+    """What the renderer gets (`document`), and the mocked run it came from (`plan`: its spec and resources)."""
 
     document: dict[str, Any]
     plan: PlanResult
@@ -295,7 +295,7 @@ def _image(resource: Resource, spec: EnvironmentSpec) -> dict[str, Any]:
         cmd += ["--build-arg", f"{key}={value}"]
     for tag in inputs.get("tags") or []:
         cmd += ["--tag", tag]
-    cmd += ["--metadata-file", "image.json", context.get("location", ".")]
+    cmd.append(context.get("location", "."))
     return {"repository": spec.trainer_image_repository, "tags": list(inputs.get("tags") or []), "command": cmd,
             "workdir": "infra"}
 
@@ -316,6 +316,10 @@ def synthesize(env: str, config: Mapping[str, Any], state_bucket: str | None = N
     result = run_stack(env, config, secret_keys=token_keys, monitor=RecordingMonitor(mocks), mask_secrets=False)
     spec = result.spec
     addresses = {r.urn: address_of(r.type, r.name) for r in result.resources if r.custom}
+    named = [a for a in addresses.values() if a is not None]
+    if len(set(named)) != len(named):  # two Pulumi names that differ only in characters Terraform names cannot hold
+        raise TerraformError(f"two resources would share a Terraform address: "
+                             f"{sorted({a for a in named if named.count(a) > 1})}")
     stacks: dict[str, dict[str, Any]] = {s: {"resources": [], "data": {}, "variables": {}, "outputs": {}}
                                          for s in STAGES}
     stage_of: dict[str, str] = {}
