@@ -42,8 +42,9 @@ from constructs import Construct
 REF = re.compile("\u27e6tf:([^|\u27e7]+)\\|([^\u27e7]*)\u27e7")
 PACKAGES = {"google": "cdktf_cdktf_provider_google", "helm": "cdktf_cdktf_provider_helm",
             "kubernetes": "cdktf_cdktf_provider_kubernetes"}
-# The google provider version the overrides (infra/terraform.py OVERRIDES) need; the bindings pin 6.50.0.
-GOOGLE_PROVIDER = "~> 7.0"
+# The google provider version the overrides (infra/terraform.py OVERRIDES) need (settings.data_api_access is in
+# hashicorp/google since 7.21.0); the bindings pin 6.50.0.
+GOOGLE_PROVIDER = "~> 7.21"
 AUTH_PLUGIN = {"api_version": "client.authentication.k8s.io/v1beta1", "command": "gke-gcloud-auth-plugin"}
 
 

@@ -165,7 +165,7 @@ def test_each_stack_has_its_own_state_and_reaches_the_cluster_without_a_stored_t
         for stack in STAGES:
             tf = _stack(written, env, stack)
             assert tf["terraform"]["backend"]["gcs"]["prefix"] == f"gke-tpu-rl/{env}/{stack}"
-            assert tf["terraform"]["required_providers"]["google"]["version"] == "~> 7.0"
+            assert tf["terraform"]["required_providers"]["google"]["version"] == "~> 7.21"
             if stack == "gcp":
                 assert "kubernetes" not in tf.get("provider", {})
                 continue
