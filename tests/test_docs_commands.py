@@ -349,7 +349,8 @@ def commands_of(doc: Path, ledger: Ledger) -> Iterator[tuple[str, list[str]]]:
 
 # The program, its image's build context and the make targets: what plan, --diff and make -n read.
 COPIED = ("Pulumi.yaml", "envspec", "infra", "workloads", "trainer", ".dockerignore", "pyproject.toml", "README.md",
-          "Makefile", "tools/package.json", "tools/package-lock.json", "tools/checkov-requirements.txt", "examples")
+          "Makefile", "tools/package.json", "tools/package-lock.json", "tools/checkov-requirements.txt",
+          "tools/cdktf-requirements.txt", "examples")
 GIT_USER = ("-c", "user.name=docs-test", "-c", "user.email=docs-test@example.invalid")
 
 
