@@ -20,7 +20,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,21 +169,26 @@ def report(plans: dict[str, PlanResult], tmp_path_factory: pytest.TempPathFactor
                   _findings(raw["results"]["passed_checks"]), documents, pod_templates)
 
 
-def load_baseline() -> dict[tuple[str, str], str]:
-    """(check, ENV/resource) -> reason, from the baseline's entries (each a set of checks over a set of resources)."""
-    data = yaml.safe_load(BASELINE.read_text())
+def _kubernetes_resource(resource: str) -> bool:
+    return resource.split("/")[0] in ENVIRONMENTS and resource.count("/") == 1
+
+
+def load_baseline(path: Path = BASELINE, check_id: re.Pattern[str] = CHECK_ID,
+                  resource_ok: Callable[[str], bool] = _kubernetes_resource,
+                  resource_form: str = "ENV/KIND.NAMESPACE.NAME") -> dict[tuple[str, str], str]:
+    """(check, resource) -> reason, from a baseline's entries (each a set of checks over a set of resources)."""
+    data = yaml.safe_load(path.read_text())
     baseline: dict[tuple[str, str], str] = {}
     for i, entry in enumerate(data["accepted"]):
-        where = f"{BASELINE.name} entry {i} ({entry.get('checks')})"
+        where = f"{path.name} entry {i} ({entry.get('checks')})"
         assert set(entry) == {"checks", "resources", "reason"}, f"{where}: keys are checks, resources, reason"
         reason = " ".join(str(entry["reason"]).split())
         assert len(reason) >= 40, f"{where}: say why the finding is accepted"
         assert entry["checks"] and entry["resources"], f"{where}: name the checks and the resources"
         for check in entry["checks"]:
-            assert CHECK_ID.match(check), f"{where}: {check!r} is not a checkov Kubernetes check id"
+            assert check_id.match(check), f"{where}: {check!r} is not a checkov check id of this framework"
             for resource in entry["resources"]:
-                assert resource.split("/")[0] in ENVIRONMENTS and resource.count("/") == 1, (
-                    f"{where}: {resource!r} is not ENV/KIND.NAMESPACE.NAME")
+                assert resource_ok(resource), f"{where}: {resource!r} is not {resource_form}"
                 assert (check, resource) not in baseline, f"{where}: {check} on {resource} is listed twice"
                 baseline[check, resource] = reason
     return baseline

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 from infra.terraform import STAGES
+from tests.infra import test_checkov as checkov
 from tests.infra.conftest import ENVIRONMENTS, ROOT
 from tests.infra.test_checkov import pinned_version, run_checkov
 from tests.infra.test_terraform import golden_path
@@ -50,22 +50,13 @@ def _findings(report: dict[str, object], outcome: str) -> list[Finding]:
     return out
 
 
+def _terraform_resource(resource: str) -> bool:
+    env, stack, name = (resource.split("/", 2) + ["", ""])[:3]
+    return env in ENVIRONMENTS and stack in STAGES and bool(name)
+
+
 def load_baseline() -> dict[tuple[str, str], str]:
-    data = yaml.safe_load(BASELINE.read_text())
-    baseline: dict[tuple[str, str], str] = {}
-    for i, entry in enumerate(data["accepted"]):
-        where = f"{BASELINE.name} entry {i} ({entry.get('checks')})"
-        assert set(entry) == {"checks", "resources", "reason"}, f"{where}: keys are checks, resources, reason"
-        reason = " ".join(str(entry["reason"]).split())
-        assert len(reason) >= 40, f"{where}: say why the finding is accepted"
-        for check in entry["checks"]:
-            assert CHECK_ID.match(check), f"{where}: {check!r} is not a checkov Terraform GCP check id"
-            for resource in entry["resources"]:
-                env, stack, _ = resource.split("/", 2)
-                assert env in ENVIRONMENTS and stack in STAGES, f"{where}: {resource!r} is not ENV/STACK/RESOURCE"
-                assert (check, resource) not in baseline, f"{where}: {check} on {resource} is listed twice"
-                baseline[check, resource] = reason
-    return baseline
+    return checkov.load_baseline(BASELINE, CHECK_ID, _terraform_resource, "ENV/STACK/RESOURCE")
 
 
 def test_checkov_scanned_every_stack_of_every_environment(report: dict[str, object]) -> None:
