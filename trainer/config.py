@@ -145,6 +145,18 @@ class ComputeConfig(_Strict):
     # stacked cache before reading it. 0 (or a cache no longer than a block): that einsum, the reference.
     decode_block: int = Field(256, ge=0, description="KV-cache slots a decode step's attention reads per block, "
                               "up to the furthest live token only; 0: the whole cache in one einsum (the reference)")
+    # How those blocks are read: auto = the Pallas TPU kernel of trainer/decode_kernel.py (each block DMA'd from the
+    # stacked cache, no copy) where the mesh is on TPU and the cache and head size fit its tiles, else XLA's loop of
+    # dynamic slices (which libtpu copies block by block). pallas off TPU runs in Pallas' interpret mode only.
+    decode_attention: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="a decode step's block-wise attention: auto = the Pallas TPU kernel on TPU, else XLA")
+
+    def on_platform(self, platform: str) -> ComputeConfig:
+        """The `auto` kernel choices resolved for a mesh of `platform` (the Pallas kernels are TPU kernels)."""
+        tpu = platform == "tpu"
+        update = {k: v for k, v in (("attention", "flash" if tpu else "xla"),
+                                    ("decode_attention", "pallas" if tpu else "xla")) if getattr(self, k) == "auto"}
+        return self.model_copy(update=update) if update else self
 
     def scans(self, n_layers: int) -> bool:
         """Whether the decoder layers run as one lax.scan."""

@@ -114,7 +114,7 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
         named_shardings,
     )
 
-    mcfg, cc, sc, lcfg = cfg.model_cfg, cfg.compute, cfg.sampling, cfg.lora
+    mcfg, cc, sc, lcfg = cfg.model_cfg, cfg.compute.on_platform(mesh.devices.flat[0].platform), cfg.sampling, cfg.lora
     P, N, c = cfg.prompt_len, sc.max_new_tokens, cfg.sample_chunk_rows
     groups = data_size(mesh)
     runs = counts(cfg, groups)

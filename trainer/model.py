@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from trainer import decode_kernel
 from trainer.config import ComputeConfig, ModelConfig
 from trainer.sharding import constrain
 
@@ -395,10 +396,11 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, cc: ComputeConfig = DE
 
 
 def _cached_attend(valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array, index: jax.Array | int,
-                   block: int) -> Any:
+                   block: int, kernel: bool = False) -> Any:
     """The attention of new tokens to the cache they were written into: a prefill (a static `index`) reads only
     the slots up to its last token; a decode step (index per step or per row) reads block by block up to the
-    furthest live token (`block_attention`), or, with block 0 or a cache of one block, the whole cache."""
+    furthest live token (`block_attention`, or with `kernel` the Pallas kernel of trainer/decode_kernel.py where its
+    shapes fit), or, with block 0 or a cache of one block, the whole cache."""
     T, S = q_slot_BT.shape[1], valid_BS.shape[1]
     if isinstance(index, int) or block <= 0 or block >= S:
         n = min(S, index + T) if isinstance(index, int) else S
@@ -409,9 +411,15 @@ def _cached_attend(valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array
 
         return whole
     fixed = _STATIC_DECODE_BLOCKS.get()
-    blocks = live_blocks(q_slot_BT, live_BT, block, S) if fixed is None else fixed
-    return lambda q, k_all, v_all, layer: block_attention(q, k_all, v_all, layer, valid_BS, q_slot_BT, block,
-                                                          blocks)
+
+    def blockwise(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array) -> jax.Array:
+        if kernel and decode_kernel.supported(q.shape[-1], S, block):
+            return decode_kernel.decode_attention(q, k_all, v_all, layer, valid_BS, q_slot_BT, live_BT, block,
+                                                  fixed)
+        blocks = live_blocks(q_slot_BT, live_BT, block, S) if fixed is None else fixed
+        return block_attention(q, k_all, v_all, layer, valid_BS, q_slot_BT, block, blocks)
+
+    return blockwise
 
 
 def forward(
@@ -450,7 +458,8 @@ def forward(
     lora_layers = (adapter.weights.get("layers") or None) if adapter is not None else None
     gate_BS = adapter.gate_BS if adapter is not None else None
     if cache is not None:
-        attend = _cached_attend(valid_BS, q_slot_BT, valid_BT.astype(bool), index, cc.decode_block)
+        attend = _cached_attend(valid_BS, q_slot_BT, valid_BT.astype(bool), index, cc.decode_block,
+                                kernel=cc.decode_attention == "pallas")
     elif cc.attention == "flash" and T % FLASH_BLOCK == 0:
         valid = valid_BT.astype(bool)
         attend = lambda q, k, v: flash_attention(q, k, v, valid)  # noqa: E731

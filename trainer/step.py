@@ -90,8 +90,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     """Cached on the (frozen, hashable) config sections, so a resumed or repeated run in the same process
     reuses the compiled programs."""
     n_mb = rl.minibatches
-    if cc.attention == "auto":  # the Pallas kernel is a TPU kernel
-        cc = cc.model_copy(update={"attention": "flash" if mesh.devices.flat[0].platform == "tpu" else "xla"})
+    cc = cc.on_platform(mesh.devices.flat[0].platform)
     base_sh = named_shardings(mesh, M.param_axes(mcfg), M.abstract_params(mcfg), rules)
     if lcfg is None:
         optimizer = make_optimizer(optim, steps, rl.mu_iterations * n_mb)
