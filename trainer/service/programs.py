@@ -108,7 +108,8 @@ def _gate(slot_B: jax.Array, scale_S: jax.Array) -> jax.Array:
 def build(cfg: TrainConfig, mesh: Mesh) -> EnginePrograms:
     """The programs for a resolved service config (mesh axes known) on `mesh`."""
     rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
-    return _build(cfg.model_cfg, cfg.compute, stack_config(cfg), mesh, tuple(rules))
+    cc = cfg.compute.on_platform(mesh.devices.flat[0].platform)  # `auto` kernels, as the trainer resolves them
+    return _build(cfg.model_cfg, cc, stack_config(cfg), mesh, tuple(rules))
 
 
 @functools.lru_cache(maxsize=8)
