@@ -365,8 +365,9 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
 
     F.prepare_environment(V6E_2X2)
     devices = F.topology_devices(V6E_2X2)
+    # The XLA loop (on TPU, auto picks the Pallas kernel, whose grid has no loop for the compiler to count once).
     cfg = F.resolve_model(resolve_mesh(_cfg({"head_dim": 128, "max_seq_len": 1024, "n_layers": 8},
-                                            compute={"decode_block": 128},
+                                            compute={"decode_block": 128, "decode_attention": "xla"},
                                             sampling={"max_new_tokens": 1000}), 4))[0]
     mean, most = decode_blocks(cfg)
     assert most == 8 and mean == pytest.approx(sum(min(8, (24 + i) // 128 + 1) for i in range(1000)) / 1000)
@@ -390,6 +391,9 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     decode = next(ph for ph in F._price_sampler(cfg, V6E_2X2, mesh, lambda _: None) if ph.name == "decode")
     want = FP.extrapolate(FP.at_mean_blocks((one, one_deep), all_deep, (mean, most)), cfg.model_cfg.n_layers)
     assert decode.seconds == pytest.approx(want, rel=1e-6) and decode.seconds > FP.extrapolate((one, one_deep), 8)
+    # The kernel's price grows with the blocks it reads, as fit's pricing at the mean block count needs.
+    cfg = cfg.model_copy(update={"compute": cfg.compute.model_copy(update={"decode_attention": "pallas"})})
+    assert seconds(4, most) > seconds(4, 1)
 
 
 def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
