@@ -1,6 +1,6 @@
 """The one module that imports cdktf: runs in its own venv ($(VENV)/cdktf, tools/cdktf-requirements.txt).
 
-    python infra/cdktf_app.py OUT DOCUMENT.json [DOCUMENT.json ...]
+    python -m infra.cdktf_app OUT DOCUMENT.json [DOCUMENT.json ...]   (from the repository's root)
 
 Each document (infra/terraform.py) becomes OUT/<env>/stacks/<stack>/cdk.tf.json through cdktf's prebuilt provider
 bindings. Pulumi names arguments as the Terraform provider does, in camelCase, with list blocks pluralised; each
@@ -39,7 +39,8 @@ from cdktf_cdktf_provider_helm.provider import HelmProvider, HelmProviderKuberne
 from cdktf_cdktf_provider_kubernetes.provider import KubernetesProvider, KubernetesProviderExec
 from constructs import Construct
 
-REF = re.compile("\u27e6tf:([^|\u27e7]+)\\|([^\u27e7]*)\u27e7")
+from infra.tfref import REF, references
+
 PACKAGES = {"google": "cdktf_cdktf_provider_google", "helm": "cdktf_cdktf_provider_helm",
             "kubernetes": "cdktf_cdktf_provider_kubernetes"}
 # The google provider version the overrides (infra/terraform.py OVERRIDES) need (settings.data_api_access is in
@@ -255,7 +256,7 @@ def _topological(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise SynthError(f"a dependency cycle: {' -> '.join((*trail, address))}")
         entry = by_address[address]
         needs = set(entry.get("depends_on", ())) | set((entry.get("lifecycle") or {}).get("replace_triggered_by", ()))
-        needs |= {a for a in _references(entry["args"]) if a in by_address}
+        needs |= {a for a in references(entry["args"]) if a in by_address}
         for dep in sorted(needs):
             if dep in by_address:
                 visit(dep, (*trail, address))
@@ -265,11 +266,6 @@ def _topological(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for address in by_address:
         visit(address)
     return out
-
-
-def _references(value: Any) -> set[str]:
-    text = json.dumps(value, ensure_ascii=False)
-    return {m.group(1) for m in REF.finditer(text)}
 
 
 def _cluster_access(stack: TerraformStack, cluster: dict[str, Any]) -> None:

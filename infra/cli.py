@@ -122,6 +122,25 @@ def _env_from_file(path: Path) -> str:
     return path.stem
 
 
+def _selected_envs(args: argparse.Namespace, root: Path) -> list[str] | None:
+    """The environments `plan` or `synth` covers: ENV, the --config-file's, or every environments/ file; None (the
+    error printed) for --all with --config-file, or no environment at all."""
+    from infra.plan import available_envs
+
+    if args.config_file is not None:
+        if args.all:
+            print("error: --all and --config-file do not go together", file=sys.stderr)
+            return None
+        return [args.env or _env_from_file(args.config_file)]
+    if args.env and not args.all:
+        return [args.env]
+    envs = available_envs(root)
+    if not envs:
+        print(f"error: no environments/Pulumi.*.yaml under {root}", file=sys.stderr)
+        return None
+    return envs
+
+
 def _console() -> Console:
     from rich.console import Console
 
@@ -215,21 +234,12 @@ def _plan(args: argparse.Namespace) -> int:
     from infra.diff import diff_plan
     from infra.diff import markdown as diff_markdown
     from infra.diff import text as diff_text
-    from infra.plan import PlanError, available_envs, plan, repo_root, write_out
+    from infra.plan import PlanError, plan, repo_root, write_out
 
     root = repo_root()
-    if args.config_file is not None:
-        if args.all:
-            print("error: --all and --config-file do not go together", file=sys.stderr)
-            return EXIT_CONFIG
-        envs = [args.env or _env_from_file(args.config_file)]
-    elif args.env and not args.all:
-        envs = [args.env]
-    else:
-        envs = available_envs(root)
-        if not envs:
-            print(f"error: no environments/Pulumi.*.yaml under {root}", file=sys.stderr)
-            return EXIT_CONFIG
+    envs = _selected_envs(args, root)
+    if envs is None:
+        return EXIT_CONFIG
     console = _console()
     status = EXIT_OK
     for i, env in enumerate(envs):
@@ -265,17 +275,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from envspec.config import ConfigError
     from infra import synth
-    from infra.plan import PlanError, available_envs, load_stack_config, repo_root, stack_file
+    from infra.plan import PlanError, load_stack_config, repo_root, stack_file
     from infra.terraform import TerraformError, synthesize
 
     root = repo_root()
-    if args.config_file is not None and args.all:
-        print("error: --all and --config-file do not go together", file=sys.stderr)
+    envs = _selected_envs(args, root)
+    if envs is None:
         return EXIT_CONFIG
-    if args.config_file is not None:
-        envs = [args.env or _env_from_file(args.config_file)]
-    else:
-        envs = [args.env] if args.env and not args.all else available_envs(root)
     documents = []
     try:
         for env in envs:

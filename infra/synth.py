@@ -11,12 +11,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from infra.tfref import STAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-APP = Path(__file__).resolve().parent / "cdktf_app.py"
+APP = "infra.cdktf_app"  # run as a module from ROOT: it imports infra/tfref.py, as infra/terraform.py does
 # Made by `make install` from tools/cdktf-requirements.txt, inside the project's venv (as checkov's is).
 CDKTF_VENV = Path(sys.prefix) / "cdktf"
 PYTHON_OVERRIDE = "GKE_TPU_RL_CDKTF_PYTHON"
-STACK_ORDER = ("gcp", "controllers", "workloads")
 
 
 class SynthError(Exception):
@@ -47,8 +48,8 @@ def run_app(documents: list[dict[str, Any]], out: Path) -> None:
             path = Path(tmp) / f"{doc['env']}.json"
             path.write_text(json.dumps(doc, ensure_ascii=False))
             paths.append(str(path))
-        proc = subprocess.run([str(python), str(APP), str(out.resolve()), *paths], env=env, capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run([str(python), "-m", APP, str(out.resolve()), *paths], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise SynthError(f"cdktf synth failed (exit {proc.returncode}):\n{tail}")
@@ -80,14 +81,14 @@ def write(documents: list[dict[str, Any]], out: Path) -> list[Path]:
             script = env_dir / "build-image.sh"
             script.write_text(build_script(doc["image"]))
             script.chmod(0o755)
-        written += [env_dir / "stacks" / stack / "cdk.tf.json" for stack in STACK_ORDER]
+        written += [env_dir / "stacks" / stack / "cdk.tf.json" for stack in STAGES]
     return written
 
 
 def next_steps(doc: dict[str, Any], out: Path) -> str:
     env_dir = out / doc["env"]
     stacks = [f"terraform -chdir={env_dir / 'stacks' / s} init && terraform -chdir={env_dir / 'stacks' / s} apply"
-              for s in STACK_ORDER]
+              for s in STAGES]
     image = f"  {env_dir / 'build-image.sh'}   # prints the digest for trainer_image_digest\n" if doc.get("image") \
         else ""
     return (f"{doc['env']}: state in gs://{doc['backend']['bucket']}/{doc['backend']['prefix']}/<stack>; apply in "

@@ -23,9 +23,9 @@ from pulumi.runtime import mocks as pmocks
 
 from envspec.config import EnvironmentSpec, gke_version_tuple
 from infra.mockrun import IMAGE_TYPE, MOCK_VERSION_SUFFIX, PlanMocks, PlanResult, RecordingMonitor, Resource, run_stack
-from infra.plan import is_kubernetes_object, kubernetes_object
+from infra.plan import is_kubernetes_object, is_kubernetes_type, kubernetes_object
+from infra.tfref import REF, STAGES, ref, references
 
-STAGES = ("gcp", "controllers", "workloads")
 # pulumi-gcp is bridged from terraform-provider-google: each type token names one Terraform resource type.
 GCP_TYPES = {
     "gcp:artifactregistry/repository:Repository": "google_artifact_registry_repository",
@@ -80,18 +80,8 @@ LATEST_SUFFIX = "-gke.9999"  # and the channel's index: each mock version is one
 IMAGE_DIGEST_VAR = "trainer_image_digest"
 HF_TOKEN_VAR = "hf_token"
 
-# A reference inside a value: ⟦tf:ADDRESS|ATTRIBUTE⟧, the attribute as the Pulumi program names it (camelCase, dots
-# for nesting, [KEY] for a map entry, then #FUNCTION for a Terraform function of it); cdktf_app resolves it to the
-# construct's own attribute.
-REF = re.compile("\u27e6tf:([^|\u27e7]+)\\|([^\u27e7]*)\u27e7")
-
-
 class TerraformError(Exception):
     """The program registered something with no Terraform counterpart here; the message names it."""
-
-
-def ref(address: str, attribute: str = "") -> str:
-    return f"\u27e6tf:{address}|{attribute}\u27e7"
 
 
 def tf_name(name: str) -> str:
@@ -105,7 +95,7 @@ def address_of(type_: str, name: str) -> str | None:
         return f"{GCP_TYPES[type_]}.{tf_name(name)}"
     if type_ == HELM_TYPE:
         return f"helm_release.{tf_name(name)}"
-    if type_.startswith("kubernetes:") and not type_.startswith("kubernetes:helm.sh/"):
+    if is_kubernetes_type(type_, custom=True):  # one object on the cluster, as the plan counts them
         return f"{MANIFEST}.{tf_name(name)}"
     return None
 
@@ -186,19 +176,6 @@ def _walk(value: Any, fn: Any) -> Any:
     if isinstance(value, list):
         return [_walk(v, fn) for v in value]
     return fn(value)
-
-
-def references(value: Any) -> set[str]:
-    """The addresses a value refers to."""
-    found: set[str] = set()
-
-    def visit(v: Any) -> Any:
-        if isinstance(v, str):
-            found.update(m.group(1) for m in REF.finditer(v))
-        return v
-
-    _walk(value, visit)
-    return found
 
 
 def _stage(resource: Resource) -> str:
@@ -362,11 +339,7 @@ def synthesize(env: str, config: Mapping[str, Any], state_bucket: str | None = N
             if "depends_on" in entry:
                 entry["depends_on"] = [a for a in entry["depends_on"] if stage_of.get(a) == stage]
             for address in references(entry["args"]):
-                if address.startswith("data."):
-                    stack["data"][address] = mocks.data[address]
-                elif address.startswith("var."):
-                    stack["variables"][address[4:]] = _variable(address[4:], image)
-                elif address not in stage_of:
+                if not _declare(stack, address, mocks, image) and address not in stage_of:
                     raise TerraformError(f"{entry['name']} refers to {address}, which nothing declares")
     for key, value in result.outputs.items():
         if key in result.secret_outputs:
@@ -377,16 +350,24 @@ def synthesize(env: str, config: Mapping[str, Any], state_bucket: str | None = N
                   for a in references(value) if not a.startswith("data.")}
         stage = max(stages, key=STAGES.index) if stages else "gcp"
         for address in references(value):
-            if address.startswith("var."):
-                stacks[stage]["variables"][address[4:]] = _variable(address[4:], image)
-            elif address.startswith("data."):
-                stacks[stage]["data"][address] = mocks.data[address]
+            _declare(stacks[stage], address, mocks, image)
         stacks[stage]["outputs"][key] = value
     bucket = state_bucket or f"{spec.project}-tfstate"
     document = {"env": env, "backend": {"bucket": bucket, "prefix": f"gke-tpu-rl/{env}"},
                 "providers": _providers(spec), "image": image, "overrides": [list(o) for o in OVERRIDES],
                 "stacks": stacks}
     return Synthesis(document=document, plan=result)
+
+
+def _declare(stack: dict[str, Any], address: str, mocks: TerraformMocks, image: dict[str, Any] | None) -> bool:
+    """Declares in `stack` the data source or variable `address` names; False for a resource's address."""
+    if address.startswith("data."):
+        stack["data"][address] = mocks.data[address]
+    elif address.startswith("var."):
+        stack["variables"][address[4:]] = _variable(address[4:], image)
+    else:
+        return False
+    return True
 
 
 def _version_floor(spec: EnvironmentSpec, mocks: TerraformMocks, data: dict[str, Any]) -> dict[str, Any]:

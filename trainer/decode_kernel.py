@@ -118,19 +118,15 @@ def local_decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.A
 def decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, layer: jax.Array | int,
                      valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array, block: int,
                      blocks: int | None = None) -> jax.Array:
-    """The kernel per shard under a mesh (shard_map: rows over the data axes, heads over tensor where both head
-    counts divide), as `model.flash_attention` runs its kernel."""
-    from trainer.sharding import DATA_AXES, data_size
+    """The kernel per shard under a mesh (shard_map, `sharding.kernel_shard_axes`), as `model.flash_attention`
+    runs its kernel."""
+    from trainer.sharding import kernel_shard_axes
 
     run = functools.partial(local_decode_attention, block=block, blocks=blocks)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return run(q_BTHE, k_LBSKE, v_LBSKE, layer, valid_BS, q_slot_BT, live_BT)
-    B, _, H, _ = q_BTHE.shape
-    K = k_LBSKE.shape[3]
-    tensor = mesh.shape.get("tensor", 1)
-    heads = "tensor" if H % tensor == 0 and K % tensor == 0 else None
-    rows = DATA_AXES if B % data_size(mesh) == 0 else None
+    rows, heads = kernel_shard_axes(mesh, q_BTHE.shape[0], q_BTHE.shape[2], k_LBSKE.shape[3])
     P = jax.sharding.PartitionSpec
     q_spec, cache_spec, row_spec = P(rows, None, heads, None), P(None, rows, None, heads, None), P(rows, None)
     return jax.shard_map(

@@ -240,7 +240,7 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
     kernel runs per shard (shard_map): rows over the data axes, heads over tensor where both head counts divide."""
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    from trainer.sharding import DATA_AXES, data_size
+    from trainer.sharding import kernel_shard_axes
 
     B, T, H, E = q_BTHE.shape
     K = k_BTKE.shape[2]
@@ -256,9 +256,7 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(q_BTHE, k_BTKE, v_BTKE, valid_BT)
-    tensor = mesh.shape.get("tensor", 1)
-    heads = "tensor" if H % tensor == 0 and K % tensor == 0 else None
-    rows = DATA_AXES if B % data_size(mesh) == 0 else None
+    rows, heads = kernel_shard_axes(mesh, B, H, K)
     spec = jax.sharding.PartitionSpec(rows, None, heads, None)
     return jax.shard_map(local, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(rows, None)), out_specs=spec,
                          check_vma=False)(q_BTHE, k_BTKE, v_BTKE, valid_BT)

@@ -91,6 +91,15 @@ def data_size(mesh: Mesh | jax.sharding.AbstractMesh) -> int:
     return _mesh_size(mesh, DATA_AXES)  # type: ignore[arg-type]
 
 
+def kernel_shard_axes(mesh: Mesh | jax.sharding.AbstractMesh, rows: int, q_heads: int, kv_heads: int
+                      ) -> tuple[MeshAxes, MeshAxes]:
+    """How an attention kernel runs per shard (shard_map): rows over the data axes and heads over tensor, each only
+    where it divides (else that dimension is whole on every shard)."""
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if q_heads % tensor == 0 and kv_heads % tensor == 0 else None
+    return (DATA_AXES if rows % data_size(mesh) == 0 else None), heads
+
+
 def logical_to_spec(
     logical: Sequence[str | None],
     shape: Sequence[int] | None = None,
