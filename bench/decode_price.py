@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
         assert phase.blocks is not None, "this config's decode step reads its cache in one einsum"
         n = phase.blocks[1] if every else 1
         t0 = time.perf_counter()
-        with jax.set_mesh(mesh), static_decode_blocks(n):
+        with jax.set_mesh(phase.mesh), static_decode_blocks(n):
             compiled = phase.program.lower(*phase.args).compile()
         hlo = compiled.as_text()
         copies = {shape for shape in re.findall(r"= \w+\[([0-9,]+)\]\{[^}]*\} (?:copy|transpose)\(", hlo)

@@ -239,6 +239,13 @@ class SamplingConfig(_Strict):
     # no all-gather per generated token. Costs params x bytes / mesh.tensor of HBM per chip while sampling.
     gather_weights: bool = Field(False, description="all-gather the weights over mesh.fsdp once per step for "
                                  "sampling, so decoding needs no all-gather per token; costs HBM while sampling")
+    # The sampler's own tensor-parallel degree: each slice's fsdp x tensor chips regrouped as (fsdp x tensor / this)
+    # x this, so weights that do not fit a chip gathered at mesh.tensor still decode with no per-token all-gather
+    # (70B on v6e: 35 GiB per chip at tensor 4, 17.5 at 8).
+    tensor: int | None = Field(None, gt=0, description="the tensor-parallel degree the sampler runs at: each "
+                               "slice's mesh.fsdp x mesh.tensor chips regrouped as (fsdp x tensor / this) x this; a "
+                               "multiple of mesh.tensor dividing fsdp x tensor; needs gather_weights; unset: "
+                               "mesh.tensor")
 
 
 class OptimConfig(_Strict):
@@ -400,6 +407,12 @@ class TrainConfig(_Strict):
         return data * max(d for d in range(1, min(fit, per_shard) + 1) if per_shard % d == 0)
 
     @property
+    def sampler_mesh(self) -> dict[str, int]:
+        """The (resolved) mesh axes the sampler runs on: the mesh, or each slice regrouped to sampling.tensor."""
+        t = self.sampling.tensor or self.mesh.tensor
+        return {"slices": self.mesh.slices, "fsdp": self.mesh.fsdp * self.mesh.tensor // t, "tensor": t}
+
+    @property
     def sample_chunk_rows(self) -> int:
         return min(self.sampling.max_num_sequences or self.batch_size, self.batch_size)
 
@@ -417,6 +430,11 @@ class TrainConfig(_Strict):
         if ns is not None and ns < B and B % ns:
             raise ValueError(f"sampling.max_num_sequences={ns} must divide the {B} sequences of a step "
                              "(rl.prompts_per_step * rl.group_size)")
+        if self.sampling.tensor is not None and not self.sampling.gather_weights:
+            raise ValueError("sampling.tensor needs sampling.gather_weights: true (the sampler's gathered copy of the "
+                             "weights is what takes its layout)")
+        if self.sampling.tensor is not None and self.service is not None:
+            raise ValueError("sampling.tensor: the service engine samples on the mesh as it is; unset it")
         if self.init.from_ == "random" and self.model is None:
             raise ValueError("model: required when init.from is random")
         if self.service is not None and self.lora is None:
@@ -589,6 +607,12 @@ def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> Tr
                 f"{key} = {n} {what} must be divisible by the data axes mesh.slices * mesh.fsdp = {data}, so every "
                 "data-parallel device gets an equal share"
             )
+    st = cfg.sampling.tensor
+    within = axes["fsdp"] * axes["tensor"]
+    if st is not None and (st % axes["tensor"] or within % st):
+        allowed = [axes["tensor"] * k for k in range(1, axes["fsdp"] + 1) if axes["fsdp"] % k == 0]
+        raise ConfigError(f"sampling.tensor={st} must be a multiple of mesh.tensor={axes['tensor']} dividing "
+                          f"mesh.fsdp * mesh.tensor = {within}: one of {allowed}")
     return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=axes)})
 
 

@@ -387,7 +387,8 @@ def fit(
                        lora=None if cfg.lora is None else f"rank {cfg.lora.rank}, {cfg.lora.slots} slot"
                        f"{'s' if cfg.lora.slots != 1 else ''}, {', '.join(cfg.lora.targets)}",
                        lora_params=E.lora_param_count(m, cfg.lora) if cfg.lora is not None else 0),
-        phases=phase_fits, sample_bounds={"prefill": bounds.prefill, "decode": bounds.decode})
+        phases=phase_fits, sample_bounds={"prefill": bounds.prefill, "decode": bounds.decode},
+        sampler_mesh=cfg.sampler_mesh if cfg.sampling.tensor not in (None, cfg.mesh.tensor) else None)
     for p in report_programs:
         if p.skipped is None:
             report.suggestions[p.name] = estimate_savings(p, cfg, suggestions(p.name, cfg))
@@ -412,7 +413,7 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
             f"{target.label}")
         t0 = time.perf_counter()
         fixed = contextlib.nullcontext() if n_blocks is None else static_decode_blocks(n_blocks)
-        with jax.set_mesh(mesh), fixed:
+        with jax.set_mesh(ph.mesh), fixed:
             compiled = ph.program.lower(*ph.args).compile()
         spent[ph.name] = spent.get(ph.name, 0.0) + time.perf_counter() - t0
         return _optimal_seconds(compiled)
@@ -789,6 +790,10 @@ def suggestions(program: str, cfg: TrainConfig) -> list[Suggestion]:
         if ns:
             add(f"sampling.max_num_sequences={ns}", f" (now {cfg.sample_chunk_rows}): a KV cache for fewer "
                 "sequences at once")
+        st, within = cfg.sampler_mesh["tensor"], mesh.fsdp * mesh.tensor
+        if cfg.sampling.gather_weights and within % (2 * st) == 0:
+            add(f"sampling.tensor={2 * st}", f" (now {st}): the sampler's copy of the weights split over twice the "
+                "chips (each slice's chips regrouped for sampling), not gathered per token")
         if cfg.sampling.gather_weights:
             add("sampling.gather_weights=false", " (now true): no whole compute-dtype copy of the weights while "
                 "sampling (an all-gather per generated token instead)")

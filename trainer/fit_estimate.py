@@ -64,6 +64,12 @@ class Layout:
         across = m.slices if m.fsdp_across_slices else 1
         return cls(m.slices * m.fsdp, m.fsdp * across * m.tensor, m.tensor, m.slices * m.fsdp * m.tensor)
 
+    def regrouped(self, tensor: int | None) -> Layout:
+        """The sampler's layout: each slice's devices regrouped to a tensor axis of `tensor` (sampling.tensor)."""
+        if tensor is None or tensor == self.tensor:
+            return self
+        return Layout(self.devices // tensor, self.shards, tensor, self.devices)
+
     def doubled(self) -> Layout:
         """Twice the chips, as a larger topology: fsdp (data and parameter shards) doubles."""
         return Layout(2 * self.data, 2 * self.shards, self.tensor, 2 * self.devices)
@@ -244,11 +250,12 @@ def memory(cfg: TrainConfig, program: str, lay: Layout | None = None) -> Memory:
     V = _split(m.vocab_size, lay.tensor)
     C = min(c.logprob_chunk, N)
     if program == "sample":
-        r = cfg.sample_chunk_rows / lay.data
-        kv = L * r * T * 2 * _split(m.n_kv_heads, lay.tensor) * m.head_dim * cb
+        sl = lay.regrouped(cfg.sampling.tensor)
+        r, V = cfg.sample_chunk_rows / sl.data, _split(m.vocab_size, sl.tensor)
+        kv = L * r * T * 2 * _split(m.n_kv_heads, sl.tensor) * m.head_dim * cb
         # FSDP gathers one layer's weights at a time; gather_weights keeps a whole compute-dtype copy.
-        gathered = n * cb / lay.tensor / (1 if cfg.sampling.gather_weights else L)
-        temp = kv + gathered + max(_layer(m, lay, r, P, T, cb, lr), 3 * r * V * F32)
+        gathered = n * cb / sl.tensor / (1 if cfg.sampling.gather_weights else L)
+        temp = kv + gathered + max(_layer(m, sl, r, P, T, cb, lr), 3 * r * V * F32)
         return Memory(params + opt + ref, temp)
     if program == "ref_logprobs":
         r = cfg.batch_size / lay.data
@@ -471,17 +478,17 @@ def sample_seconds(cfg: TrainConfig, n_devices: int, flops: StepFlops, peak: flo
     roofline of its FLOPs against the HBM it reads (the weights and the KV cache); peak and bw per device."""
     import jax.numpy as jnp
 
-    m, mesh = cfg.model_cfg, cfg.mesh
+    m, sm = cfg.model_cfg, cfg.sampler_mesh
     rows = cfg.sample_chunk_rows
     chunks = cfg.batch_size // rows
     S = cfg.prompt_len + cfg.sampling.max_new_tokens
-    data = mesh.slices * mesh.fsdp
+    data = sm["slices"] * sm["fsdp"]
     # Each device reads the weights of its tensor shard once per forward pass (FSDP gathers the rest; with
     # sampling.gather_weights a compute-dtype copy gathered once per step) and its rows' KV cache (sharded over kv
-    # heads when mesh.tensor divides them).
+    # heads when the sampler's tensor axis divides them).
     gathered = getattr(cfg.sampling, "gather_weights", False)
-    weights = param_count(m) * jnp.dtype(cfg.compute_dtype if gathered else m.param_dtype).itemsize / mesh.tensor
-    kv_shards = mesh.tensor if m.n_kv_heads % mesh.tensor == 0 else 1
+    weights = param_count(m) * jnp.dtype(cfg.compute_dtype if gathered else m.param_dtype).itemsize / sm["tensor"]
+    kv_shards = sm["tensor"] if m.n_kv_heads % sm["tensor"] == 0 else 1
     kv = rows / data * S * m.n_layers * 2 * m.n_kv_heads * m.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
     kv /= kv_shards
     hbm_s = (weights + kv) / bw

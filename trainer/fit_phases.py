@@ -14,8 +14,9 @@ Phase time x how often it runs (every row to max_new_tokens: the most a step can
 
 Lower bounds, per RL step, on the target's peak bf16 FLOP/s and HBM bandwidth: prefill, reference log-probs and the
 update take at least their model FLOPs over peak; a decode step takes at least the bytes each chip must read, its
-share of the compute-dtype weights (split over mesh.tensor) plus its rows' live KV cache (prompt + tokens so far,
-split over mesh.tensor where the KV heads divide), over HBM bandwidth (or its FLOPs over peak, if more).
+share of the compute-dtype weights (split over the sampler's tensor axis: mesh.tensor, or sampling.tensor) plus its
+rows' live KV cache (prompt + tokens so far, split over that axis where the KV heads divide), over HBM bandwidth (or its
+FLOPs over peak, if more).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Phase:
     args: tuple[Any, ...]
     runs: int
     blocks: tuple[float, int] | None = None  # a decode step's cache blocks read: the step's mean, and at most
+    mesh: Any = None  # the mesh to lower it under: the sampler's (sampling.tensor regroups it)
 
 
 def at_mean_blocks(one: tuple[float, float], all_deep: float, blocks: tuple[float, int]) -> tuple[float, float]:
@@ -112,8 +114,10 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
         data_size,
         logical_to_spec,
         named_shardings,
+        regroup,
     )
 
+    train_mesh, mesh = mesh, regroup(mesh, cfg.sampling.tensor)
     mcfg, cc, sc, lcfg = cfg.model_cfg, cfg.compute.on_platform(mesh.devices.flat[0].platform), cfg.sampling, cfg.lora
     P, N, c = cfg.prompt_len, sc.max_new_tokens, cfg.sample_chunk_rows
     groups = data_size(mesh)
@@ -121,7 +125,7 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
     R = S.refill_size(groups, c)
     rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
     abstract = M.abstract_params(mcfg)
-    param_sh = named_shardings(mesh, M.param_axes(mcfg), abstract, rules)
+    param_sh = named_shardings(train_mesh, M.param_axes(mcfg), abstract, rules)
     dt = M.compute_dtype(mcfg, cc)
     if sc.gather_weights:
         w_abs = jax.eval_shape(lambda p: M.cast_weights(p, dt), abstract)
@@ -139,7 +143,7 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
     lora_sh: tuple[Any, ...] = ()
     if lcfg is not None:
         l_abs = L.abstract_lora(mcfg, lcfg)
-        l_sh = named_shardings(mesh, L.lora_axes(mcfg, lcfg), l_abs, rules)
+        l_sh = named_shardings(mesh, L.lora_axes(mcfg, lcfg), l_abs, rules)  # as the sampler lays them out
         lora = (jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), l_abs, l_sh),)
         lora_sh = (l_sh,)
 
@@ -151,9 +155,14 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
 
     out: list[Phase] = []
     if runs["gather"]:
-        gather = jax.jit(lambda p: M.cast_weights(p, dt), in_shardings=(param_sh,), out_shardings=w_sh)
+        from trainer.step import gather_for_sampling
+
+        by_layer = mesh is not train_mesh
+        unroll = not cc.scans(mcfg.n_layers)
+        gather = jax.jit(lambda p: gather_for_sampling(p, dt, w_sh, by_layer, unroll), in_shardings=(param_sh,),
+                         out_shardings=w_sh)
         out.append(Phase("gather", gather, (jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), abstract, param_sh),),
-                         runs["gather"]))
+                         runs["gather"], mesh=mesh))
 
     def prefill_phase(name: str, rows: int, cache_len: int) -> Phase:
         def f(w: Any, prompt: Any, valid: Any, *rest: Any) -> Any:
@@ -162,7 +171,7 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
 
         args = (weights, sds((rows, P), jnp.int32, b2), sds((rows, P), bool, b2), *lora, *slot_arg(rows))
         shardings = (w_fmt, b2, b2, *lora_sh, *(a.sharding for a in slot_arg(rows)))
-        return Phase(name, jax.jit(f, in_shardings=shardings), args, runs[name])
+        return Phase(name, jax.jit(f, in_shardings=shardings), args, runs[name], mesh=mesh)
 
     out.append(prefill_phase("prefill", c, P + N))
     if runs["refill"]:
@@ -192,7 +201,7 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
     fmt = M.KVCache(kv_fmt, kv_fmt, b2)
     in_fmt = (w_fmt, fmt, *(a.sharding for a in args[2:6]), *lora_sh, *(a.sharding for a in slot_arg(c)))
     jitted = jax.jit(decode, in_shardings=in_fmt, out_shardings=(None, fmt), donate_argnums=(1,))
-    out.append(Phase("decode", jitted, args, runs["decode"], decode_blocks(cfg)))
+    out.append(Phase("decode", jitted, args, runs["decode"], decode_blocks(cfg), mesh))
     return out
 
 
@@ -215,15 +224,15 @@ def bounds(cfg: TrainConfig, chips: int, peak_per_chip: float, bw_per_chip: floa
     """Lower bounds (see the module docstring); `model_flops` per program as fit reports them."""
     import jax.numpy as jnp
 
-    m, mesh = cfg.model_cfg, cfg.mesh
+    m, sm = cfg.model_cfg, cfg.sampler_mesh
     B, P, N, c = cfg.batch_size, cfg.prompt_len, cfg.sampling.max_new_tokens, cfg.sample_chunk_rows
     peak = chips * peak_per_chip
     prefill = B * _fwd_flops(m, P, P * (P + 1) / 2, 1) / peak
     cb = jnp.dtype(cfg.compute_dtype).itemsize
-    weights = param_count(m) * cb / mesh.tensor
-    kv_shards = mesh.tensor if m.n_kv_heads % mesh.tensor == 0 else 1
+    weights = param_count(m) * cb / sm["tensor"]
+    kv_shards = sm["tensor"] if m.n_kv_heads % sm["tensor"] == 0 else 1
     kv_token = m.n_layers * 2 * m.n_kv_heads * m.head_dim * cb / kv_shards
-    rows_per_chip = c / (mesh.slices * mesh.fsdp)
+    rows_per_chip = c / (sm["slices"] * sm["fsdp"])
     decode = 0.0
     for i in range(N):  # every chunk (or wave of slots) of c rows at position P + i
         read = weights + rows_per_chip * kv_token * (P + i + 1)

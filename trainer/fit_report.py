@@ -226,6 +226,7 @@ class FitReport:
     service: ServiceFit | None = None  # set: a service engine's report
     phases: list[PhaseFit] = field(default_factory=list)  # the sampler's phases, when compiled on their own
     sample_bounds: dict[str, float] = field(default_factory=dict)  # prefill and decode lower bounds, seconds
+    sampler_mesh: dict[str, int] | None = None  # set: the sampler runs on the chips regrouped (sampling.tensor)
 
     @property
     def devices_per_chip(self) -> int:
@@ -312,6 +313,8 @@ class FitReport:
         usable = f" ({self.hbm_basis} per {self.unit.split()[0]})" if self.hbm_limit == self.hbm_usable else ""
         per = self.unit.split()[0]
         mesh = "mesh " + " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        if self.sampler_mesh:
+            mesh += " (sampling on " + " x ".join(f"{k}={v}" for k, v in self.sampler_mesh.items()) + ")"
         lines = [
             f"{t.label}: {t.chips} chips, {_gib(t.hbm_bytes_per_chip)} HBM{usable} and "
             f"{t.peak_flops_per_chip / 1e12:g} TFLOP/s bf16 per chip",
@@ -563,6 +566,7 @@ class FitReport:
             "step_lower_bound": None if why or self.service else self.step_lower_bound,
             "bound_ratio": None if why or self.service else self.bound_ratio,
             "phases": [asdict(ph) | {"total": ph.total} for ph in self.phases], "sample_bounds": self.sample_bounds,
+            "sampler_mesh": self.sampler_mesh,
             "mfu": None if why or self.service else self.mfu, "not_applicable": why,
             "suggestions": {k: [asdict(s) | {"saves_is": "estimate" if s.saves is not None else None} for s in v]
                             for k, v in self.suggestions.items()},

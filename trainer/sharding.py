@@ -79,6 +79,32 @@ def make_mesh(slices: int, fsdp: int, tensor: int, devices: Sequence[Any] | None
     return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
 
 
+def regroup(mesh: Mesh, tensor: int | None) -> Mesh:
+    """`mesh` with each slice's fsdp x tensor devices regrouped as (fsdp x tensor / `tensor`, `tensor`): the same
+    devices in the same order, so one program may take arrays on `mesh` and reshard them onto this one. The new
+    tensor axis joins whole groups of the old one across neighbouring fsdp rows (ICI neighbours on a TPU slice)."""
+    s, f, t = (mesh.shape[a] for a in MESH_AXES)
+    if tensor is None or tensor == t:
+        return mesh
+    return Mesh(mesh.devices.reshape(s, f * t // tensor, tensor), MESH_AXES, axis_types=mesh.axis_types)
+
+
+class MeshJit:
+    """jax.jit(fn, **kw) called and lowered under `jax.set_mesh(mesh)`, so the model's `constrain` hints see the mesh
+    (set_mesh cannot be entered inside a jitted function)."""
+
+    def __init__(self, mesh: Mesh, fn: Any, **kw: Any) -> None:
+        self.mesh, self.jitted = mesh, jax.jit(fn, **kw)
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args, **kw)
+
+    def lower(self, *args: Any, **kw: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args, **kw)
+
+
 def _mesh_size(mesh: Mesh, axes: MeshAxes) -> int:
     if axes is None:
         return 1

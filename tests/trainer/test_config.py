@@ -91,6 +91,21 @@ def test_batch_must_divide_data_axes(tiny_train_dict: dict) -> None:
         resolve_mesh(config_from_dict(tiny_train_dict), 8)
 
 
+def test_sampling_tensor_is_checked_against_the_mesh(tiny_train_dict: dict) -> None:
+    tiny_train_dict["mesh"] = {"slices": 1, "fsdp": 4, "tensor": 2}
+    tiny_train_dict["sampling"].update(tensor=4)
+    with pytest.raises(ConfigError, match=r"sampling\.tensor needs sampling\.gather_weights: true"):
+        config_from_dict(tiny_train_dict)
+    tiny_train_dict["sampling"].update(gather_weights=True)
+    cfg = resolve_mesh(config_from_dict(tiny_train_dict), 8)
+    assert cfg.sampler_mesh == {"slices": 1, "fsdp": 2, "tensor": 4}
+    for bad in (3, 6, 16):
+        tiny_train_dict["sampling"].update(tensor=bad)
+        with pytest.raises(ConfigError, match=rf"sampling\.tensor={bad} must be a multiple of mesh\.tensor=2 "
+                                              r"dividing mesh\.fsdp \* mesh\.tensor = 8: one of \[2, 4, 8\]"):
+            resolve_mesh(config_from_dict(tiny_train_dict), 8)
+
+
 def test_cli_reports_config_errors_without_traceback(tmp_path: Path, tiny_train_dict: dict,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, tiny_train_dict)

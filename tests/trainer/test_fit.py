@@ -412,6 +412,50 @@ def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
     assert got.decode == pytest.approx(want) and got.update == pytest.approx(2.0)
 
 
+def test_a_regrouped_sampler_reads_its_share_of_the_weights() -> None:
+    """sampling.tensor 4 on fsdp 2 x tensor 2 (v6e 2x2): the floor is a quarter of the bf16 weights per chip and
+    every row's cache over all 4 chips (4 KV heads); the sampler's phases compile for the chips on the regrouped
+    mesh, each chip holding a quarter of the gathered weights, and the decode step costs less than on the mesh as
+    it is, where each chip reads half of them."""
+    from trainer import fit_phases as FP
+    from trainer.sharding import make_mesh
+
+    model = {"n_layers": 2, "n_kv_heads": 4, "d_model": 512, "d_ff": 2048, "head_dim": 128}
+    kw = dict(mesh={"tensor": 2}, rl={"group_size": 2, "prompts_per_step": 2}, compute={"dtype": "bfloat16"})
+    plain = resolve_mesh(_cfg(model, sampling={"max_new_tokens": 2, "gather_weights": True}, **kw), 4)
+    cfg = resolve_mesh(_cfg(model, sampling={"max_new_tokens": 2, "gather_weights": True, "tensor": 4}, **kw), 4)
+    m, P = cfg.model_cfg, cfg.prompt_len
+    kv_token = m.n_layers * 2 * m.n_kv_heads * m.head_dim * 2 / 4
+    want = sum((F.param_count(m) * 2 / 4 + 4 * kv_token * (P + i)) / 1e12 for i in (1, 2))
+    assert FP.bounds(cfg, 4, 1e30, 1e12, {}).decode == pytest.approx(want)
+
+    F.prepare_environment(V6E_2X2)
+    mesh = make_mesh(1, 2, 2, F.topology_devices(V6E_2X2))
+    priced = {}
+    for c in (plain, cfg):
+        c = F.resolve_model(c)[0]
+        by_name = {ph.name: ph for ph in FP.phases(c, mesh)}
+        assert set(by_name) == {"gather", "prefill", "decode"}
+        decode = by_name["decode"]
+        assert decode.mesh.shape == ({"slices": 1, "fsdp": 1, "tensor": 4} if c.sampling.tensor else mesh.shape)
+        wq = decode.args[0]["layers"]["wq"]
+        assert wq.sharding.shard_shape(wq.shape)[-2] == m.n_heads // (c.sampling.tensor or 2)
+        with jax.set_mesh(decode.mesh):
+            priced[c.sampling.tensor] = F._optimal_seconds(decode.program.lower(*decode.args).compile())
+    assert priced[4] < priced[None]
+    # The regrouped gather goes layer by layer; fit's phases unroll that loop, so a deeper model costs more (a loop
+    # would be counted once: the same price at any depth).
+    gather = {}
+    for depth in FP.DEPTHS:
+        ph = next(p for p in FP.phases(FP.with_depth(F.resolve_model(cfg)[0], depth), mesh) if p.name == "gather")
+        with jax.set_mesh(ph.mesh):
+            gather[depth] = F._optimal_seconds(ph.program.lower(*ph.args).compile())
+    assert gather[4] > 1.5 * gather[2]
+    report = F.fit(cfg, V6E_2X2, title="regrouped", phases=False)
+    assert report.fits and report.to_json()["sampler_mesh"] == {"slices": 1, "fsdp": 1, "tensor": 4}
+    assert "mesh slices=1 x fsdp=2 x tensor=2 (sampling on slices=1 x fsdp=1 x tensor=4)" in report.headline()[2]
+
+
 def test_a_decode_step_writes_the_cache_in_place() -> None:
     """Compiled for a v6e chip with the cache donated, a decode step keeps no cache-sized temporary, its layers
     scanned or unrolled, one write position for every row or one per row (continuous batching), its attention a loop

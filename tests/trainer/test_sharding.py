@@ -16,6 +16,7 @@ from trainer.sharding import (
     make_mesh,
     named_shardings,
     opt_state_shardings,
+    regroup,
 )
 
 from .conftest import TINY_MODEL
@@ -26,6 +27,20 @@ def test_mesh_axes_are_auto() -> None:
     assert mesh.axis_names == ("slices", "fsdp", "tensor")
     assert dict(mesh.shape) == {"slices": 2, "fsdp": 2, "tensor": 2}
     assert mesh.axis_types == (AxisType.Auto,) * 3
+
+
+def test_regroup_keeps_the_devices_in_order() -> None:
+    """The sampler's mesh: each slice's fsdp x tensor devices as (fsdp x tensor / t, t), the same devices in the same
+    order (one program may take arrays on the one and compute on the other), the new tensor axis whole old tensor
+    groups of neighbouring fsdp rows."""
+    mesh = make_mesh(2, 2, 2)
+    same = regroup(mesh, None)
+    assert same is mesh and regroup(mesh, 2) is mesh
+    wide = regroup(mesh, 4)
+    assert dict(wide.shape) == {"slices": 2, "fsdp": 1, "tensor": 4}
+    assert list(wide.devices.flat) == list(mesh.devices.flat)
+    assert list(wide.devices[1, 0]) == [*mesh.devices[1, 0], *mesh.devices[1, 1]]
+    assert wide.axis_types == mesh.axis_types
 
 
 def test_rule_table() -> None:

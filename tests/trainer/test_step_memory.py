@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
@@ -289,3 +290,29 @@ def test_gathered_sampler_weights_give_the_same_samples(base: dict) -> None:
             outs.append(jax.device_get(progs.sample(params, batch["prompt"], batch["prompt_valid"], key, step)))
     np.testing.assert_array_equal(outs[0].tokens_BN, outs[1].tokens_BN)
     np.testing.assert_allclose(outs[0].logprobs_BN, outs[1].logprobs_BN, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_a_regrouped_sampler_gives_the_same_samples(base: dict, chunk: int | None) -> None:
+    """sampling.tensor 4 on a slices 2 x fsdp 2 x tensor 2 mesh: the sampler runs on (2, 1, 4), its gathered weights
+    split 4 ways, and draws the very tokens the mesh as it is draws (all rows at once, or continuously batched)."""
+    s = {"temperature": 1.0, "gather_weights": True, "max_num_sequences": chunk}
+    cfg, regrouped = _cfg(base, sampling=s), _cfg(base, sampling={**s, "tensor": 4})
+    assert regrouped.sampler_mesh == {"slices": 2, "fsdp": 1, "tensor": 4}
+    mesh = make_mesh(2, 2, 2)
+    batch = _batch(mesh)
+    key = replicate(mesh, np.asarray(jax.random.key_data(jax.random.PRNGKey(4))))
+    step = replicate(mesh, np.int32(0))
+    outs, texts = [], []
+    for c in (cfg, regrouped):
+        progs = build_programs(c, mesh, 0, 2)
+        with jax.set_mesh(mesh):
+            params = progs.init_params(key)
+            outs.append(jax.device_get(progs.sample(params, batch["prompt"], batch["prompt_valid"], key, step)))
+            texts.append(progs.sample.lower(params, batch["prompt"], batch["prompt_valid"], key, step).as_text())
+    np.testing.assert_array_equal(outs[0].tokens_BN, outs[1].tokens_BN)
+    np.testing.assert_allclose(outs[0].logprobs_BN, outs[1].logprobs_BN, rtol=1e-5, atol=1e-5)
+    # The program declares the regrouped mesh and lays the stacked weights out on it, split over its 4-way tensor axis.
+    regrouped_mesh = re.findall(r'sdy.mesh (@\w+) = <\["slices"=2, "fsdp"=1, "tensor"=4\]>', texts[1])
+    assert regrouped_mesh and '"tensor"=4' not in texts[0]
+    assert f'<{regrouped_mesh[0]}, [{{}}, {{}}, {{"tensor"}}]>' in texts[1]

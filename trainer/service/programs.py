@@ -33,7 +33,15 @@ from trainer.config import LoraConfig, ModelConfig, TrainConfig
 from trainer.sampler import Samples, sample
 from trainer.service.losses import LossInputs, tinker_losses
 from trainer.service.shapes import rows, stack_config
-from trainer.sharding import RULES, RULES_ACROSS_SLICES, batch_sharding, data_size, named_shardings, replicated
+from trainer.sharding import (
+    RULES,
+    RULES_ACROSS_SLICES,
+    MeshJit,
+    batch_sharding,
+    data_size,
+    named_shardings,
+    replicated,
+)
 
 f32 = jnp.float32
 @dataclass(frozen=True)
@@ -83,22 +91,6 @@ class EnginePrograms:
         shapes = L.lora_shapes(self.mcfg, self.stack)
         return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s, f32), shapes, is_leaf=L._is_shape),
                        out_shardings=self.lora_sh)()
-
-
-class _MeshJit:
-    """jax.jit(fn, **kw) called and lowered under `jax.set_mesh(mesh)`, so the model's `constrain` hints see the mesh
-    (set_mesh cannot be entered inside a jitted function)."""
-
-    def __init__(self, mesh: Mesh, fn: Any, **kw: Any) -> None:
-        self.mesh, self.jitted = mesh, jax.jit(fn, **kw)
-
-    def __call__(self, *args: Any, **kw: Any) -> Any:
-        with jax.set_mesh(self.mesh):
-            return self.jitted(*args, **kw)
-
-    def lower(self, *args: Any, **kw: Any) -> Any:
-        with jax.set_mesh(self.mesh):
-            return self.jitted.lower(*args, **kw)
 
 
 def _gate(slot_B: jax.Array, scale_S: jax.Array) -> jax.Array:
@@ -194,7 +186,7 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
         return ids.astype(jnp.int32), values
 
     batch_in = (param_sh, lora_sh, rep, b2, b1, b2, inputs_sh)
-    jit = functools.partial(_MeshJit, mesh)
+    jit = functools.partial(MeshJit, mesh)
     return EnginePrograms(
         mesh=mesh, mcfg=mcfg, stack=stack, param_sh=param_sh, lora_sh=lora_sh, data_parallel=data_parallel,
         logprobs_and_loss=jit(logprobs_and_loss, in_shardings=batch_in, out_shardings=(rep, rep)),
