@@ -22,10 +22,10 @@ from trainer.sharding import make_mesh
 f32 = jnp.float32
 
 
-def _case(T: int, dtype: Any = f32) -> tuple[Any, ...]:
+def _case(T: int, dtype: Any = f32, K: int = 2) -> tuple[Any, ...]:
     """16 rows (two groups of the kernel's 8) at their own slots of a 64-slot cache, left-padded prompts, some rows
     no longer live; every slot in blocks past a group's furthest live query is NaN."""
-    L, B, S, K, H, E, block = 3, 16, 64, 2, 4, 128, 16
+    L, B, S, H, E, block = 3, 16, 64, 4, 128, 16
     rng = np.random.default_rng(T)
     k, v = (jnp.asarray(rng.standard_normal((L, B, S, K, E)), dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((B, T, H, E)), dtype)
@@ -40,9 +40,9 @@ def _case(T: int, dtype: Any = f32) -> tuple[Any, ...]:
     return (q, k, v, poisoned, valid, q_slot, live, block)
 
 
-@pytest.mark.parametrize("T", [1, 3])
-def test_the_kernel_computes_the_block_loop_and_reads_no_block_past_the_live_one(T: int) -> None:
-    q, k, v, (kp, vp), valid, q_slot, live, block = _case(T)
+@pytest.mark.parametrize(("T", "K"), [(1, 2), (3, 2), (1, 1)])  # K 1: the cache's one-head view
+def test_the_kernel_computes_the_block_loop_and_reads_no_block_past_the_live_one(T: int, K: int) -> None:
+    q, k, v, (kp, vp), valid, q_slot, live, block = _case(T, K=K)
     rows = np.asarray(live[:, 0])
     assert 0 < rows.sum() < len(rows)
     for layer in range(3):

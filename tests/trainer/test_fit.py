@@ -456,6 +456,31 @@ def test_a_regrouped_sampler_reads_its_share_of_the_weights() -> None:
     assert "mesh slices=1 x fsdp=2 x tensor=2 (sampling on slices=1 x fsdp=1 x tensor=4)" in report.headline()[2]
 
 
+def test_one_kv_head_per_chip_decodes_with_no_copy_of_the_cache() -> None:
+    """4 KV heads regrouped over a tensor axis of 4 (sampling.tensor), the cache's layout the compiler's to choose as
+    in the sampler's loop: the kernel reads each shard's one head through the cache's [L, B, S, E] view and keeps no
+    cache-sized temporary. Its [block, 1, E] blocks made libtpu copy the cache at every step."""
+    from trainer import fit_phases as FP
+    from trainer import model as M
+    from trainer.sharding import make_mesh
+
+    model = {"n_layers": 4, "n_kv_heads": 4, "head_dim": 128, "max_seq_len": 1280}
+    cfg = resolve_mesh(_cfg(model, mesh={"tensor": 2}, rl={"group_size": 8, "prompts_per_step": 8},
+                            compute={"dtype": "bfloat16", "decode_block": 256},
+                            sampling={"max_new_tokens": 1024, "max_prompt_len": 256, "gather_weights": True,
+                                      "tensor": 4}), 4)
+    F.prepare_environment(V6E_2X2)
+    mesh = make_mesh(1, 2, 2, F.topology_devices(V6E_2X2))
+    decode = next(ph for ph in FP.phases(F.resolve_model(cfg)[0], mesh) if ph.name == "decode")
+    cache = decode.args[1].k_LBSKE
+    assert cache.sharding.shard_shape(cache.shape)[3] == 1
+    cache_bytes = 2 * cache.size * cache.dtype.itemsize / 4
+    with jax.set_mesh(decode.mesh), M.static_decode_blocks(5):
+        compiled = decode.program.lower(*decode.args).compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * cache_bytes
+
+
 def test_a_decode_step_writes_the_cache_in_place() -> None:
     """Compiled for a v6e chip with the cache donated, a decode step keeps no cache-sized temporary, its layers
     scanned or unrolled, one write position for every row or one per row (continuous batching), its attention a loop
@@ -466,26 +491,27 @@ def test_a_decode_step_writes_the_cache_in_place() -> None:
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
-    cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=128, d_ff=512,
-                      max_seq_len=2048)
 
     def at(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
 
-    params = jax.tree.map(at, M.abstract_params(cfg))
-    cache = jax.tree.map(at, jax.eval_shape(lambda: M.init_cache(cfg, 8, 2048)))
-    cache_bytes = 2 * cache.k_LBSKE.size * cache.k_LBSKE.dtype.itemsize
     tokens = jax.ShapeDtypeStruct((8, 1), jnp.int32, sharding=sh)
-    for scan, kernel in ((True, "xla"), (False, "xla"), (True, "pallas")):
+    # One KV head: the kernel reads the cache's [L, B, S, E] view (a [block, 1, E] block made libtpu copy it).
+    for kv_heads, scan, kernel in ((2, True, "xla"), (2, False, "xla"), (2, True, "pallas"), (1, True, "pallas")):
+        cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=kv_heads, head_dim=128,
+                          d_ff=512, max_seq_len=2048)
+        params = jax.tree.map(at, M.abstract_params(cfg))
+        cache = jax.tree.map(at, jax.eval_shape(lambda cfg=cfg: M.init_cache(cfg, 8, 2048)))
+        cache_bytes = 2 * cache.k_LBSKE.size * cache.k_LBSKE.dtype.itemsize
         for index in (jax.ShapeDtypeStruct((), jnp.int32, sharding=sh), jax.ShapeDtypeStruct((8,), jnp.int32,
                                                                                              sharding=sh)):
-            def step(params: Any, cache: Any, tokens: Any, index: Any, scan: bool = scan, kernel: str = kernel
-                     ) -> Any:
+            def step(params: Any, cache: Any, tokens: Any, index: Any, scan: bool = scan, kernel: str = kernel,
+                     cfg: ModelConfig = cfg) -> Any:
                 return M.forward(params, cfg, tokens, jnp.ones_like(tokens), cache=cache, index=index,
                                  cc=ComputeConfig(scan_layers=scan, decode_attention=kernel))[1]
 
             compiled = jax.jit(step, donate_argnums=1).lower(params, cache, tokens, index).compile()
             mem = compiled.memory_analysis()
-            assert mem.temp_size_in_bytes < 0.05 * cache_bytes, (scan, kernel, index.shape)
+            assert mem.temp_size_in_bytes < 0.05 * cache_bytes, (kv_heads, scan, kernel, index.shape)
             # The Pallas kernel (trainer/decode_kernel.py) reads the stacked cache as it lies: no copy of it either.
             assert ("tpu_custom_call" in compiled.as_text()) == (kernel == "pallas")
