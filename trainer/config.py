@@ -133,10 +133,10 @@ class ComputeConfig(_Strict):
     # Tunix"). Unset: unrolled up to UNROLL_MAX_LAYERS, scanned above, where compile time would grow with depth.
     scan_layers: bool | None = Field(None, description="run the decoder layers as one lax.scan (compile time flat "
                                      "in depth); false: unrolled; unset: unrolled up to 16 layers, scanned above")
-    # Attention of the passes without a KV cache (the update, reference log-probs): auto = the fused Pallas flash
-    # attention kernel where the mesh is on TPU and the sequence a multiple of its 128-token blocks, else XLA's
-    # einsum + softmax (which writes the [T, T] scores to HBM). flash forces the kernel (off TPU it runs only in
-    # Pallas' interpret mode, as the tests do); xla forces the einsum.
+    # Attention of the passes without a KV cache (the update, reference log-probs): auto = Pallas' splash (flash)
+    # attention kernel, grouped KV heads read in place, where the mesh is on TPU and the sequence a multiple of its
+    # 128-token blocks, else XLA's einsum + softmax (which writes the [T, T] scores to HBM). flash forces the kernel
+    # (off TPU it runs only in Pallas' interpret mode, as the tests do); xla forces the einsum.
     attention: Literal["auto", "xla", "flash"] = Field("auto", description="attention of the passes without a "
                                                        "KV cache: auto = Pallas flash attention on TPU, else XLA")
     # A decode step's attention reads the KV cache block by block, only up to the block holding the furthest live

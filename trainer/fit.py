@@ -36,6 +36,13 @@ What is measured, and what is estimated:
     the decode step's real reads (the cache blocks up to the furthest live token, the weights), layouts and
     collectives, times the runs of a step whose every row generates max_new_tokens. With `phases=False`
     (fit --search), or where the compiler gives no usable time, a FLOPs / HBM-bandwidth roofline instead.
+- What the compiler's time is (libtpu 0.0.42.1, tests/trainer/test_fit.py): `optimal_seconds` sums, over the
+  program's instructions, each one's own roofline, max(its FLOPs / peak, its bytes accessed / HBM bandwidth). No
+  instruction overlaps another, and each runs at its roofline: a layout copy, a cast or a norm costs its bytes. A
+  Pallas kernel costs what it declares; splash attention (the update's) declares nothing and is priced at its
+  operands' and results' bytes with no FLOPs, which `_price_passes`' scaling by analytic / compiler FLOPs restores
+  in proportion. So the estimates are of programs that run each op ideally, one at a time;
+  the bytes of memory-bound ops are what keeps small models' updates far from peak.
 - Lower bounds next to each estimate: prefill, reference log-probs and update at their model FLOPs over peak; each
   decode step at the bytes a chip must read (its share of the weights, its rows' live KV cache) over HBM bandwidth.
   The step's estimate / lower bound says how far the programs are from the hardware.
@@ -445,7 +452,8 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
     what lies outside the layers (the optimizer, the head) by the depth. The update is priced per micro-batch
     (fit_phases.one_micro_batch: forward, backward and the optimizer once); the optimizer runs once per minibatch
     and gradient accumulation adds a read and write of its buffer per micro-batch, both at HBM bandwidth. A loop
-    still counted once (the log-prob chunks) is scaled by FLOPs."""
+    still counted once (the log-prob chunks), and the splash attention kernels libtpu prices with no FLOPs, are
+    scaled in by analytic / compiler FLOPs."""
     import jax
 
     from trainer.sharding import data_size

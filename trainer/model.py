@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -230,27 +231,37 @@ def attention(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, mask_BTS:
     return out_BTKGE.reshape(B, T, H, E)
 
 
-FLASH_BLOCK = 128  # the Pallas kernel's blocks: the sequence must be a multiple
+FLASH_BLOCK = 128  # the kernel's smallest block: the sequence must be a multiple
+FLASH_BLOCK_MAX = 512  # its block when the sequence allows (libtpu prices 512 below 128 and 256: Qwen3-0.6B update)
 
 
 def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, valid_BT: jax.Array) -> jax.Array:
     """Causal attention of T tokens among themselves with pad keys masked, as `attention` computes it for valid
-    queries, in the fused Pallas TPU kernel (no [T, T] scores in HBM, forward and backward). Pad tokens form their own
-    segment, so a pad query attends pads (its output is never used; valid queries never see a pad). Under a mesh the
-    kernel runs per shard (shard_map): rows over the data axes, heads over tensor where both head counts divide."""
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+    queries, in Pallas' splash attention TPU kernel (no [T, T] scores in HBM, forward and backward). Grouped KV heads
+    are read in place: query head h reads KV head h // (H / K) (the kernel's index maps), so no repeated copy of the
+    keys and values is written, nor its gradient summed back. Pad tokens form their own segment, so a pad query
+    attends pads (its output is never used; valid queries never see a pad). Under a mesh the kernel runs per shard
+    (shard_map): rows over the data axes, heads over tensor where both head counts divide."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     from trainer.sharding import kernel_shard_axes
 
     B, T, H, E = q_BTHE.shape
     K = k_BTKE.shape[2]
+    block = math.gcd(T, FLASH_BLOCK_MAX)
+    blocks = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
-        g = q.shape[2] // k.shape[2]
+        kernel = sk.make_splash_mha(sm.MultiHeadMask([sm.CausalMask((T, T))] * q.shape[2]), block_sizes=blocks,
+                                    head_shards=1, q_seq_shards=1)
+        q = (q.astype(f32) * E**-0.5).astype(q.dtype)  # the kernel takes no softmax scale
         q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))  # [B, heads, T, E]
-        k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)  # q head h reads kv head h // g
         seg = valid.astype(jnp.int32)
-        out = fa.flash_attention(q, k, v, segment_ids=fa.SegmentIds(seg, seg), causal=True, sm_scale=E**-0.5)
+        rows = (q, k, v, sk.SegmentIds(seg, seg))
+        # TPU interpret mode cannot run a vmapped kernel (its grid gains a dimension): one row at a time there
+        out = jax.lax.map(lambda r: kernel(*r), rows) if _pallas_interpreting() else jax.vmap(kernel)(*rows)
         return out.swapaxes(1, 2)
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -260,6 +271,15 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
     spec = jax.sharding.PartitionSpec(rows, None, heads, None)
     return jax.shard_map(local, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(rows, None)), out_specs=spec,
                          check_vma=False)(q_BTHE, k_BTKE, v_BTKE, valid_BT)
+
+
+def _pallas_interpreting() -> bool:
+    """Whether Pallas TPU kernels are being traced under `pltpu.force_tpu_interpret_mode` (the tests, off TPU).
+    Its interpreter zips the kernel's grid with its dimension semantics, which vmap's extra grid dimension breaks
+    (jax 0.10.2 `interpret_pallas_call._get_randomized_grid_coordinates`)."""
+    from jax._src import config as jax_config
+
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
 def _layer(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,30 @@ def test_the_compiler_counts_a_loop_body_once() -> None:
     assert costs[0]["flops"] == pytest.approx(one_step, rel=0.01)
     assert costs[1]["flops"] == pytest.approx(10 * one_step, rel=0.01)
     assert costs[1]["optimal_seconds"] > 1.5 * costs[0]["optimal_seconds"]
+
+
+def test_the_compilers_time_is_a_roofline_per_instruction_summed() -> None:
+    """What fit's estimates are made of: libtpu's optimal_seconds is each instruction's own roofline, max(its FLOPs
+    / peak, its bytes / HBM bandwidth), summed over the program: no overlap between instructions. So a matmul next
+    to an elementwise op of the same size costs both, where one roofline of the program's totals would hide the
+    elementwise op under the matmul; every memory-bound op (a layout copy, a norm, a cast) costs its bytes."""
+    F.prepare_environment(V6E_2X2)
+    sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
+    a, big = (jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh) for shape in ((8192, 8192), (8192, 32768)))
+
+    def cost(f: Any, *args: Any) -> tuple[float, float, float]:
+        c = jax.jit(f).lower(*args).compile().cost_analysis()
+        t = V6E_2X2
+        return c.get("flops", 0.0) / t.peak_flops_per_chip, c["bytes accessed"] / t.hbm_bytes_per_s_per_chip, \
+            c["optimal_seconds"]
+
+    mm_flops, mm_bytes, mm = cost(lambda x: x @ x, a)
+    sin_flops, sin_bytes, sin = cost(jnp.sin, big)
+    assert mm == pytest.approx(mm_flops, rel=0.01) and mm_bytes < mm / 4  # compute-bound: its FLOPs
+    assert sin == pytest.approx(sin_bytes, rel=0.02) and sin_flops < sin / 100  # memory-bound: its bytes
+    both_flops, both_bytes, both = cost(lambda x, y: (x @ x, jnp.sin(y)), a, big)
+    assert both == pytest.approx(mm + sin, rel=0.02)
+    assert both > 1.4 * max(both_flops, both_bytes)  # not the program's totals on one roofline
 
 
 def test_a_scanned_layer_is_priced_above_an_unrolled_one() -> None:
@@ -515,3 +540,23 @@ def test_a_decode_step_writes_the_cache_in_place() -> None:
             assert mem.temp_size_in_bytes < 0.05 * cache_bytes, (kv_heads, scan, kernel, index.shape)
             # The Pallas kernel (trainer/decode_kernel.py) reads the stacked cache as it lies: no copy of it either.
             assert ("tpu_custom_call" in compiled.as_text()) == (kernel == "pallas")
+
+
+def test_the_update_reads_grouped_kv_heads_inside_the_attention_kernel() -> None:
+    """The update compiled for v6e 2x2 (fsdp 2 x tensor 2, 4 query heads on 2 KV heads, 256-token rows) runs Pallas'
+    splash kernels, forward and both backward passes, with no KV head broadcast to its query heads around them (the
+    flash kernel took a shard's one KV head broadcast to [8 rows, 2 heads, 256, 128], and its gradient summed)."""
+    from trainer.sharding import make_mesh
+    from trainer.step import abstract_args, build_programs
+
+    F.prepare_environment(V6E_2X2)
+    mesh = make_mesh(1, 2, 2, F.topology_devices(V6E_2X2))
+    cfg = resolve_mesh(_cfg({"n_layers": 2, "head_dim": 128, "max_seq_len": 256}, mesh={"tensor": 2},
+                            rl={"group_size": 8, "prompts_per_step": 2}, compute={"dtype": "bfloat16"},
+                            sampling={"max_new_tokens": 128, "max_prompt_len": 128}), 4)
+    built = build_programs(cfg, mesh, 0, 1)
+    with jax.set_mesh(mesh):
+        hlo = built.update.lower(*abstract_args(cfg, built, 1)["update"]).compile().as_text()
+    for kernel in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
+        assert kernel in hlo
+    assert not re.search(r"= bf16\[8,2,256,128\]\S* broadcast\(", hlo)

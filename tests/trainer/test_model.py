@@ -220,3 +220,34 @@ def test_flash_attention_kernel_matches_the_einsum_path() -> None:
         assert float(got) == pytest.approx(float(want), rel=1e-6)
         for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4, err_msg=where)
+
+
+def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place() -> None:
+    """640 tokens: five 128-token blocks, so the kernel's causal block skipping and its cross-block online softmax
+    run; 8 query heads read 2 KV heads, and the gradient reaches both KV heads through the kernel's grouped index maps
+    alone (no repeat in the program). Left pads in one row, right pads in another."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    B, T, H, K, E = 2, 640, 8, 2, 16
+    assert T % M.FLASH_BLOCK == 0 and T % M.FLASH_BLOCK_MAX != 0  # gcd(640, 512) = 128: five blocks
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, n, E), jnp.float32) for i, n in enumerate((H, K, K)))
+    valid = np.ones((B, T), bool)
+    valid[0, :200], valid[1, 500:] = False, False
+    valid = jnp.asarray(valid)
+    slot = jnp.arange(T)
+    mask = valid[:, None, :] & (slot[None, None, :] <= slot[None, :, None])
+
+    def loss(attend, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        out = attend(q, k, v) * valid[:, :, None, None]  # pad queries' outputs are never used
+        return jnp.sum(out * jnp.cos(jnp.arange(E)))
+
+    want, want_g = jax.value_and_grad(functools.partial(loss, lambda *a: M.attention(*a, mask)), (0, 1, 2))(q, k, v)
+    with pltpu.force_tpu_interpret_mode():
+        program = jax.jit(jax.value_and_grad(functools.partial(loss, lambda *a: M.flash_attention(*a, valid)),
+                                             (0, 1, 2)))
+        # KV heads are not repeated: jnp.repeat would broadcast them to [B, K, H / K, T, E]
+        assert f"f32[{B},{K},{H // K},{T},{E}]" not in str(program.trace(q, k, v).jaxpr)
+        got, got_g = program(q, k, v)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for name, a, b in zip("qkv", got_g, want_g, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4, err_msg=name)
