@@ -37,8 +37,9 @@ def _cfg(model: dict | None = None, **sections: dict) -> Any:
 
 @pytest.fixture(scope="module")
 def once() -> F.FitReport:
-    """Every loop runs once per body except the decode loop (1 layer, mu 1, one minibatch, one log-prob chunk)."""
-    return F.fit(_cfg(rl={"kl_beta": 0.05}), V6E_2X2, title="once")
+    """Every loop runs once per body except the decode loop (1 layer, mu 1, one minibatch, one log-prob chunk). Its
+    tests read memory and FLOPs only: the programs' timing compiles (phases) are left out."""
+    return F.fit(_cfg(rl={"kl_beta": 0.05}), V6E_2X2, title="once", phases=False)
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +101,12 @@ def test_the_compilers_time_is_a_roofline_per_instruction_summed() -> None:
 
 
 def test_a_scanned_layer_is_priced_above_an_unrolled_one() -> None:
-    """Why fit prices the update and reference log-probs from unrolled layers: the gradient of 36 scanned matmul
-    layers is priced at its body once, and that body at over 2x one layer of the same gradient unrolled (3.3x with
-    libtpu 0.0.42.1: the scan's stacked residuals and gradients are read and written whole)."""
+    """Why fit prices the update and reference log-probs from unrolled layers: the gradient of 8 scanned matmul
+    layers is priced at its body once, and that body at over 2x one layer of the same gradient unrolled (4.6x with
+    libtpu 0.0.42.1, 9.4x at 36 layers: the scan's stacked residuals and gradients are read and written whole)."""
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
-    w = jax.ShapeDtypeStruct((36, 1024, 1024), jnp.bfloat16, sharding=sh)
+    w = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16, sharding=sh)
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=sh)
 
     def scanned(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -113,13 +114,13 @@ def test_a_scanned_layer_is_priced_above_an_unrolled_one() -> None:
 
     def unrolled(w: jax.Array, x: jax.Array) -> jax.Array:
         h = x
-        for i in range(36):
+        for i in range(8):
             h = jnp.tanh(h @ w[i])
         return h.astype(jnp.float32).sum()
 
     body, layers = (jax.jit(jax.grad(f)).lower(w, x).compile().cost_analysis()["optimal_seconds"]
                     for f in (scanned, unrolled))
-    assert body > 2 * layers / 36
+    assert body > 2 * layers / 8
 
 
 def test_the_update_is_priced_per_micro_batch_from_unrolled_layers(deep: F.FitReport) -> None:
