@@ -40,9 +40,9 @@ What is measured, and what is estimated:
   program's instructions, each one's own roofline, max(its FLOPs / peak, its bytes accessed / HBM bandwidth). No
   instruction overlaps another, and each runs at its roofline: a layout copy, a cast or a norm costs its bytes. A
   Pallas kernel costs what it declares; splash attention (the update's) declares nothing and is priced at its
-  operands' and results' bytes with no FLOPs, which `_price_passes`' scaling by analytic / compiler FLOPs restores
-  in proportion. So the estimates are of programs that run each op ideally, one at a time;
-  the bytes of memory-bound ops are what keeps small models' updates far from peak.
+  operands' and results' bytes with no FLOPs, so `_price_passes` adds its FLOPs at peak. The estimates are of
+  programs that run each op ideally, one at a time; the bytes of memory-bound ops are what keeps small models'
+  updates far from peak.
 - Lower bounds next to each estimate: prefill, reference log-probs and update at their model FLOPs over peak; each
   decode step at the bytes a chip must read (its share of the weights, its rows' live KV cache) over HBM bandwidth.
   The step's estimate / lower bound says how far the programs are from the hardware.
@@ -452,8 +452,8 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
     what lies outside the layers (the optimizer, the head) by the depth. The update is priced per micro-batch
     (fit_phases.one_micro_batch: forward, backward and the optimizer once); the optimizer runs once per minibatch
     and gradient accumulation adds a read and write of its buffer per micro-batch, both at HBM bandwidth. A loop
-    still counted once (the log-prob chunks), and the splash attention kernels libtpu prices with no FLOPs, are
-    scaled in by analytic / compiler FLOPs."""
+    still counted once (the log-prob chunks) is scaled by FLOPs, after the splash attention kernel's FLOPs, which
+    libtpu leaves out, are added to the compiler's count and, at peak, to its time."""
     import jax
 
     from trainer.sharding import data_size
@@ -474,6 +474,7 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
         if p.name not in ("ref_logprobs", "update") or not p.compiled or p.seconds <= 0:
             continue
         base, runs = (FP.one_micro_batch(cfg, micro), minibatches * n_micro) if p.name == "update" else (cfg, 1)
+        kernel = _kernel_attention_flops(base, mesh, p.name) / n_devices  # per layer, per device
         seconds, flops = [], []
         for depth in FP.DEPTHS:
             c = FP.with_depth(base, depth)
@@ -483,8 +484,9 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
             with jax.set_mesh(mesh):
                 compiled = getattr(built, p.name).lower(*abstract_args(c, built, n_rewards)[p.name]).compile()
             p.compile_seconds += time.perf_counter() - t0
-            seconds.append(_optimal_seconds(compiled))
-            flops.append(float(compiled.cost_analysis().get("flops", 0.0)))
+            # The kernel's FLOPs (libtpu prices it at its bytes alone) at peak, on top: no credit for overlap.
+            seconds.append(_optimal_seconds(compiled) + depth * kernel / peak)
+            flops.append(float(compiled.cost_analysis().get("flops", 0.0)) + depth * kernel)
         if min(seconds) <= 0 or min(flops) <= 0:
             continue
         per_run = FP.extrapolate((seconds[0], seconds[1]), layers)
@@ -493,6 +495,19 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
         if p.name == "update":
             total += (minibatches - runs) * optimizer + (runs if n_micro > 1 else 0) * accumulate
         p.seconds, p.depth_seconds, p.runs = max(total, p.flops / (n_devices * peak)), tuple(seconds), runs
+
+
+def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str) -> float:
+    """Per layer, all devices: the attention FLOPs of `program` (one run) that run inside the Pallas splash kernel,
+    counted as trainer/flops.py counts them (every [T, T] pair; forward, backward and a recomputed forward), 0 where
+    the pass runs XLA's einsum. The kernel declares no cost, so the compiler's FLOPs and time leave them out."""
+    from trainer.model import FLASH_BLOCK
+
+    m, T = cfg.model_cfg, cfg.prompt_len + cfg.sampling.max_new_tokens
+    if cfg.compute.on_platform(mesh.devices.flat[0].platform).attention != "flash" or T % FLASH_BLOCK:
+        return 0.0
+    passes = 1 if program == "ref_logprobs" else 3 * cfg.rl.mu_iterations + (cfg.compute.remat != "none")
+    return cfg.batch_size * passes * 4 * m.n_heads * m.head_dim * T * T
 
 
 def _optimal_seconds(compiled: Any) -> float:
