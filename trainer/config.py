@@ -136,9 +136,12 @@ class ComputeConfig(_Strict):
     # Attention of the passes without a KV cache (the update, reference log-probs): auto = Pallas' splash (flash)
     # attention kernel, grouped KV heads read in place, where the mesh is on TPU and the sequence a multiple of its
     # 128-token blocks, else XLA's einsum + softmax (which writes the [T, T] scores to HBM). flash forces the kernel
-    # (off TPU it runs only in Pallas' interpret mode, as the tests do); xla forces the einsum.
-    attention: Literal["auto", "xla", "flash"] = Field("auto", description="attention of the passes without a "
-                                                       "KV cache: auto = Pallas flash attention on TPU, else XLA")
+    # (off TPU it runs only in Pallas' interpret mode, as the tests do); xla forces the einsum. On GPU, auto = cudnn:
+    # jax.nn.dot_product_attention's cuDNN flash attention on rows packed valid-tokens-first (model.packed_order);
+    # off GPU cudnn makes the same call through XLA.
+    attention: Literal["auto", "xla", "flash", "cudnn"] = Field(
+        "auto", description="attention of the passes without a KV cache: auto = Pallas flash attention on TPU, cuDNN "
+        "flash attention on GPU, else XLA")
     # A decode step's attention reads the KV cache block by block, only up to the block holding the furthest live
     # row's newest token (online softmax, static shapes; a loop whose trip count grows with the step). One einsum
     # over the whole P + N-slot cache reads every slot at every step, and made libtpu copy each layer's slice of the
@@ -154,7 +157,8 @@ class ComputeConfig(_Strict):
     def on_platform(self, platform: str) -> ComputeConfig:
         """The `auto` kernel choices resolved for a mesh of `platform` (the Pallas kernels are TPU kernels)."""
         tpu = platform == "tpu"
-        update = {k: v for k, v in (("attention", "flash" if tpu else "xla"),
+        fused = {"tpu": "flash", "gpu": "cudnn"}.get(platform, "xla")
+        update = {k: v for k, v in (("attention", fused),
                                     ("decode_attention", "pallas" if tpu else "xla")) if getattr(self, k) == "auto"}
         return self.model_copy(update=update) if update else self
 

@@ -273,6 +273,35 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
                          check_vma=False)(q_BTHE, k_BTKE, v_BTKE, valid_BT)
 
 
+def packed_order(valid_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's valid tokens moved to its front in their own order (a stable sort), the permutation back, and each
+    row's count. Causal attention among a packed row's first n tokens is `attention`'s causal, pad-masked attention
+    of its valid queries, wherever the pads were (left-padded prompts, right-padded completions, both)."""
+    order_BT = jnp.argsort(~valid_BT.astype(bool), axis=1, stable=True)
+    return order_BT, jnp.argsort(order_BT, axis=1), jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
+
+
+def packed_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """Causal attention of packed rows (`packed_order`: the first lengths_B[b] tokens valid) through
+    `jax.nn.dot_product_attention`: on GPU cuDNN's fused flash attention (padding + causal mask, so pad blocks are
+    neither read nor computed, grouped KV heads read in place, no [T, T] scores in HBM, forward and backward); in
+    float32 or off GPU the same call through XLA (how the tests check this path off GPU). Pad queries' outputs are
+    zeroed: cuDNN leaves them to its kernel, and a NaN there would reach the next layer's keys through a matmul."""
+    from trainer.sharding import kernel_shard_axes
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:  # cuDNN's partitioner takes q, k and v sharded alike: rows and, where both divide, heads
+        rows, heads = kernel_shard_axes(mesh, q_BTHE.shape[0], q_BTHE.shape[2], k_BTKE.shape[2])
+        spec = jax.sharding.PartitionSpec(rows, None, heads, None)
+        q_BTHE, k_BTKE, v_BTKE = (jax.lax.with_sharding_constraint(x, spec) for x in (q_BTHE, k_BTKE, v_BTKE))
+    cudnn = jax.default_backend() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16)  # its dtypes
+    impl = "cudnn" if cudnn else "xla"
+    out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, query_seq_lengths=lengths_B,
+                                       key_value_seq_lengths=lengths_B, implementation=impl)
+    live_BT = jnp.arange(q_BTHE.shape[1])[None, :] < lengths_B[:, None]
+    return jnp.where(live_BT[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
 def _pallas_interpreting() -> bool:
     """Whether Pallas TPU kernels are being traced under `pltpu.force_tpu_interpret_mode` (the tests, off TPU).
     Its interpreter zips the kernel's grid with its dimension semantics, which vmap's extra grid dimension breaks
@@ -481,6 +510,12 @@ def forward(
     elif cc.attention == "flash" and T % FLASH_BLOCK == 0:
         valid = valid_BT.astype(bool)
         attend = lambda q, k, v: flash_attention(q, k, v, valid)  # noqa: E731
+    elif cc.attention == "cudnn":
+        # The layers run on packed rows (valid tokens first): cuDNN's masks are causal and a length per row.
+        order_BT, back_BT, lengths_B = packed_order(valid_BT)
+        x_BTD = jnp.take_along_axis(x_BTD, order_BT[:, :, None], axis=1)
+        positions_BT = jnp.take_along_axis(positions_BT, order_BT, axis=1)
+        attend = lambda q, k, v: packed_attention(q, k, v, lengths_B)  # noqa: E731
     else:
         attend = lambda q, k, v: attention(q, k, v, mask_BTS)  # noqa: E731
 
@@ -500,6 +535,8 @@ def forward(
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
     (x_BTD, kv_out), _ = jax.lax.scan(body, (x_BTD, kv_in), (params["layers"], lora_layers, jnp.arange(cfg.n_layers)),
                                       unroll=1 if cc.scans(cfg.n_layers) else True)
+    if cache is None and cc.attention == "cudnn":
+        x_BTD = jnp.take_along_axis(x_BTD, back_BT[:, :, None], axis=1)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
     new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)
     return x_BTD, new_cache

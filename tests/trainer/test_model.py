@@ -222,6 +222,53 @@ def test_flash_attention_kernel_matches_the_einsum_path() -> None:
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4, err_msg=where)
 
 
+def test_packed_rows_attention_matches_the_einsum_path() -> None:
+    """compute.attention cudnn: the layers run on rows packed valid-tokens-first, attention as
+    jax.nn.dot_product_attention's causal + per-row-length masks (here through XLA; cuDNN's kernel on a GPU is
+    checked by bench/gpu.py), and give the einsum path's log-probs and gradient, left pads, interior pads (a
+    right-padded prompt before its completion) and a cut completion alike, on one device and an fsdp 2 x tensor 2
+    mesh."""
+    from trainer.config import ComputeConfig
+
+    cfg, params, (prompt, valid, completion, mask) = _flash_case()
+
+    def loss(p: M.Params, prompt: jax.Array, completion: jax.Array, attention: str) -> tuple[jax.Array, jax.Array]:
+        lp, _ = M.completion_logprobs(p, cfg, prompt, valid, completion, mask, cc=ComputeConfig(attention=attention))
+        return jnp.sum(lp * mask), lp * mask
+
+    grad = jax.value_and_grad(loss, has_aux=True)
+    (want, want_lp), want_g = grad(params, prompt, completion, "xla")
+    mesh = make_mesh(1, 2, 2, jax.devices()[:4])
+    sharded = jax.device_put(params, named_shardings(mesh, M.param_axes(cfg), params))
+    for where in ("one device", "mesh"):
+        if where == "one device":
+            (got, got_lp), got_g = jax.jit(grad, static_argnums=3)(params, prompt, completion, "cudnn")
+        else:
+            with jax.set_mesh(mesh):
+                rows = (jax.device_put(x, batch_sharding(mesh, 2)) for x in (prompt, completion))
+                (got, got_lp), got_g = jax.jit(grad, static_argnums=3)(sharded, *rows, "cudnn")
+        np.testing.assert_allclose(np.asarray(got_lp), np.asarray(want_lp), atol=2e-5, err_msg=where)
+        assert float(got) == pytest.approx(float(want), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4, err_msg=where)
+
+
+def test_packed_order_moves_valid_tokens_first_in_order() -> None:
+    valid = jnp.asarray([[0, 0, 1, 1, 1, 0], [1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
+    order, back, lengths = M.packed_order(valid)
+    assert lengths.tolist() == [3, 4, 6]
+    assert order.tolist() == [[2, 3, 4, 0, 1, 5], [0, 1, 4, 5, 2, 3], [0, 1, 2, 3, 4, 5]]
+    x = jnp.arange(18).reshape(3, 6)
+    assert (jnp.take_along_axis(jnp.take_along_axis(x, order, 1), back, 1) == x).all()
+
+
+def test_auto_attention_is_each_platforms_fused_kernel() -> None:
+    from trainer.config import ComputeConfig
+
+    assert [ComputeConfig().on_platform(p).attention for p in ("tpu", "gpu", "cpu")] == ["flash", "cudnn", "xla"]
+    assert ComputeConfig(attention="xla").on_platform("gpu").attention == "xla"
+
+
 def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place() -> None:
     """640 tokens: five 128-token blocks, so the kernel's causal block skipping and its cross-block online softmax
     run; 8 query heads read 2 KV heads, and the gradient reaches both KV heads through the kernel's grouped index maps
