@@ -196,9 +196,41 @@ def update_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, 
     }
 
 
-def decode_run(mcfg: ModelConfig, rows: int, P: int, N: int, repeats: int, peak: float, bw: float
-               ) -> dict[str, Any]:
-    cfg = train_cfg(mcfg, rows, P, N, {})
+def decode_step_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, Any], repeats: int,
+                    bw: float) -> dict[str, Any]:
+    """One decode step alone (`trainer.sampler.decode_step`, jitted, the cache donated) with every row's cache
+    live up to slot P + N / 2: the step's own cost, without the sampler's loop around it."""
+    from trainer.sampler import decode_step
+
+    cfg = train_cfg(mcfg, rows, P, N, compute)
+    cc = cfg.compute.on_platform(jax.devices()[0].platform)
+    dt = M.compute_dtype(mcfg, cc)
+    params = M.cast_weights(M.init_params(mcfg, jax.random.key(0)), dt)
+    cache = M.init_cache(mcfg, rows, P + N, cc)
+    live = P + N // 2
+    cache = M.KVCache(cache.k_LBSKE + jnp.asarray(0.01, dt), cache.v_LBSKE + jnp.asarray(0.01, dt),
+                      cache.valid_BS.at[:, :live].set(True))
+    # The weights are an argument: closed over, they would be compiled in as 2.5 GB of constants (minutes of compile)
+    step = jax.jit(lambda p, c, tok: decode_step(p, mcfg, tok, jnp.ones((rows,), bool),
+                                                 jnp.full((rows,), live, jnp.int32), live, c, cc, None),
+                   donate_argnums=1)
+    state = [cache]
+    tok = jnp.ones((rows,), jnp.int32)
+
+    def run() -> Any:
+        logits, state[0] = step(params, state[0], tok)
+        return logits
+
+    t = median_time(run, repeats)
+    kv = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * 2 * rows * live
+    floor = (2 * n_params(mcfg) + kv) / bw
+    return {"compute": compute, "rows": rows, "live_slots": live, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor,
+            "time_over_floor": t / floor}
+
+
+def decode_run(mcfg: ModelConfig, rows: int, P: int, N: int, repeats: int, peak: float, bw: float,
+               compute: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = train_cfg(mcfg, rows, P, N, compute or {})
     mesh = make_mesh(1, 1, 1, jax.devices()[:1])
     programs = build_programs(cfg, mesh, 0, -1)  # EOS -1 is never drawn: every row decodes N tokens
     batch = _batch(rows, P, N, mcfg.vocab_size)
@@ -222,7 +254,7 @@ def decode_run(mcfg: ModelConfig, rows: int, P: int, N: int, repeats: int, peak:
     decode_bytes = sum(weights + kv_per_slot * (prompt_tokens + rows * s) for s in range(1, steps + 1))
     floor_s = prefill_s + decode_bytes / bw
     return {
-        "rows": rows, "prompt": P, "new_tokens": N, "steps": steps, "generated": generated,
+        "compute": compute or {}, "rows": rows, "prompt": P, "new_tokens": N, "steps": steps, "generated": generated,
         "first_call_s": first_s, "sample_s": t, "tokens_per_s": generated / t,
         "roofline_s": floor_s, "roofline_tokens_per_s": generated / floor_s, "time_over_roofline": t / floor_s,
         "decode_step_ms": 1e3 * t / max(steps, 1), "weights_bytes": weights,
@@ -233,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the figures here (rewritten after each part)")
     ap.add_argument("--small", action="store_true", help="toy sizes: checks the script on any backend")
+    ap.add_argument("--parts", help="comma-separated parts to run (default: all), e.g. decode,decode_block0")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip parts that would start after this")
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -249,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def part(name: str, fn: Callable[[], Any]) -> None:
         nonlocal failed
+        if args.parts and name not in args.parts.split(","):
+            return
         if time.perf_counter() - start > args.budget_s:
             report[name] = "skipped: over the time budget"
             print(f"[{name}] skipped (budget)", flush=True)
@@ -275,20 +310,34 @@ def main(argv: list[str] | None = None) -> int:
     rows, P, N = (8, 32, 96) if small else (32, 256, 768)
     logp: dict[str, np.ndarray] = {}
 
-    def update(name: str, compute: dict[str, Any]) -> dict[str, Any]:
+    def update(name: str, compute: dict[str, Any], rows: int = rows) -> dict[str, Any]:
         out = update_run(mcfg, rows, P, N, {"logprob_chunk": 128, **compute}, 2 if small else 5, peak)
         logp[name] = out.pop("_logp")
         return out
 
+    def same_logp(a: str, b: str) -> None:
+        """The log-probs of the same weights and batch under two attentions."""
+        if a in logp and b in logp:
+            d = np.abs(logp[a] - logp[b])
+            report[f"logp_{a}_vs_{b}"] = {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
+                                          "mean_logp": float(logp[b].mean())}
+
     part("update_cudnn", lambda: update("cudnn", {"attention": "cudnn", "remat": "full"}))
     part("update_xla", lambda: update("xla", {"attention": "xla", "remat": "full"}))
-    if len(logp) == 2:  # the same weights and batch: the log-probs each attention gives
-        report["update_logp_cudnn_vs_xla"] = {"max_abs_diff": float(np.abs(logp["cudnn"] - logp["xla"]).max()),
-                                              "mean_abs_diff": float(np.abs(logp["cudnn"] - logp["xla"]).mean()),
-                                              "mean_logp": float(logp["xla"].mean())}
-    part("decode", lambda: decode_run(mcfg, *((8, 32, 32) if small else (64, 256, 512)), 2 if small else 3, peak,
-                                      bw))
+    same_logp("cudnn", "xla")
+    dec = (8, 32, 32) if small else (64, 256, 512)
+    for block in (256, 0):  # the config's default: the cache read block by block up to the live end; 0: whole
+        part(f"decode_block{block}", lambda b=block: decode_run(mcfg, *dec, 2 if small else 3, peak, bw,
+                                                                {"decode_block": b}))
+        part(f"decode_step_block{block}", lambda b=block: decode_step_run(mcfg, *dec, {"decode_block": b},
+                                                                          3 if small else 20, bw))
     part("update_cudnn_dots", lambda: update("cudnn_dots", {"attention": "cudnn", "remat": "dots"}))
+    # Both attentions where the einsum's [T, T] scores fit: a quarter of the batch
+    for attention in ("cudnn", "xla"):
+        part(f"update_quarter_{attention}", lambda a=attention: update(
+            f"quarter_{a}", {"attention": a, "remat": "full"}, rows // 4))
+    same_logp("quarter_cudnn", "quarter_xla")
+    save()
     report["total_s"] = time.perf_counter() - start
     save()
     print(json.dumps({k: v for k, v in report.items() if k != "model"}, default=str), flush=True)
