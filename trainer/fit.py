@@ -111,6 +111,14 @@ PROGRAMS = ("sample", "ref_logprobs", "update")
 # Custom calls libtpu's cost model prices at -1 s each in optimal_seconds (libtpu 0.0.42.1: the negative part of
 # every optimal_seconds seen, from 0.6B to 70B programs on 1 to 4 slices, is exactly the count of these).
 _MINUS_ONE_SECOND_OPS = tuple(f'custom_call_target="{op}"' for op in ("ConcatBitcast", "SliceId", "ZeroCrop"))
+# The update and reference passes are priced with XLA's windowed einsums (collective matmuls) off. At fsdp >= 16 the
+# SPMD partitioner turns the layers' weight all-gathers and matmuls into while loops, whose body libtpu's cost
+# analysis counts once in `flops` (its optimal_seconds does run the trip count): fit's FLOPs scaling then read the
+# undercount as work left out and multiplied the time by it (2.14x on Qwen3-8B at fsdp 16). Without them the same
+# maths is an all-gather, then the matmul, priced one after the other: no faster than the collective matmul that
+# runs (tests/trainer/test_fit.py). The memory compile keeps the compiler's defaults: that is the program that runs.
+PRICING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                   "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 
 
@@ -482,7 +490,8 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
             built = build_programs(c, mesh, 0, 1)
             t0 = time.perf_counter()
             with jax.set_mesh(mesh):
-                compiled = getattr(built, p.name).lower(*abstract_args(c, built, n_rewards)[p.name]).compile()
+                lowered = getattr(built, p.name).lower(*abstract_args(c, built, n_rewards)[p.name])
+                compiled = lowered.compile(compiler_options=PRICING_OPTIONS)
             p.compile_seconds += time.perf_counter() - t0
             # The kernel's FLOPs (libtpu prices it at its bytes alone) at peak, on top: no credit for overlap.
             seconds.append(_optimal_seconds(compiled) + depth * kernel / peak)
@@ -501,13 +510,15 @@ def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str) -> float:
     """Per layer, all devices: the attention FLOPs of `program` (one run) that run inside the Pallas splash kernel,
     counted as trainer/flops.py counts them (every [T, T] pair; forward, backward and a recomputed forward), 0 where
     the pass runs XLA's einsum. The kernel declares no cost, so the compiler's FLOPs and time leave them out."""
-    from trainer.model import FLASH_BLOCK
+    from trainer.flops import attention_flops
+    from trainer.model import no_cache_attention
 
-    m, T = cfg.model_cfg, cfg.prompt_len + cfg.sampling.max_new_tokens
-    if cfg.compute.on_platform(mesh.devices.flat[0].platform).attention != "flash" or T % FLASH_BLOCK:
+    T = cfg.prompt_len + cfg.sampling.max_new_tokens
+    if no_cache_attention(cfg.compute.on_platform(mesh.devices.flat[0].platform), T) != "flash":
         return 0.0
-    passes = 1 if program == "ref_logprobs" else 3 * cfg.rl.mu_iterations + (cfg.compute.remat != "none")
-    return cfg.batch_size * passes * 4 * m.n_heads * m.head_dim * T * T
+    # As flops.step_flops counts a pass: each mu iteration a forward, a backward (2x) and, with remat, a recomputation
+    passes = 1 if program == "ref_logprobs" else cfg.rl.mu_iterations * (3 + (cfg.compute.remat != "none"))
+    return cfg.batch_size * passes * attention_flops(cfg.model_cfg, T * T)
 
 
 def _optimal_seconds(compiled: Any) -> float:

@@ -10,13 +10,17 @@ from dataclasses import dataclass
 from trainer.config import ModelConfig, TrainConfig
 
 
+def attention_flops(m: ModelConfig, pairs: float) -> float:
+    """One layer's attention matmul FLOPs over `pairs` (query, key) pairs: QK^T and PV, 2 FLOPs per multiply-add."""
+    return 4 * m.n_heads * m.head_dim * pairs
+
+
 def _fwd_flops(m: ModelConfig, tokens: float, pairs: float, logit_rows: float) -> float:
     """Matmul FLOPs of one forward pass of one row: `tokens` through every layer, `pairs` (query, key) pairs of
     attention per layer, `logit_rows` positions through the output head."""
     per_layer = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + m.n_heads * m.head_dim * m.d_model
     per_layer += 3 * m.d_model * m.d_ff
-    attn = 4 * m.n_heads * m.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
-    return m.n_layers * (2 * per_layer * tokens + attn * pairs) + 2 * m.d_model * m.vocab_size * logit_rows
+    return m.n_layers * (2 * per_layer * tokens + attention_flops(m, pairs)) + 2 * m.d_model * m.vocab_size * logit_rows
 
 
 def param_count(m: ModelConfig) -> int:
@@ -60,7 +64,7 @@ def step_flops(cfg: TrainConfig) -> StepFlops:
     decode = _fwd_flops(m, 1, S if blocks is None else min(S, blocks[0] * cfg.compute.decode_block), 1)
     fwd = _fwd_flops(m, T, T * T, n_head)  # completion_logprobs: full [T, T] attention, padded head chunks
     head = 2 * m.d_model * m.vocab_size * n_head
-    attn = 4 * m.n_heads * m.head_dim * m.n_layers * T * T
+    attn = m.n_layers * attention_flops(m, T * T)
     remat = {"none": 0.0, "full": fwd - head, "dots": attn}[cfg.compute.remat]
     # Backward = 2x forward; the head chunks are recomputed in the backward (jax.checkpoint), layers per remat.
     train_pass = 3 * fwd + head + remat

@@ -273,6 +273,14 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
                          check_vma=False)(q_BTHE, k_BTKE, v_BTKE, valid_BT)
 
 
+def no_cache_attention(cc: ComputeConfig, T: int) -> str:
+    """The attention a pass over T tokens without a KV cache runs (`forward`; fit adds the flash kernel's FLOPs by
+    it): compute.attention as resolved for the platform, with flash only where T fills its blocks, else XLA's."""
+    if cc.attention == "flash" and T % FLASH_BLOCK:
+        return "xla"
+    return cc.attention
+
+
 def packed_order(valid_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each row's valid tokens moved to its front in their own order (a stable sort), the permutation back, and each
     row's count. Causal attention among a packed row's first n tokens is `attention`'s causal, pad-masked attention
@@ -507,10 +515,10 @@ def forward(
     if cache is not None:
         attend = _cached_attend(valid_BS, q_slot_BT, valid_BT.astype(bool), index, cc.decode_block,
                                 kernel=cc.decode_attention == "pallas")
-    elif cc.attention == "flash" and T % FLASH_BLOCK == 0:
+    elif no_cache_attention(cc, T) == "flash":
         valid = valid_BT.astype(bool)
         attend = lambda q, k, v: flash_attention(q, k, v, valid)  # noqa: E731
-    elif cc.attention == "cudnn":
+    elif no_cache_attention(cc, T) == "cudnn":
         # The layers run on packed rows (valid tokens first): cuDNN's masks are causal and a length per row.
         order_BT, back_BT, lengths_B = packed_order(valid_BT)
         x_BTD = jnp.take_along_axis(x_BTD, order_BT[:, :, None], axis=1)
