@@ -47,8 +47,10 @@ def _adapters(m: Any, lcfg: LoraConfig, mesh_shape: dict[str, int]) -> tuple[int
 
 
 def _qwen3_8b(lora: dict[str, Any] | None = None) -> Any:
-    """The bundled Qwen3-8B GRPO config on v6e 4x4 (fsdp 4 x tensor 4; float32 master weights), optionally with lora."""
-    cfg = load_config("qwen3-8b-grpo-v6e-4x4.yaml", [f"lora={lora}"] if lora is not None else [])
+    """The bundled Qwen3-8B GRPO config on v6e 4x4 (float32 master weights), optionally with lora, pinned to fsdp 4 x
+    tensor 4 with micro-batches of 64 (the config's layout before session 8: gradients accumulate, heads split)."""
+    pinned = ["mesh.tensor=4", "compute.train_micro_batch_size=64"]
+    cfg = load_config("qwen3-8b-grpo-v6e-4x4.yaml", pinned + ([f"lora={lora}"] if lora is not None else []))
     cfg, _ = F.resolve_model(cfg)
     return resolve_mesh(cfg, 16, exact=True)
 
