@@ -112,9 +112,9 @@ PROGRAMS = ("sample", "ref_logprobs", "update")
 # every optimal_seconds seen, from 0.6B to 70B programs on 1 to 4 slices, is exactly the count of these).
 _MINUS_ONE_SECOND_OPS = tuple(f'custom_call_target="{op}"' for op in ("ConcatBitcast", "SliceId", "ZeroCrop"))
 # The update and reference passes are priced with XLA's windowed einsums (collective matmuls) off. At fsdp >= 16 the
-# SPMD partitioner turns the layers' weight all-gathers and matmuls into while loops, whose body libtpu's cost
-# analysis counts once in `flops` (its optimal_seconds does run the trip count): fit's FLOPs scaling then read the
-# undercount as work left out and multiplied the time by it (2.14x on Qwen3-8B at fsdp 16). Without them the same
+# SPMD partitioner turns the layers' weight all-gathers and matmuls into while loops, which libtpu's cost analysis
+# undercounts in `flops` and in optimal_seconds alike; fit's FLOPs scaling then read the FLOPs undercount as work
+# left out and multiplied the time by it (2.14x on Qwen3-8B at fsdp 16). Without them the same
 # maths is an all-gather, then the matmul, priced one after the other: no faster than the collective matmul that
 # runs (tests/trainer/test_fit.py). The memory compile keeps the compiler's defaults: that is the program that runs.
 PRICING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,

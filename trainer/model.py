@@ -543,7 +543,7 @@ def forward(
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
     (x_BTD, kv_out), _ = jax.lax.scan(body, (x_BTD, kv_in), (params["layers"], lora_layers, jnp.arange(cfg.n_layers)),
                                       unroll=1 if cc.scans(cfg.n_layers) else True)
-    if cache is None and cc.attention == "cudnn":
+    if cache is None and no_cache_attention(cc, T) == "cudnn":  # back to the rows' own order
         x_BTD = jnp.take_along_axis(x_BTD, back_BT[:, :, None], axis=1)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
     new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -191,11 +193,9 @@ def _flash_case() -> tuple[ModelConfig, M.Params, tuple[jax.Array, ...]]:
     return cfg, params, tuple(jnp.asarray(x, jnp.int32 if x.dtype != bool else bool) for x in data)
 
 
-def test_flash_attention_kernel_matches_the_einsum_path() -> None:
-    """The Pallas TPU kernel (run in Pallas' TPU interpret mode here) gives the einsum path's log-probs and gradient,
-    on one device and per shard under an fsdp 2 x tensor 2 mesh (shard_map: rows and heads split)."""
-    from jax.experimental.pallas import tpu as pltpu
-
+def _matches_the_einsum_path(attention: str, context: Any = contextlib.nullcontext) -> None:
+    """compute.attention `attention` gives the einsum path's log-probs and gradient on _flash_case, on one device and
+    under an fsdp 2 x tensor 2 mesh, each traced inside `context()`."""
     from trainer.config import ComputeConfig
 
     cfg, params, (prompt, valid, completion, mask) = _flash_case()
@@ -209,17 +209,25 @@ def test_flash_attention_kernel_matches_the_einsum_path() -> None:
     mesh = make_mesh(1, 2, 2, jax.devices()[:4])
     sharded = jax.device_put(params, named_shardings(mesh, M.param_axes(cfg), params))
     for where in ("one device", "mesh"):
-        with pltpu.force_tpu_interpret_mode():
+        with context():
             if where == "one device":
-                (got, got_lp), got_g = grad(params, prompt, completion, "flash")
+                (got, got_lp), got_g = jax.jit(grad, static_argnums=3)(params, prompt, completion, attention)
             else:
                 with jax.set_mesh(mesh):
                     rows = (jax.device_put(x, batch_sharding(mesh, 2)) for x in (prompt, completion))
-                    (got, got_lp), got_g = jax.jit(grad, static_argnums=3)(sharded, *rows, "flash")
+                    (got, got_lp), got_g = jax.jit(grad, static_argnums=3)(sharded, *rows, attention)
         np.testing.assert_allclose(np.asarray(got_lp), np.asarray(want_lp), atol=2e-5, err_msg=where)
         assert float(got) == pytest.approx(float(want), rel=1e-6)
         for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4, err_msg=where)
+
+
+def test_flash_attention_kernel_matches_the_einsum_path() -> None:
+    """The Pallas TPU kernel (run in Pallas' TPU interpret mode here) gives the einsum path's log-probs and gradient,
+    on one device and per shard under an fsdp 2 x tensor 2 mesh (shard_map: rows and heads split)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    _matches_the_einsum_path("flash", pltpu.force_tpu_interpret_mode)
 
 
 def test_packed_rows_attention_matches_the_einsum_path() -> None:
@@ -228,29 +236,7 @@ def test_packed_rows_attention_matches_the_einsum_path() -> None:
     checked by bench/gpu.py), and give the einsum path's log-probs and gradient, left pads, interior pads (a
     right-padded prompt before its completion) and a cut completion alike, on one device and an fsdp 2 x tensor 2
     mesh."""
-    from trainer.config import ComputeConfig
-
-    cfg, params, (prompt, valid, completion, mask) = _flash_case()
-
-    def loss(p: M.Params, prompt: jax.Array, completion: jax.Array, attention: str) -> tuple[jax.Array, jax.Array]:
-        lp, _ = M.completion_logprobs(p, cfg, prompt, valid, completion, mask, cc=ComputeConfig(attention=attention))
-        return jnp.sum(lp * mask), lp * mask
-
-    grad = jax.value_and_grad(loss, has_aux=True)
-    (want, want_lp), want_g = grad(params, prompt, completion, "xla")
-    mesh = make_mesh(1, 2, 2, jax.devices()[:4])
-    sharded = jax.device_put(params, named_shardings(mesh, M.param_axes(cfg), params))
-    for where in ("one device", "mesh"):
-        if where == "one device":
-            (got, got_lp), got_g = jax.jit(grad, static_argnums=3)(params, prompt, completion, "cudnn")
-        else:
-            with jax.set_mesh(mesh):
-                rows = (jax.device_put(x, batch_sharding(mesh, 2)) for x in (prompt, completion))
-                (got, got_lp), got_g = jax.jit(grad, static_argnums=3)(sharded, *rows, "cudnn")
-        np.testing.assert_allclose(np.asarray(got_lp), np.asarray(want_lp), atol=2e-5, err_msg=where)
-        assert float(got) == pytest.approx(float(want), rel=1e-6)
-        for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4, err_msg=where)
+    _matches_the_einsum_path("cudnn")
 
 
 def test_packed_order_moves_valid_tokens_first_in_order() -> None:
