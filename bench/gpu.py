@@ -35,6 +35,7 @@ from bench.common import layer_params, update_flops
 from trainer import model as M
 from trainer.batch import replicate
 from trainer.config import ModelConfig, config_from_dict
+from trainer.flops import param_count
 from trainer.sharding import make_mesh
 from trainer.step import build_programs
 
@@ -130,10 +131,6 @@ def model_small() -> ModelConfig:
                        max_seq_len=512, tie_embeddings=True)
 
 
-def n_params(mcfg: ModelConfig) -> int:
-    return sum(int(np.prod(s)) for s in jax.tree.leaves(M.param_shapes(mcfg), is_leaf=lambda x: isinstance(x, tuple)))
-
-
 def train_cfg(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, Any]) -> Any:
     return config_from_dict({
         "model": mcfg.model_dump(),
@@ -187,7 +184,7 @@ def update_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, 
         loss = float(step()[1]["loss"])
     flops = update_flops(mcfg, rows, P, N)
     return {
-        "compute": {**cfg.compute.model_dump(exclude_none=True)},
+        "compute": cfg.compute.model_dump(exclude_none=True),
         "attention_resolved": cfg.compute.on_platform(jax.devices()[0].platform).attention,
         "rows": rows, "tokens": rows * (P + N), "compile_s": compile_s,
         "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
@@ -223,7 +220,7 @@ def decode_step_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[
 
     t = median_time(run, repeats)
     kv = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * 2 * rows * live
-    floor = (2 * n_params(mcfg) + kv) / bw
+    floor = (2 * param_count(mcfg) + kv) / bw
     return {"compute": compute, "rows": rows, "live_slots": live, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor,
             "time_over_floor": t / floor}
 
@@ -247,10 +244,11 @@ def decode_run(mcfg: ModelConfig, rows: int, P: int, N: int, repeats: int, peak:
     generated = int(np.asarray(samples.mask_BN).sum())
     # The floor: the prefill's matmul FLOPs at peak; each decode step reads the bf16 weights once (the embedding
     # table only for its B rows, the tied head whole) and every row's live cache (prompt + tokens so far).
-    weights = 2 * n_params(mcfg)
+    n = param_count(mcfg)
+    weights = 2 * n
     kv_per_slot = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * 2
     prompt_tokens = int(np.asarray(batch["prompt_valid"]).sum())
-    prefill_s = 2 * (n_params(mcfg)) * rows * P / peak
+    prefill_s = 2 * n * rows * P / peak
     decode_bytes = sum(weights + kv_per_slot * (prompt_tokens + rows * s) for s in range(1, steps + 1))
     floor_s = prefill_s + decode_bytes / bw
     return {
@@ -304,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = report["ceilings"]["bf16_flops"] if "bf16_flops" in report.get("ceilings", {}) else 1e12
     bw = report["ceilings"]["hbm_bytes_per_s"] if "hbm_bytes_per_s" in report.get("ceilings", {}) else 1e11
     mcfg = model_small() if small else model_1b()
-    report["model"] = {"params": n_params(mcfg), "layer_matmul_params": layer_params(mcfg), **mcfg.model_dump()}
+    report["model"] = {"params": param_count(mcfg), "layer_matmul_params": layer_params(mcfg), **mcfg.model_dump()}
     part("attention", lambda: attention_check(*((4, 256, 4, 2, 32) if small else (8, 1024, 32, 8, 64)),
                                               repeats=3 if small else 10))
     rows, P, N = (8, 32, 96) if small else (32, 256, 768)

@@ -512,13 +512,14 @@ def forward(
 
     lora_layers = (adapter.weights.get("layers") or None) if adapter is not None else None
     gate_BS = adapter.gate_BS if adapter is not None else None
-    if cache is not None:
+    kind = "cache" if cache is not None else no_cache_attention(cc, T)
+    if kind == "cache":
         attend = _cached_attend(valid_BS, q_slot_BT, valid_BT.astype(bool), index, cc.decode_block,
                                 kernel=cc.decode_attention == "pallas")
-    elif no_cache_attention(cc, T) == "flash":
+    elif kind == "flash":
         valid = valid_BT.astype(bool)
         attend = lambda q, k, v: flash_attention(q, k, v, valid)  # noqa: E731
-    elif no_cache_attention(cc, T) == "cudnn":
+    elif kind == "cudnn":
         # The layers run on packed rows (valid tokens first): cuDNN's masks are causal and a length per row.
         order_BT, back_BT, lengths_B = packed_order(valid_BT)
         x_BTD = jnp.take_along_axis(x_BTD, order_BT[:, :, None], axis=1)
@@ -543,7 +544,7 @@ def forward(
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
     (x_BTD, kv_out), _ = jax.lax.scan(body, (x_BTD, kv_in), (params["layers"], lora_layers, jnp.arange(cfg.n_layers)),
                                       unroll=1 if cc.scans(cfg.n_layers) else True)
-    if cache is None and no_cache_attention(cc, T) == "cudnn":  # back to the rows' own order
+    if kind == "cudnn":  # back to the rows' own order
         x_BTD = jnp.take_along_axis(x_BTD, back_BT[:, :, None], axis=1)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
     new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)
