@@ -537,13 +537,15 @@ def forward(
                        None if kv is None else (*kv, layer), index, lp, gate_BS)
         return (x, None if kv is None else kv[:2]), None
 
+    scans = cc.scans(cfg.n_layers)
     if cc.remat != "none":
-        # prevent_cse=False is safe (and faster) inside scan, per jax.checkpoint's docs.
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[cc.remat], prevent_cse=False)
+        # prevent_cse=False is safe (and faster) inside scan, per jax.checkpoint's docs; unrolled, XLA would merge
+        # the recomputed forward with the first one, and the remat (its memory saving) would be gone.
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cc.remat], prevent_cse=not scans)
 
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
     (x_BTD, kv_out), _ = jax.lax.scan(body, (x_BTD, kv_in), (params["layers"], lora_layers, jnp.arange(cfg.n_layers)),
-                                      unroll=1 if cc.scans(cfg.n_layers) else True)
+                                      unroll=1 if scans else True)
     if kind == "cudnn":  # back to the rows' own order
         x_BTD = jnp.take_along_axis(x_BTD, back_BT[:, :, None], axis=1)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
