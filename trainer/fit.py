@@ -88,6 +88,7 @@ from trainer.config import (
     with_model,
 )
 from trainer.fit_estimate import step_flops
+from trainer.fit_loops import loop_factor
 from trainer.fit_report import (
     BUDGET_SPENT,
     WARN_FRACTION,
@@ -459,9 +460,10 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
     2x an unrolled layer (tests/trainer/test_fit.py); scaling it by analytic / compiler FLOPs would also multiply
     what lies outside the layers (the optimizer, the head) by the depth. The update is priced per micro-batch
     (fit_phases.one_micro_batch: forward, backward and the optimizer once); the optimizer runs once per minibatch
-    and gradient accumulation adds a read and write of its buffer per micro-batch, both at HBM bandwidth. A loop
-    still counted once (the log-prob chunks) is scaled by FLOPs, after the splash attention kernel's FLOPs, which
-    libtpu leaves out, are added to the compiler's count and, at peak, to its time."""
+    and gradient accumulation adds a read and write of its buffer per micro-batch, both at HBM bandwidth. The loops
+    left (the log-prob chunks) count at their trip counts (fit_loops.loop_factor); the splash attention kernel's
+    FLOPs, which libtpu leaves out, are added at peak. Only where a loop's trips cannot be read is the pass scaled
+    by analytic / compiler FLOPs instead."""
     import jax
 
     from trainer.sharding import data_size
@@ -483,7 +485,7 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
             continue
         base, runs = (FP.one_micro_batch(cfg, micro), minibatches * n_micro) if p.name == "update" else (cfg, 1)
         kernel = _kernel_attention_flops(base, mesh, p.name) / n_devices  # per layer, per device
-        seconds, flops = [], []
+        seconds, flops, looped = [], [], True
         for depth in FP.DEPTHS:
             c = FP.with_depth(base, depth)
             say(f"compiling {p.name} with {depth} layer{'s' if depth > 1 else ''} for {target.label}")
@@ -493,13 +495,17 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
                 lowered = getattr(built, p.name).lower(*abstract_args(c, built, n_rewards)[p.name])
                 compiled = lowered.compile(compiler_options=PRICING_OPTIONS)
             p.compile_seconds += time.perf_counter() - t0
-            # The kernel's FLOPs (libtpu prices it at its bytes alone) at peak, on top: no credit for overlap.
-            seconds.append(_optimal_seconds(compiled) + depth * kernel / peak)
+            # The log-prob chunks' loops at their trip counts; the kernel's FLOPs (libtpu prices it at its bytes
+            # alone) at peak, on top: no credit for overlap.
+            factor = loop_factor(compiled.as_text())
+            looped = looped and factor is not None
+            seconds.append(_optimal_seconds(compiled) * (factor or 1.0) + depth * kernel / peak)
             flops.append(float(compiled.cost_analysis().get("flops", 0.0)) + depth * kernel)
         if min(seconds) <= 0 or min(flops) <= 0:
             continue
         per_run = FP.extrapolate((seconds[0], seconds[1]), layers)
-        per_run *= max(1.0, p.flops / n_devices / runs / FP.extrapolate((flops[0], flops[1]), layers))
+        if not looped:  # a loop of unknown trips: the pass scaled by the FLOPs the compiler counted once
+            per_run *= max(1.0, p.flops / n_devices / runs / FP.extrapolate((flops[0], flops[1]), layers))
         total = runs * per_run
         if p.name == "update":
             total += (minibatches - runs) * optimizer + (runs if n_micro > 1 else 0) * accumulate

@@ -76,6 +76,39 @@ def test_the_compiler_counts_a_loop_body_once() -> None:
     assert costs[1]["optimal_seconds"] > 1.5 * costs[0]["optimal_seconds"]
 
 
+def test_a_loop_is_priced_at_its_trip_count() -> None:
+    """fit_loops.loop_factor weights each loop body's estimated cycles by the trips its condition reads: 12 trips
+    of a matmul cost 3x 4 trips (counted once, they cost the same), and nested loops multiply (4 x 3 = 12). libtpu
+    prices the body as it compiled it, a copy of the carry per trip included (4x the matmuls unrolled, here). A loop
+    whose trips depend on data has no factor (fit then falls back to scaling by FLOPs)."""
+    from trainer.fit_loops import loop_factor
+
+    F.prepare_environment(V6E_2X2)
+    a = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16,
+                             sharding=jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0]))
+
+    def looped(trips: int, inner: int = 1) -> Any:
+        def f(x: jax.Array) -> jax.Array:
+            def step(c: jax.Array) -> jax.Array:
+                return jax.lax.fori_loop(0, inner, lambda _, h: jnp.tanh(h @ x), c)
+
+            return jax.lax.fori_loop(0, trips, lambda _, c: step(c), x)
+
+        return f
+
+    def priced(f: Any) -> float:
+        compiled = jax.jit(f).lower(a).compile()
+        factor = loop_factor(compiled.as_text())
+        assert factor is not None
+        return F._optimal_seconds(compiled) * factor
+
+    twelve = priced(looped(12))
+    assert twelve == pytest.approx(3 * priced(looped(4)), rel=0.05)
+    assert priced(looped(4, 3)) == pytest.approx(twelve, rel=0.1)  # 4 x 3 trips
+    compiled = jax.jit(lambda x: jax.lax.while_loop(lambda c: jnp.sum(c) < 1e9, lambda c: c @ x, x)).lower(a).compile()
+    assert loop_factor(compiled.as_text()) is None
+
+
 def test_the_compilers_time_is_a_roofline_per_instruction_summed() -> None:
     """What fit's estimates are made of: libtpu's optimal_seconds is each instruction's own roofline, max(its FLOPs
     / peak, its bytes / HBM bandwidth), summed over the program: no overlap between instructions. So a matmul next
