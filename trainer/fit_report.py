@@ -435,7 +435,8 @@ class FitReport:
         out = ""
         if by_depth:
             out += ("compiled again with their layers unrolled at 2 and 4 layers and extrapolated to the model's "
-                    "depth (the update one micro-batch per run, the optimizer once per minibatch): "
+                    "depth (the update one micro-batch per run, the optimizer once per minibatch; the log-prob chunk "
+                    "loops at their trip counts): "
                     + ", ".join(by_depth) + "; ")
         if scaled:
             out += (" and ".join(scaled) + " scale the compiler's optimal_seconds to every iteration (at peak FLOP/s "
