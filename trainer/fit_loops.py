@@ -63,8 +63,8 @@ def trip_count(condition: list[str]) -> int | None:
 
 
 def loop_factor(hlo: str) -> float | None:
-    """How many times the program's estimated cycles as counted once its loops' trips make them: 1.0 with no loops;
-    None where a loop's trip count cannot be read, or libtpu wrote no cycles."""
+    """The program's estimated cycles with every loop body counted once per trip, over the cycles with each counted
+    once (1.0 with no loops); None where a loop's trip count cannot be read, or libtpu wrote no cycles."""
     comps, entry = _parse(hlo)
     if entry is None:
         return None
