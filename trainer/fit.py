@@ -497,9 +497,10 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
             p.compile_seconds += time.perf_counter() - t0
             # The log-prob chunks' loops at their trip counts; the kernel's FLOPs (libtpu prices it at its bytes
             # alone) at peak, on top: no credit for overlap.
-            factor = loop_factor(compiled.as_text())
+            hlo = compiled.as_text()
+            factor = loop_factor(hlo)
             looped = looped and factor is not None
-            seconds.append(_optimal_seconds(compiled) * (factor or 1.0) + depth * kernel / peak)
+            seconds.append(_optimal_seconds(compiled, hlo) * (factor or 1.0) + depth * kernel / peak)
             flops.append(float(compiled.cost_analysis().get("flops", 0.0)) + depth * kernel)
         if min(seconds) <= 0 or min(flops) <= 0:
             continue
@@ -527,13 +528,14 @@ def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str) -> float:
     return cfg.batch_size * passes * attention_flops(cfg.model_cfg, T * T)
 
 
-def _optimal_seconds(compiled: Any) -> float:
-    """The compiler's optimal_seconds, with libtpu's -1 s per ConcatBitcast / SliceId / ZeroCrop added back."""
+def _optimal_seconds(compiled: Any, hlo: str | None = None) -> float:
+    """The compiler's optimal_seconds, with libtpu's -1 s per ConcatBitcast / SliceId / ZeroCrop added back (`hlo`:
+    the compiled text, where the caller has it already)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     seconds = float(cost.get("optimal_seconds", 0.0))
     if seconds < 0:
-        hlo = compiled.as_text()
+        hlo = compiled.as_text() if hlo is None else hlo
         seconds += sum(hlo.count(op) for op in _MINUS_ONE_SECOND_OPS)
     return seconds
 

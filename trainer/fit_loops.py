@@ -73,9 +73,11 @@ def loop_factor(hlo: str) -> float | None:
     def full(name: str, depth: int = 0) -> float | None:
         if name in memo:
             return memo[name]
-        c = comps.get(name)
-        if c is None or depth > 64:
-            return 0.0 if c is None else None
+        if name not in comps:
+            return 0.0
+        if depth > 64:  # deeper than any program nests: a cycle, not a count
+            return None
+        c = comps[name]
         total: float | None = float(c.own)
         for cond, body in c.whiles:
             trips = trip_count(comps[cond].lines) if cond in comps else None
