@@ -81,7 +81,9 @@ def local_decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.A
     nb = blocks if blocks is not None else S // block
     q = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
     q_slot = jnp.broadcast_to(q_slot_BT[:, None, :], (B, G, T)).reshape(B, G * T, 1).astype(jnp.int32)
-    valid = valid_BS.astype(jnp.int32).reshape(B, 1, S)
+    # [B, blocks, 1, block]: a block of the mask is its whole last two dimensions, which Mosaic takes at any block
+    # size (a [rows, 1, block] block of [B, 1, S] needed block to be a multiple of 128).
+    valid = valid_BS.astype(jnp.int32).reshape(B, S // block, 1, block)
     # The furthest slot a live query of each group of rows sees; a group with none computes its first block only.
     last = jnp.max(jnp.where(live_BT, q_slot_BT, 0).reshape(B // rows, rows * T), axis=1).astype(jnp.int32)
 
@@ -97,7 +99,7 @@ def local_decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.A
         return (layer_ref[0], i, live_block(i, j, last_ref), *(0 for _ in heads), 0)
 
     def valid_map(i: jax.Array, j: jax.Array, layer_ref: jax.Array, last_ref: jax.Array) -> tuple[jax.Array, ...]:
-        return i, 0, live_block(i, j, last_ref)
+        return i, live_block(i, j, last_ref), 0, 0
 
     per_rows = pl.BlockSpec((rows, K, G * T, E), lambda i, j, *_: (i, 0, 0, 0))
     kv = pl.BlockSpec((None, rows, block, *heads, E), kv_map)
@@ -110,7 +112,7 @@ def local_decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.A
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B // rows, nb),
             in_specs=[per_rows, pl.BlockSpec((rows, G * T, 1), lambda i, j, *_: (i, 0, 0)), kv, kv,
-                      pl.BlockSpec((rows, 1, block), valid_map)],
+                      pl.BlockSpec((rows, None, 1, block), valid_map)],
             out_specs=per_rows,
             scratch_shapes=[pltpu.VMEM((rows, K, G * T, 1), f32), pltpu.VMEM((rows, K, G * T, 1), f32),
                             pltpu.VMEM((rows, K, G * T, E), f32)]),

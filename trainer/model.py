@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trainer import decode_kernel
 from trainer.config import ComputeConfig, ModelConfig
@@ -204,14 +205,30 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return inv_freq_e
 
 
-def rope(x_BTHE: jax.Array, pos_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Hugging Face rotate_half RoPE: pairs are (i, i + E/2), not interleaved."""
+def rope_tables(pos_BT: jax.Array, cfg: ModelConfig, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, 1, E] for `rope`, computed in fp32 and cast to `dtype`, as transformers does (its rotary
+    embedding returns them in the activations' dtype). Once per forward, not per layer."""
     ang_BTe = pos_BT.astype(f32)[..., None] * rope_inv_freq(cfg)
-    ang_BT1E = jnp.concatenate([ang_BTe, ang_BTe], axis=-1)[:, :, None, :]
-    x = x_BTHE.astype(f32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x * jnp.cos(ang_BT1E) + rotated * jnp.sin(ang_BT1E)).astype(x_BTHE.dtype)
+    ang_BTE = jnp.concatenate([ang_BTe, ang_BTe], axis=-1)[:, :, None, :]
+    return jnp.cos(ang_BTE).astype(dtype), jnp.sin(ang_BTE).astype(dtype)
+
+
+def rotate_half(x_BTHE: jax.Array) -> jax.Array:
+    """transformers' rotate_half, (x1, x2) -> (-x2, x1), as a product with a signed permutation: on TPU a lane-dim
+    split and concatenation is a relayout pass of its own, a [E, E] product fuses with what is around it. Exact:
+    one nonzero term per output, and fp32 inputs are multiplied at full precision."""
+    E = x_BTHE.shape[-1]
+    r_EE = np.zeros((E, E), np.float32)  # a constant of the program, not a scatter in it
+    r_EE[np.arange(E // 2) + E // 2, np.arange(E // 2)] = -1
+    r_EE[np.arange(E // 2), np.arange(E // 2) + E // 2] = 1
+    precision = jax.lax.Precision.HIGHEST if x_BTHE.dtype == f32 else None
+    return jnp.einsum("bthe,ef->bthf", x_BTHE, jnp.asarray(r_EE, x_BTHE.dtype), precision=precision)
+
+
+def rope(x_BTHE: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Hugging Face rotate_half RoPE in the activations' dtype: pairs are (i, i + E/2), not interleaved."""
+    cos_BT1E, sin_BT1E = tables
+    return x_BTHE * cos_BT1E + rotate_half(x_BTHE) * sin_BT1E
 
 
 def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
@@ -323,7 +340,7 @@ def _layer(
     cfg: ModelConfig,
     x_BTD: jax.Array,
     p: Params,
-    pos_BT: jax.Array,
+    rope_tab: tuple[jax.Array, jax.Array],
     attend: Any,
     kv: tuple[jax.Array, jax.Array, jax.Array] | None,
     index: jax.Array | int,
@@ -346,8 +363,8 @@ def _layer(
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
-    q = rope(q, pos_BT, cfg)
-    k = rope(k, pos_BT, cfg)
+    q = rope(q, rope_tab)
+    k = rope(k, rope_tab)
     if kv is not None:  # the new keys and values written into the whole cache in place, then read from it
         k_all, v_all, layer = kv
         k_all, v_all = write_slots(k_all, k, index, layer), write_slots(v_all, v, index, layer)
@@ -528,12 +545,14 @@ def forward(
     else:
         attend = lambda q, k, v: attention(q, k, v, mask_BTS)  # noqa: E731
 
+    rope_tab = rope_tables(positions_BT, cfg, dt)
+
     # The cache rides in the carry (updated in place); the layers' weights are the scanned inputs.
     def body(carry: tuple[jax.Array, Any], xs: tuple[Params, Params | None, jax.Array]) -> tuple[Any, None]:
         x, kv = carry
         p, lp, layer = xs
         lp = None if lp is None else cast_weights(lp, dt)
-        x, kv = _layer(cfg, x, cast_weights(p, dt), positions_BT, attend,
+        x, kv = _layer(cfg, x, cast_weights(p, dt), rope_tab, attend,
                        None if kv is None else (*kv, layer), index, lp, gate_BS)
         return (x, None if kv is None else kv[:2]), None
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from trainer.config import ComputeConfig, ModelConfig
 from trainer.model import DEFAULT_COMPUTE, Adapter, KVCache, Params, forward, init_cache, logits, logprobs_and_entropy
-from trainer.sharding import join_strided, split_strided
+from trainer.sharding import constrain, join_strided, split_strided
 
 
 class Samples(NamedTuple):
@@ -143,7 +143,11 @@ def row_keys(key: jax.Array, rows_B: jax.Array) -> jax.Array:
 
 def pick(row_keys_B: jax.Array, i_B: jax.Array, logits_BV: jax.Array, temperature: float, top_k: int, top_p: float
          ) -> tuple[jax.Array, jax.Array]:
-    """Token i_B of each row (drawn with its stream folded with i_B) and its log-prob."""
+    """Token i_B of each row (drawn with its stream folded with i_B) and its log-prob. The logits stay sharded over
+    the vocab as the head wrote them: each chip draws the Gumbel noise of its own slice (threefry is partitionable:
+    the same bits whatever the sharding) and only [B] maxima cross chips, instead of every chip drawing for the
+    whole vocab."""
+    logits_BV = constrain(logits_BV, ("batch", "vocab"))
     keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, i_B)
     tok_B = choose(keys_B, logits_BV, temperature, top_k, top_p)
     logp_B, _ = logprobs_and_entropy(logits_BV, tok_B, temperature)

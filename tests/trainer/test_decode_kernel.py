@@ -111,3 +111,25 @@ def test_auto_picks_the_kernel_on_tpu_only() -> None:
     cc = ComputeConfig()
     assert cc.on_platform("tpu").decode_attention == "pallas" and cc.on_platform("cpu").decode_attention == "xla"
     assert ComputeConfig(decode_attention="xla").on_platform("tpu").decode_attention == "xla"
+
+
+@pytest.mark.parametrize("block", [64, 256])
+def test_mosaic_lowers_the_kernel_at_block_sizes_below_a_lane_tile(block: int) -> None:
+    """compiled for one v6e chip by libtpu: the valid mask's block is its whole last two dimensions, so a block of 64
+    slots lowers too (a [8, 1, 64] block of the [B, 1, S] mask was refused by Mosaic: last dimension not a multiple of
+    128 nor the array's)."""
+    from trainer import fit as F
+
+    target = F.Target("v6e", "2x2", 1, 4, 32 << 30, 918e12, 1638e9)
+    F.prepare_environment(target)
+    sh = jax.sharding.SingleDeviceSharding(F.topology_devices(target)[0])
+    L, B, S, K, E = 2, 16, 1024, 2, 128
+
+    def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    cache = sds((L, B, S, K, E), jnp.bfloat16)
+    args = (sds((B, 1, 4, E), jnp.bfloat16), cache, cache, sds((), jnp.int32), sds((B, S), bool),
+            sds((B, 1), jnp.int32), sds((B, 1), bool))
+    compiled = jax.jit(functools.partial(D.decode_attention, block=block)).lower(*args).compile()
+    assert "custom_call_target=\"tpu_custom_call\"" in compiled.as_text()

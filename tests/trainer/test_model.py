@@ -284,3 +284,36 @@ def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     for name, a, b in zip("qkv", got_g, want_g, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rope_matches_transformers_apply_rotary_pos_emb(dtype: str) -> None:
+    """RoPE against transformers' own Qwen3 rotary embedding and apply_rotary_pos_emb, run here in torch in the
+    same dtype (transformers casts cos and sin to the activations' dtype and rotates in it). rotate_half is a signed
+    permutation product in ours: exact, so bf16 differs only where XLA fuses without rounding in between (at most
+    one bf16 step); fp32 only by the angles' rounding."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3
+
+    cfg = ModelConfig(**{**TINY_MODEL, "n_heads": 4, "n_kv_heads": 2, "head_dim": 128, "rope_theta": 1e6,
+                         "max_seq_len": 4096})
+    hf = Qwen3Config(hidden_size=cfg.d_model, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                     rope_theta=1e6, max_position_embeddings=4096)
+    B, T, H, E = 2, 300, 4, 128
+    x = np.random.default_rng(0).standard_normal((B, T, H, E)).astype(np.float32)
+    pos = np.arange(T)[None] + np.array([[0], [3500]])  # late positions: large angles
+    tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    xt = torch.tensor(x).to(tdt).transpose(1, 2)  # transformers' [B, H, T, E]
+    cos, sin = modeling_qwen3.Qwen3RotaryEmbedding(hf)(xt, torch.tensor(pos))
+    want = modeling_qwen3.apply_rotary_pos_emb(xt, xt, cos, sin)[0].transpose(1, 2).float().numpy()
+    xj = jnp.asarray(x).astype(dtype)
+    got = np.asarray(M.rope(xj, M.rope_tables(jnp.asarray(pos), cfg, xj.dtype)).astype(jnp.float32))
+    if dtype == "bfloat16":
+        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
+        assert np.all(np.abs(got - want) <= ulp) and np.mean(got == want) > 0.999
+    else:
+        np.testing.assert_allclose(got, want, atol=2e-6)
+    # rotate_half itself is exact: the split-and-concatenate it stands for, bit for bit
+    x1, x2 = jnp.split(xj, 2, axis=-1)
+    np.testing.assert_array_equal(np.asarray(M.rotate_half(xj)), np.asarray(jnp.concatenate([-x2, x1], axis=-1)))

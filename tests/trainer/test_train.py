@@ -72,6 +72,9 @@ def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tin
     tiny_train_dict["init"] = {"from": "hf", "path": str(tmp_path / "hf")}
     tiny_train_dict["rl"].update(algo="gspo", kl_beta=0.05, kl_estimator="k3", loss_agg="seq_mean_token_mean",
                                  clip_eps=3e-4, clip_eps_high=4e-4)
+    # A random model earns no char_match credit: the length reward varies within groups, so the first update has a
+    # real gradient (without one, only rounding between the policy and reference passes moved the weights).
+    tiny_train_dict["rewards"] = ["char_match", "length"]
     tiny_train_dict["mesh"] = {"slices": 1, "fsdp": 2, "tensor": 2}  # a subset of the 8 devices
     run_dir = tmp_path / "run"
     result = train(_cfg(tiny_train_dict, run_dir, steps=2))
