@@ -41,8 +41,10 @@ train-demo: install
 lint: install
 	$(BIN)/ruff check .
 
+# Two workers (pytest-xdist): files whose tests start several processes run one at a time (tests/conftest.py).
+PYTEST_WORKERS ?= 2
 test: install lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS)
 
 # Rewrites tests/golden/ from the current program; review the diff like any other change.
 golden: install
