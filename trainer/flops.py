@@ -23,10 +23,10 @@ def _fwd_flops(m: ModelConfig, tokens: float, pairs: float, logit_rows: float) -
     return m.n_layers * (2 * per_layer * tokens + attention_flops(m, pairs)) + 2 * m.d_model * m.vocab_size * logit_rows
 
 
-def rope_flops(m: ModelConfig, tokens: float) -> float:
+def rope_flops(m: ModelConfig, tokens: float, dtype: str) -> float:
     """RoPE's rotate_half of q and k as a product with a [E, E] signed permutation (trainer/model.py: one fused pass
-    on TPU), every layer: executed work, not model FLOPs."""
-    return m.n_layers * 2 * m.head_dim**2 * (m.n_heads + m.n_kv_heads) * tokens
+    on TPU; fp32 activations keep the split, no product), every layer: executed work, not model FLOPs."""
+    return 0.0 if dtype == "float32" else m.n_layers * 2 * m.head_dim**2 * (m.n_heads + m.n_kv_heads) * tokens
 
 
 def param_count(m: ModelConfig) -> int:
@@ -66,14 +66,15 @@ def step_flops(cfg: TrainConfig) -> StepFlops:
     # The sampler: prefill writes the prompt into an S-slot cache and attends over its own P slots (masked), each
     # decode step runs one token per row against the S slots, or against the cache blocks it reads (on average).
     blocks = decode_blocks(cfg)
-    prefill = _fwd_flops(m, P, P * P, 1) + rope_flops(m, P)
+    dt = cfg.compute_dtype  # the activations' dtype
+    prefill = _fwd_flops(m, P, P * P, 1) + rope_flops(m, P, dt)
     decode = _fwd_flops(m, 1, S if blocks is None else min(S, blocks[0] * cfg.compute.decode_block), 1)
-    decode += rope_flops(m, 1)
+    decode += rope_flops(m, 1, dt)
     fwd = _fwd_flops(m, T, T * T, n_head)  # completion_logprobs: full [T, T] attention, padded head chunks
     head = 2 * m.d_model * m.vocab_size * n_head
     attn = m.n_layers * attention_flops(m, T * T)
     remat = {"none": 0.0, "full": fwd - head, "dots": attn}[cfg.compute.remat]
-    rope = rope_flops(m, T)  # its backward is one product too (by the transposed constant), full remat runs it again
+    rope = rope_flops(m, T, dt)  # its backward is one product too (by the constant transposed); full remat: again
     # Backward = 2x forward; the head chunks are recomputed in the backward (jax.checkpoint), layers per remat.
     train_pass = 3 * fwd + head + remat + rope * (2 + (cfg.compute.remat == "full"))
     fwd += rope

@@ -214,15 +214,18 @@ def rope_tables(pos_BT: jax.Array, cfg: ModelConfig, dtype: jnp.dtype) -> tuple[
 
 
 def rotate_half(x_BTHE: jax.Array) -> jax.Array:
-    """transformers' rotate_half, (x1, x2) -> (-x2, x1), as a product with a signed permutation: on TPU a lane-dim
-    split and concatenation is a relayout pass of its own, a [E, E] product fuses with what is around it. Exact:
-    one nonzero term per output, and fp32 inputs are multiplied at full precision."""
+    """transformers' rotate_half, (x1, x2) -> (-x2, x1). In bf16 (or fp16) as a product with a signed permutation:
+    on TPU a lane-dim split and concatenation is a relayout pass of its own, while a [E, E] product fuses with the
+    norm before it and the rotation after; exact, one nonzero term per output. fp32 keeps the split: at full
+    precision the product would be six bf16 passes on TPU."""
     E = x_BTHE.shape[-1]
+    if x_BTHE.dtype == f32:
+        x1, x2 = jnp.split(x_BTHE, 2, axis=-1)
+        return jnp.concatenate([-x2, x1], axis=-1)
     r_EE = np.zeros((E, E), np.float32)  # a constant of the program, not a scatter in it
     r_EE[np.arange(E // 2) + E // 2, np.arange(E // 2)] = -1
     r_EE[np.arange(E // 2), np.arange(E // 2) + E // 2] = 1
-    precision = jax.lax.Precision.HIGHEST if x_BTHE.dtype == f32 else None
-    return jnp.einsum("bthe,ef->bthf", x_BTHE, jnp.asarray(r_EE, x_BTHE.dtype), precision=precision)
+    return jnp.einsum("bthe,ef->bthf", x_BTHE, jnp.asarray(r_EE, x_BTHE.dtype))
 
 
 def rope(x_BTHE: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -607,11 +610,16 @@ def logprobs_and_entropy(
     vocab-sharded input stays sharded: each device reduces its slice and only [B, T] values cross devices.
     """
     scaled = logits_BTV / (temperature if temperature > 0 else 1.0)
-    lse_BT = jax.nn.logsumexp(scaled, axis=-1)
+    # One pass after the max for both sums (Z = sum e, W = sum e * s, e = exp(s - max)): lse = max + log Z and
+    # entropy = lse - W / Z, where exp(s - lse) summed against s again would read the logits a third time.
+    m_BT = jnp.max(scaled, axis=-1)
+    m_BT = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m_BT), m_BT, 0.0))  # as logsumexp shifts: no gradient
+    e_BTV = jnp.exp(scaled - m_BT[..., None])
+    z_BT = jnp.sum(e_BTV, axis=-1)
+    lse_BT = m_BT + jnp.log(z_BT)
     vocab_V = jnp.arange(scaled.shape[-1], dtype=targets_BT.dtype)
     target_BT = jnp.sum(jnp.where(vocab_V == targets_BT[..., None], scaled, 0.0), axis=-1)
-    probs = jnp.exp(scaled - lse_BT[..., None])
-    entropy_BT = lse_BT - jnp.sum(probs * scaled, axis=-1)
+    entropy_BT = lse_BT - jnp.sum(e_BTV * scaled, axis=-1) / z_BT
     return target_BT - lse_BT, entropy_BT
 
 

@@ -290,7 +290,7 @@ def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place
 def test_rope_matches_transformers_apply_rotary_pos_emb(dtype: str) -> None:
     """RoPE against transformers' own Qwen3 rotary embedding and apply_rotary_pos_emb, run here in torch in the
     same dtype (transformers casts cos and sin to the activations' dtype and rotates in it). rotate_half is a signed
-    permutation product in ours: exact, so bf16 differs only where XLA fuses without rounding in between (at most
+    permutation product in bf16 here: exact, so bf16 differs only where XLA fuses without rounding in between (at most
     one bf16 step); fp32 only by the angles' rounding."""
     torch = pytest.importorskip("torch")
     from transformers import Qwen3Config
@@ -317,3 +317,24 @@ def test_rope_matches_transformers_apply_rotary_pos_emb(dtype: str) -> None:
     # rotate_half itself is exact: the split-and-concatenate it stands for, bit for bit
     x1, x2 = jnp.split(xj, 2, axis=-1)
     np.testing.assert_array_equal(np.asarray(M.rotate_half(xj)), np.asarray(jnp.concatenate([-x2, x1], axis=-1)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_match_log_softmax_and_their_gradient(temperature: float) -> None:
+    """The max, then one pass for both sums (the entropy's weighted sum rides with the normaliser): log p(target)
+    and the entropy as log_softmax gives them, in value and in the log-prob's gradient."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((3, 5, 40)) * 4, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, (3, 5)), jnp.int32)
+
+    def reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logp = jax.nn.log_softmax(x / temperature, axis=-1)
+        return (jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0],
+                -jnp.sum(jnp.exp(logp) * logp, axis=-1))
+
+    got, want = M.logprobs_and_entropy(logits, targets, temperature), reference(logits)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(M.logprobs_and_entropy(x, targets, temperature)[0]))(logits)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(jax.grad(lambda x: jnp.sum(reference(x)[0]))(logits)),
+                               rtol=1e-5, atol=1e-6)
