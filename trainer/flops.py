@@ -25,8 +25,12 @@ def _fwd_flops(m: ModelConfig, tokens: float, pairs: float, logit_rows: float) -
 
 def rope_flops(m: ModelConfig, tokens: float, dtype: str) -> float:
     """RoPE's rotate_half of q and k as a product with a [E, E] signed permutation (trainer/model.py: one fused pass
-    on TPU; fp32 activations keep the split, no product), every layer: executed work, not model FLOPs."""
-    return 0.0 if dtype == "float32" else m.n_layers * 2 * m.head_dim**2 * (m.n_heads + m.n_kv_heads) * tokens
+    on TPU), every layer, in the activation dtypes that rotate so: executed work, not model FLOPs."""
+    from trainer.model import rotates_by_product
+
+    if not rotates_by_product(dtype):
+        return 0.0
+    return m.n_layers * 2 * m.head_dim**2 * (m.n_heads + m.n_kv_heads) * tokens
 
 
 def param_count(m: ModelConfig) -> int:

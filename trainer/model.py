@@ -213,15 +213,20 @@ def rope_tables(pos_BT: jax.Array, cfg: ModelConfig, dtype: jnp.dtype) -> tuple[
     return jnp.cos(ang_BTE).astype(dtype), jnp.sin(ang_BTE).astype(dtype)
 
 
+def rotates_by_product(dtype: Any) -> bool:
+    """Whether `rotate_half` is a matmul in this activation dtype (trainer/flops.py counts its FLOPs by it): bf16 and
+    fp16, not fp32, where a full-precision product would be six bf16 passes on TPU."""
+    return jnp.dtype(dtype) != f32
+
+
 def rotate_half(x_BTHE: jax.Array) -> jax.Array:
-    """transformers' rotate_half, (x1, x2) -> (-x2, x1). In bf16 (or fp16) as a product with a signed permutation:
-    on TPU a lane-dim split and concatenation is a relayout pass of its own, while a [E, E] product fuses with the
-    norm before it and the rotation after; exact, one nonzero term per output. fp32 keeps the split: at full
-    precision the product would be six bf16 passes on TPU."""
-    E = x_BTHE.shape[-1]
-    if x_BTHE.dtype == f32:
+    """transformers' rotate_half, (x1, x2) -> (-x2, x1). Where `rotates_by_product`, a product with a signed
+    permutation: on TPU a lane-dim split and concatenation is a relayout pass of its own, while a [E, E] product
+    fuses with the norm before it and the rotation after; exact, one nonzero term per output."""
+    if not rotates_by_product(x_BTHE.dtype):
         x1, x2 = jnp.split(x_BTHE, 2, axis=-1)
         return jnp.concatenate([-x2, x1], axis=-1)
+    E = x_BTHE.shape[-1]
     r_EE = np.zeros((E, E), np.float32)  # a constant of the program, not a scatter in it
     r_EE[np.arange(E // 2) + E // 2, np.arange(E // 2)] = -1
     r_EE[np.arange(E // 2), np.arange(E // 2) + E // 2] = 1

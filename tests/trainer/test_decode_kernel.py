@@ -118,11 +118,11 @@ def test_mosaic_lowers_the_kernel_at_block_sizes_below_a_lane_tile(block: int) -
     """compiled for one v6e chip by libtpu: the valid mask's block is its whole last two dimensions, so a block of 64
     slots lowers too (a [8, 1, 64] block of the [B, 1, S] mask was refused by Mosaic: last dimension not a multiple of
     128 nor the array's)."""
+    from tests.trainer.test_fit import V6E_2X2
     from trainer import fit as F
 
-    target = F.Target("v6e", "2x2", 1, 4, 32 << 30, 918e12, 1638e9)
-    F.prepare_environment(target)
-    sh = jax.sharding.SingleDeviceSharding(F.topology_devices(target)[0])
+    F.prepare_environment(V6E_2X2)
+    sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
     L, B, S, K, E = 2, 16, 1024, 2, 128
 
     def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
