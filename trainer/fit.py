@@ -22,16 +22,17 @@ What is measured, and what is estimated:
   (tests/trainer/test_fit.py). So the compiler's own figures are kept as reported and the estimates are:
   - FLOPs: analytic, for what the program executes (attention over every key slot it computes, remat and the
     log-prob chunks' recomputation included), with every loop iteration counted;
-  - ref_logprobs, update: compiled again with their layers unrolled, at 2 and 4 layers, and extrapolated to the
-    model's depth (`_price_passes`; the update one micro-batch per run, the optimizer once per minibatch). A scanned
-    layer's body is priced above an unrolled layer (tests/trainer/test_fit.py), and scaling the whole program by
-    FLOPs would multiply its work outside the layers by the depth. With `phases=False` (fit --search): the
+  - ref_logprobs, update: compiled again with their layers unrolled, at 2 and 4 layers (2 and 8 for a model of 32
+    or more: fit_phases.depths), and extrapolated to the model's depth (`_price_passes`; the update one micro-batch
+    per run, the optimizer once per minibatch). A scanned layer's body is priced above an unrolled layer
+    (tests/trainer/test_fit.py), and scaling the whole program by FLOPs would multiply its work outside the layers
+    by the depth. With `phases=False` (fit --search): the
     compiler's `optimal_seconds` x (analytic FLOPs / compiler FLOPs). libtpu 0.0.42.1 prices
     each `ConcatBitcast`, `SliceId` (multislice) and `ZeroCrop` custom call at -1 s, which makes `optimal_seconds`
     negative for realistic programs: those are added back; should it stay <= 0, the estimate falls back to peak
     FLOP/s (optimistic) and says so;
   - sample: each of the sampler's phases (the weights gathered for sampling, a prefill, a continuous-batching
-    refill, one decode step) compiled as a program of its own with its layers unrolled, at 2 and 4 layers, and
+    refill, one decode step) compiled as a program of its own with its layers unrolled, at the same depths, and
     extrapolated to the model's depth (trainer/fit_phases.py): the compiler's optimal_seconds per run, which sees
     the decode step's real reads (the cache blocks up to the furthest live token, the weights), layouts and
     collectives, times the runs of a step whose every row generates max_new_tokens. With `phases=False`
@@ -404,7 +405,8 @@ def fit(
                        f"{'s' if cfg.lora.slots != 1 else ''}, {', '.join(cfg.lora.targets)}",
                        lora_params=E.lora_param_count(m, cfg.lora) if cfg.lora is not None else 0),
         phases=phase_fits, sample_bounds={"prefill": bounds.prefill, "decode": bounds.decode},
-        sampler_mesh=cfg.sampler_mesh if cfg.sampling.tensor not in (None, cfg.mesh.tensor) else None)
+        sampler_mesh=cfg.sampler_mesh if cfg.sampling.tensor not in (None, cfg.mesh.tensor) else None,
+        depths=FP.depths(m.n_layers))
     for p in report_programs:
         if p.skipped is None:
             report.suggestions[p.name] = estimate_savings(p, cfg, suggestions(p.name, cfg))
@@ -412,7 +414,7 @@ def fit(
 
 
 def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[str], None]) -> list[PhaseFit]:
-    """Compile each sampler phase at fit_phases.DEPTHS layers and extrapolate its time to the model's depth."""
+    """Compile each sampler phase at fit_phases.depths layers and extrapolate its time to the model's depth."""
     import jax
 
     from trainer.model import static_decode_blocks
@@ -432,23 +434,29 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
         with jax.set_mesh(ph.mesh), fixed:
             compiled = ph.program.lower(*ph.args).compile()
         spent[ph.name] = spent.get(ph.name, 0.0) + time.perf_counter() - t0
-        return _optimal_seconds(compiled)
+        kernel = 0.0  # a prefill's splash kernel FLOPs at peak, as _price_passes adds the update's
+        if ph.name in ("prefill", "refill"):
+            n = ph.mesh.devices.size
+            peak = target.peak_flops_per_chip / max(1, n // target.chips)
+            kernel = depth * _kernel_attention_flops(cfg, ph.mesh, ph.name, ph.args[1].shape[0]) / n / peak
+        return _optimal_seconds(compiled) + kernel
 
-    for depth in FP.DEPTHS:
+    layers = cfg.model_cfg.n_layers
+    at = FP.depths(layers)
+    for depth in at:
         for ph in FP.phases(FP.with_depth(cfg, depth), mesh):
             seconds.setdefault(ph.name, []).append(compile_seconds(ph, depth, None if ph.blocks is None else 1))
             runs[ph.name] = ph.runs
             if ph.blocks is not None:
                 blocks[ph.name] = ph.blocks
-                if depth == FP.DEPTHS[-1]:  # a fresh program: jit would reuse its 1-block trace
+                if depth == at[-1]:  # a fresh program: jit would reuse its 1-block trace
                     again = next(p for p in FP.phases(FP.with_depth(cfg, depth), mesh) if p.name == ph.name)
                     all_blocks[ph.name] = compile_seconds(again, depth, ph.blocks[1])
-    layers = cfg.model_cfg.n_layers
     out = []
     for name, (shallow, deep) in seconds.items():
         if name in blocks and min(shallow, deep, all_blocks[name]) > 0:
-            shallow, deep = FP.at_mean_blocks((shallow, deep), all_blocks[name], blocks[name])
-        per_run = FP.extrapolate((shallow, deep), layers) if shallow > 0 and deep > 0 else 0.0
+            shallow, deep = FP.at_mean_blocks((shallow, deep), all_blocks[name], blocks[name], at)
+        per_run = FP.extrapolate((shallow, deep), layers, at) if shallow > 0 and deep > 0 else 0.0
         out.append(PhaseFit(name, runs[name], per_run, (shallow, deep), spent[name]))
     return out
 
@@ -480,13 +488,14 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
     optimizer = (2 * trainable + st.gradients + 2 * st.optimizer) / bw  # weights, moments read and written
     accumulate = 2 * st.accumulator / bw
     layers = cfg.model_cfg.n_layers
+    at = FP.depths(layers)
     for p in programs:
         if p.name not in ("ref_logprobs", "update") or not p.compiled or p.seconds <= 0:
             continue
         base, runs = (FP.one_micro_batch(cfg, micro), minibatches * n_micro) if p.name == "update" else (cfg, 1)
         kernel = _kernel_attention_flops(base, mesh, p.name) / n_devices  # per layer, per device
         seconds, flops, looped = [], [], True
-        for depth in FP.DEPTHS:
+        for depth in at:
             c = FP.with_depth(base, depth)
             say(f"compiling {p.name} with {depth} layer{'s' if depth > 1 else ''} for {target.label}")
             built = build_programs(c, mesh, 0, 1)
@@ -504,28 +513,30 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
             flops.append(float(compiled.cost_analysis().get("flops", 0.0)) + depth * kernel)
         if min(seconds) <= 0 or min(flops) <= 0:
             continue
-        per_run = FP.extrapolate((seconds[0], seconds[1]), layers)
+        per_run = FP.extrapolate((seconds[0], seconds[1]), layers, at)
         if not looped:  # a loop of unknown trips: the pass scaled by the FLOPs the compiler counted once
-            per_run *= max(1.0, p.flops / n_devices / runs / FP.extrapolate((flops[0], flops[1]), layers))
+            per_run *= max(1.0, p.flops / n_devices / runs / FP.extrapolate((flops[0], flops[1]), layers, at))
         total = runs * per_run
         if p.name == "update":
             total += (minibatches - runs) * optimizer + (runs if n_micro > 1 else 0) * accumulate
         p.seconds, p.depth_seconds, p.runs = max(total, p.flops / (n_devices * peak)), tuple(seconds), runs
 
 
-def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str) -> float:
+def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str, rows: int | None = None) -> float:
     """Per layer, all devices: the attention FLOPs of `program` (one run) that run inside the Pallas splash kernel,
     counted as trainer/flops.py counts them (every [T, T] pair; forward, backward and a recomputed forward), 0 where
-    the pass runs XLA's einsum. The kernel declares no cost, so the compiler's FLOPs and time leave them out."""
+    the pass runs XLA's einsum. The kernel declares no cost, so the compiler's FLOPs and time leave them out. The
+    sampler's prefill and refill (`rows` prompts) run it forward over the prompts alone."""
     from trainer.flops import attention_flops
     from trainer.model import no_cache_attention
 
-    T = cfg.prompt_len + cfg.sampling.max_new_tokens
+    prefill = program in ("prefill", "refill")
+    T = cfg.prompt_len + (0 if prefill else cfg.sampling.max_new_tokens)
     if no_cache_attention(cfg.compute.on_platform(mesh.devices.flat[0].platform), T) != "flash":
         return 0.0
     # As flops.step_flops counts a pass: each mu iteration a forward, a backward (2x) and, with remat, a recomputation
-    passes = 1 if program == "ref_logprobs" else cfg.rl.mu_iterations * (3 + (cfg.compute.remat != "none"))
-    return cfg.batch_size * passes * attention_flops(cfg.model_cfg, T * T)
+    passes = 1 if program == "ref_logprobs" or prefill else cfg.rl.mu_iterations * (3 + (cfg.compute.remat != "none"))
+    return (cfg.batch_size if rows is None else rows) * passes * attention_flops(cfg.model_cfg, T * T)
 
 
 def _optimal_seconds(compiled: Any, hlo: str | None = None) -> float:

@@ -31,11 +31,22 @@ from trainer.flops import _fwd_flops, decode_blocks, param_count
 # Layers of the two compiles a phase's per-layer cost is taken from. Not 1: libtpu prices a 1-layer decode step
 # off the line the deeper ones lie on (Qwen3-8B on v6e 4x4: 1 layer 0.649 ms, 2 layers 0.637, 4 0.938, 6 1.211).
 DEPTHS = (2, 4)
+# A model of DEEP_LAYERS or more: the deeper compile further out. libtpu schedules programs of different depths
+# differently, and the gap's share of that noise is multiplied by (layers - b) / (b - a) on the way out: Llama-3.1-70B's
+# decode step on v5p 4x4x4 priced 0.631, 1.120, 1.670, 1.722 and 3.216 ms at 2, 4, 6, 8 and 16 layers, so 2 and 4
+# layers put 80 at 19.7 ms, 2 and 8 at 14.8, and a line through all five at 14.6.
+DEEP_DEPTHS = (2, 8)
+DEEP_LAYERS = 32
 
 
-def extrapolate(values: tuple[float, float], layers: int) -> float:
-    """A figure compiled at DEPTHS layers, extrapolated linearly to `layers` (never falling with depth)."""
-    (a, b), (va, vb) = DEPTHS, values
+def depths(layers: int) -> tuple[int, int]:
+    """The two depths a model of `layers` layers is compiled at."""
+    return DEEP_DEPTHS if layers >= DEEP_LAYERS else DEPTHS
+
+
+def extrapolate(values: tuple[float, float], layers: int, at: tuple[int, int] = DEPTHS) -> float:
+    """A figure compiled at `at` layers, extrapolated linearly to `layers` (never falling with depth)."""
+    (a, b), (va, vb) = at, values
     return va + (layers - a) * max(vb - va, 0.0) / (b - a)
 
 
@@ -51,14 +62,15 @@ class Phase:
     mesh: Any = None  # the mesh to lower it under: the sampler's (sampling.tensor regroups it)
 
 
-def at_mean_blocks(one: tuple[float, float], all_deep: float, blocks: tuple[float, int]) -> tuple[float, float]:
-    """A decode step's times at DEPTHS layers reading its step's mean number of cache blocks, from its compiles
+def at_mean_blocks(one: tuple[float, float], all_deep: float, blocks: tuple[float, int],
+                   at: tuple[int, int] = DEPTHS) -> tuple[float, float]:
+    """A decode step's times at `at` layers reading its step's mean number of cache blocks, from its compiles
     reading one block (at both depths) and all of them (at the deeper): each layer reads the blocks, so a block's
     cost is per layer. (A 2-layer compile reading all blocks is priced off the line: Qwen3-8B on v6e 4x4, 1 block
     0.582 / 0.688 ms at 2 / 4 layers, 5 blocks 0.907 / 0.965 ms.)"""
     mean, most = blocks
-    per_block_layer = max(all_deep - one[1], 0.0) / ((most - 1) * DEPTHS[1])
-    shallow, deep = (t + (mean - 1) * depth * per_block_layer for t, depth in zip(one, DEPTHS, strict=True))
+    per_block_layer = max(all_deep - one[1], 0.0) / ((most - 1) * at[1])
+    shallow, deep = (t + (mean - 1) * depth * per_block_layer for t, depth in zip(one, at, strict=True))
     return shallow, deep
 
 
@@ -190,17 +202,21 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
 
     def decode(w: Any, cache: M.KVCache, logits_CV: Any, keys_C: Any, i_C: Any, n_prompt_C: Any, *rest: Any) -> Any:
         k = len(lora)
-        tok_C, _ = S.pick(keys_C, i_C, logits_CV, sc.temperature, sc.top_k, sc.top_p)
+        tok_C, logp_C = S.pick(keys_C, i_C, logits_CV, sc.temperature, sc.top_k, sc.top_p)
         live_C = tok_C != eos
         slot = P + i_C if continuous else P + i_C[0]  # one slot for all rows, or each row its own
-        return S.decode_step(w, mcfg, tok_C, live_C, n_prompt_C + i_C, slot, cache, cc, adapter(rest[:k], rest[k:]))
+        logits, cache = S.decode_step(w, mcfg, tok_C, live_C, n_prompt_C + i_C, slot, cache, cc,
+                                      adapter(rest[:k], rest[k:]))
+        return logits, cache, logp_C  # the log-prob the sampler stores: priced, not dead code
 
     keys = sds((c, 2), jnp.uint32, b2)  # raw keys, as trainer/step.py passes them
-    args = (weights, cache, sds((c, mcfg.vocab_size), jnp.float32, b2), keys, sds((c,), jnp.int32, b1),
+    # The loop carries the logits as the head writes them (model.logits_from_head): rows over data, vocab over tensor.
+    v_sh = NamedSharding(mesh, logical_to_spec(("batch", "vocab"), (c, mcfg.vocab_size), mesh, rules))
+    args = (weights, cache, sds((c, mcfg.vocab_size), jnp.float32, v_sh), keys, sds((c,), jnp.int32, b1),
             sds((c,), jnp.int32, b1), *lora, *slot_arg(c))
     fmt = M.KVCache(kv_fmt, kv_fmt, b2)
     in_fmt = (w_fmt, fmt, *(a.sharding for a in args[2:6]), *lora_sh, *(a.sharding for a in slot_arg(c)))
-    jitted = jax.jit(decode, in_shardings=in_fmt, out_shardings=(None, fmt), donate_argnums=(1,))
+    jitted = jax.jit(decode, in_shardings=in_fmt, out_shardings=(v_sh, fmt, None), donate_argnums=(1,))
     out.append(Phase("decode", jitted, args, runs["decode"], decode_blocks(cfg), mesh))
     return out
 

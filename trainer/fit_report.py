@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from envspec import tpu
+from trainer.fit_phases import DEPTHS
 
 GiB = 1 << 30
 WARN_FRACTION = 0.9  # above this share of the usable HBM a program fits, with a warning
@@ -94,7 +95,7 @@ class ProgramFit:
     seconds: float = 0.0  # the estimate described in the module docstring
     lower_bound: float = 0.0  # seconds: the physical floor of the same work (trainer/fit_phases.py); 0: none
     # ref_logprobs, update priced by depth (fit._price_passes): the compiler's optimal_seconds of one run (the
-    # update: one micro-batch and the optimizer) at fit_phases.DEPTHS unrolled layers, and the runs per step
+    # update: one micro-batch and the optimizer) at fit_phases.depths unrolled layers, and the runs per step
     depth_seconds: tuple[float, ...] = ()
     runs: int = 1
     below_bound: float = 0.0  # the compiled estimate where it fell below lower_bound (then seconds = the bound)
@@ -123,7 +124,7 @@ class PhaseFit:
     name: str  # gather, prefill, refill, decode
     runs: int
     seconds: float  # per run, extrapolated to the model's depth; <= 0: the compiler gave no usable time
-    depth_seconds: tuple[float, ...]  # the compiler's optimal_seconds at fit_phases.DEPTHS layers
+    depth_seconds: tuple[float, ...]  # the compiler's optimal_seconds at fit_phases.depths layers
     compile_seconds: float = 0.0
 
     @property
@@ -227,6 +228,7 @@ class FitReport:
     phases: list[PhaseFit] = field(default_factory=list)  # the sampler's phases, when compiled on their own
     sample_bounds: dict[str, float] = field(default_factory=dict)  # prefill and decode lower bounds, seconds
     sampler_mesh: dict[str, int] | None = None  # set: the sampler runs on the chips regrouped (sampling.tensor)
+    depths: tuple[int, int] = DEPTHS  # the layers programs priced by depth were compiled at (fit_phases.depths)
 
     @property
     def devices_per_chip(self) -> int:
@@ -434,7 +436,8 @@ class FitReport:
         scaled = [p.name for p in self.programs if p.compiled and p.name != "sample" and not p.depth_seconds]
         out = ""
         if by_depth:
-            out += ("compiled again with their layers unrolled at 2 and 4 layers and extrapolated to the model's "
+            out += (f"compiled again with their layers unrolled at {self.depths[0]} and {self.depths[1]} layers and "
+                    "extrapolated to the model's "
                     "depth (the update one micro-batch per run, the optimizer once per minibatch; the log-prob chunk "
                     "loops at their trip counts): "
                     + ", ".join(by_depth) + "; ")
@@ -448,8 +451,9 @@ class FitReport:
             return ("sample is prefill + max_new_tokens decode steps on a FLOPs / HBM-bandwidth roofline (its phases "
                     "were not compiled on their own).")
         parts = [f"{ph.name} {ph.runs} x {_secs(ph.seconds)}" for ph in self.phases if ph.runs]
-        return ("sample is each of its phases compiled on its own (layers unrolled, at 2 and 4 layers, extrapolated "
-                "to the model's depth) times the runs of a step whose every row generates max_new_tokens: "
+        return (f"sample is each of its phases compiled on its own (layers unrolled, at {self.depths[0]} and "
+                f"{self.depths[1]} layers, extrapolated to the model's depth) times the runs of a step whose every "
+                "row generates max_new_tokens: "
                 + " + ".join(parts) + ".")
 
     def _resident_notes(self) -> list[str]:
@@ -567,7 +571,7 @@ class FitReport:
             "step_lower_bound": None if why or self.service else self.step_lower_bound,
             "bound_ratio": None if why or self.service else self.bound_ratio,
             "phases": [asdict(ph) | {"total": ph.total} for ph in self.phases], "sample_bounds": self.sample_bounds,
-            "sampler_mesh": self.sampler_mesh,
+            "sampler_mesh": self.sampler_mesh, "depths": list(self.depths),
             "mfu": None if why or self.service else self.mfu, "not_applicable": why,
             "suggestions": {k: [asdict(s) | {"saves_is": "estimate" if s.saves is not None else None} for s in v]
                             for k, v in self.suggestions.items()},

@@ -299,8 +299,9 @@ def flash_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, val
 
 
 def no_cache_attention(cc: ComputeConfig, T: int) -> str:
-    """The attention a pass over T tokens without a KV cache runs (`forward`; fit adds the flash kernel's FLOPs by
-    it): compute.attention as resolved for the platform, with flash only where T fills its blocks, else XLA's."""
+    """The attention a pass over T tokens without a KV cache, or a prefill from slot 0, runs (`forward`; fit adds the
+    flash kernel's FLOPs by it): compute.attention as resolved for the platform, with flash only where T fills its
+    blocks, else XLA's."""
     if cc.attention == "flash" and T % FLASH_BLOCK:
         return "xla"
     return cc.attention
@@ -373,13 +374,11 @@ def _layer(
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
     q = rope(q, rope_tab)
     k = rope(k, rope_tab)
-    if kv is not None:  # the new keys and values written into the whole cache in place, then read from it
+    if kv is not None:  # the new keys and values written into the whole cache in place
         k_all, v_all, layer = kv
         k_all, v_all = write_slots(k_all, k, index, layer), write_slots(v_all, v, index, layer)
         kv = (k_all, v_all, layer)
-        attn = attend(q, k_all, v_all, layer)
-    else:
-        attn = attend(q, k, v)
+    attn = attend(q, k, v, kv)  # a decode step reads the cache; a pass from slot 0 reads its own keys
     x_BTD = x_BTD + proj("bthe,hed->btd", attn, "wo")
     x_BTD = constrain(x_BTD, ("batch", "seq", None))
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
@@ -477,22 +476,25 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, cc: ComputeConfig = DE
 
 def _cached_attend(valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array, index: jax.Array | int,
                    block: int, kernel: bool = False) -> Any:
-    """The attention of new tokens to the cache they were written into: a prefill (a static `index`) reads only
-    the slots up to its last token; a decode step (index per step or per row) reads block by block up to the
-    furthest live token (`block_attention`, or with `kernel` the Pallas kernel of trainer/decode_kernel.py where its
-    shapes fit), or, with block 0 or a cache of one block, the whole cache."""
+    """The attention of new tokens to the cache they were written into: a pass from a static slot `index` > 0 (a
+    prefill from slot 0 attends its own keys, see `forward`) reads only the slots up to its last token; a decode
+    step (index per step or per row) reads block by block up to the furthest live token (`block_attention`, or with
+    `kernel` the Pallas kernel of trainer/decode_kernel.py where its shapes fit), or, with block 0 or a cache of one
+    block, the whole cache."""
     T, S = q_slot_BT.shape[1], valid_BS.shape[1]
     if isinstance(index, int) or block <= 0 or block >= S:
         n = min(S, index + T) if isinstance(index, int) else S
         mask_BTS = valid_BS[:, None, :n] & (jnp.arange(n)[None, None, :] <= q_slot_BT[:, :, None])
 
-        def whole(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array) -> jax.Array:
+        def whole(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+            k_all, v_all, layer = kv
             return attention(q, k_all[layer, :, :n], v_all[layer, :, :n], mask_BTS)
 
         return whole
     fixed = _STATIC_DECODE_BLOCKS.get()
 
-    def blockwise(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array) -> jax.Array:
+    def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        k_all, v_all, layer = kv
         if kernel and decode_kernel.supported(q.shape[-1], S, block):
             return decode_kernel.decode_attention(q, k_all, v_all, layer, valid_BS, q_slot_BT, live_BT, block,
                                                   fixed)
@@ -530,28 +532,31 @@ def forward(
     table_VD = constrain(params["embed"].astype(dt), (None, None) if cache is None else ("vocab", None))
     x_BTD = constrain(table_VD[tokens_BT], ("batch", "seq", None))
     q_slot_BT = jnp.broadcast_to(jnp.reshape(index, (-1, 1)) + jnp.arange(T), (B, T))
-    if cache is None:
-        mask_BTS = valid_BT[:, None, :] & (jnp.arange(T)[None, None, :] <= q_slot_BT[:, :, None])
-    else:
+    # A pass from slot 0 (a prefill) attends among its own T tokens, the slots it writes, as a pass without a cache
+    # does: with the same kernels, and no read back of the cache just written. cuDNN's packed rows would move them.
+    kind = "cache" if cache is not None and not (isinstance(index, int) and index == 0) else no_cache_attention(cc, T)
+    if cache is not None:
         valid_BS = write_slots(cache.valid_BS, valid_BT.astype(bool), index)
+        kind = "xla" if kind == "cudnn" else kind
+    if kind != "cache":
+        mask_BTS = valid_BT[:, None, :] & (jnp.arange(T)[None, None, :] <= q_slot_BT[:, :, None])
 
     lora_layers = (adapter.weights.get("layers") or None) if adapter is not None else None
     gate_BS = adapter.gate_BS if adapter is not None else None
-    kind = "cache" if cache is not None else no_cache_attention(cc, T)
     if kind == "cache":
         attend = _cached_attend(valid_BS, q_slot_BT, valid_BT.astype(bool), index, cc.decode_block,
                                 kernel=cc.decode_attention == "pallas")
     elif kind == "flash":
         valid = valid_BT.astype(bool)
-        attend = lambda q, k, v: flash_attention(q, k, v, valid)  # noqa: E731
+        attend = lambda q, k, v, kv: flash_attention(q, k, v, valid)  # noqa: E731
     elif kind == "cudnn":
         # The layers run on packed rows (valid tokens first): cuDNN's masks are causal and a length per row.
         order_BT, back_BT, lengths_B = packed_order(valid_BT)
         x_BTD = jnp.take_along_axis(x_BTD, order_BT[:, :, None], axis=1)
         positions_BT = jnp.take_along_axis(positions_BT, order_BT, axis=1)
-        attend = lambda q, k, v: packed_attention(q, k, v, lengths_B)  # noqa: E731
+        attend = lambda q, k, v, kv: packed_attention(q, k, v, lengths_B)  # noqa: E731
     else:
-        attend = lambda q, k, v: attention(q, k, v, mask_BTS)  # noqa: E731
+        attend = lambda q, k, v, kv: attention(q, k, v, mask_BTS)  # noqa: E731
 
     rope_tab = rope_tables(positions_BT, cfg, dt)
 

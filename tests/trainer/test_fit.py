@@ -435,6 +435,18 @@ def test_a_phase_extrapolates_linearly_in_depth() -> None:
     assert seconds[2] == pytest.approx(FP.extrapolate((seconds[0], seconds[1]), 6), rel=0.1)
 
 
+def test_a_deep_model_is_priced_from_depths_further_apart() -> None:
+    """Two compiles' difference is the per-layer cost, and their noise is multiplied on the way out to the model's
+    depth: a model of 32 layers or more is compiled at 2 and 8 (libtpu's decode step of Llama-3.1-70B rises 0.49,
+    0.55 and 0.05 ms over successive pairs of layers from 2 to 8), a shallower one at 2 and 4."""
+    from trainer import fit_phases as FP
+
+    assert FP.depths(28) == FP.DEPTHS == (2, 4) and FP.depths(80) == FP.depths(32) == (2, 8)
+    assert FP.extrapolate((1.0, 4.0), 80, (2, 8)) == pytest.approx(1.0 + 78 * 0.5)
+    assert FP.extrapolate((1.0, 4.0), 28) == pytest.approx(1.0 + 26 * 1.5)
+    assert FP.at_mean_blocks((1.0, 2.0), 3.0, (2.0, 3), (2, 8)) == pytest.approx((1.0 + 2 / 16, 2.0 + 8 / 16))
+
+
 def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     """compute.decode_block: the compiler counts the block loop's body once (a 4-layer step with the loop costs less
     than two blocks unrolled), so fit compiles it unrolled, reading 1 block at 2 and 4 layers and all at 4, and takes
@@ -522,6 +534,12 @@ def test_a_regrouped_sampler_reads_its_share_of_the_weights() -> None:
         assert decode.mesh.shape == ({"slices": 1, "fsdp": 1, "tensor": 4} if c.sampling.tensor else mesh.shape)
         wq = decode.args[0]["layers"]["wq"]
         assert wq.sharding.shard_shape(wq.shape)[-2] == m.n_heads // (c.sampling.tensor or 2)
+        # The step takes the logits as the loop carries them (vocab-sharded, as the head writes them) and returns
+        # the log-prob the sampler stores, so that pass is priced rather than dropped as dead code.
+        logits = decode.args[2]
+        assert logits.sharding.shard_shape(logits.shape)[-1] == m.vocab_size // (c.sampling.tensor or 2)
+        with jax.set_mesh(decode.mesh):
+            assert decode.program.eval_shape(*decode.args)[2].shape == (logits.shape[0],)
         with jax.set_mesh(decode.mesh):
             priced[c.sampling.tensor] = F._optimal_seconds(decode.program.lower(*decode.args).compile())
     assert priced[4] < priced[None]
@@ -629,6 +647,15 @@ def test_the_update_reads_grouped_kv_heads_inside_the_attention_kernel() -> None
     assert kernel > 0.1 * counted
     assert F._kernel_attention_flops(cfg.model_copy(update={"compute": cfg.compute.model_copy(
         update={"attention": "xla"})}), mesh, "update") == 0
+    # The sampler's prefill runs the forward kernel over the 128-token prompts alone; fit prices those FLOPs too.
+    from trainer import fit_phases as FP
+    from trainer.flops import attention_flops
+
+    prefill = next(ph for ph in FP.phases(cfg, mesh) if ph.name == "prefill")
+    rows = prefill.args[1].shape[0]
+    with jax.set_mesh(prefill.mesh):
+        assert "splash_mha_fwd" in prefill.program.lower(*prefill.args).compile().as_text()
+    assert F._kernel_attention_flops(cfg, mesh, "prefill", rows) == rows * attention_flops(cfg.model_cfg, 128 * 128)
 
 
 def test_unrolled_layers_are_rematerialised_on_tpu() -> None:
