@@ -67,14 +67,6 @@ def filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits_BV
 
 
-def choose(keys_B: jax.Array, logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-    """One token per row, each row drawn with its own key."""
-    if temperature == 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits_BV / temperature, top_k, top_p)
-    return jax.vmap(jax.random.categorical)(keys_B, filtered).astype(jnp.int32)
-
-
 def sample(
     params: Params,
     cfg: ModelConfig,
@@ -141,17 +133,43 @@ def row_keys(key: jax.Array, rows_B: jax.Array) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
 
 
+def _draw(x_BV: jax.Array, noisy_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """argmax of noisy_BV (the first on ties, as jnp.argmax) and log softmax(x_BV) there, in one read of both: one
+    reduction carries the running max and mass of x (the online-softmax combine), the best noisy score, its index and
+    x there."""
+    f32 = jnp.float32
+
+    def combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        m = jnp.maximum(a[0], b[0])
+        mass = lambda side: jnp.where(side[1] > 0, side[1] * jnp.exp(side[0] - m), 0.0)  # noqa: E731
+        take_b = (b[2] > a[2]) | ((b[2] == a[2]) & (b[3] < a[3]))
+        return (m, mass(a) + mass(b), *(jnp.where(take_b, y, x) for x, y in zip(a[2:], b[2:], strict=True)))
+
+    ids_BV = jax.lax.broadcasted_iota(jnp.int32, x_BV.shape, 1)
+    init = (jnp.array(-jnp.inf, f32), jnp.array(0.0, f32), jnp.array(-jnp.inf, noisy_BV.dtype),
+            jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32), jnp.array(0.0, f32))
+    x_BV = x_BV.astype(f32)
+    m_B, z_B, _, tok_B, x_tok_B = jax.lax.reduce((x_BV, jnp.ones_like(x_BV), noisy_BV, ids_BV, x_BV), init, combine,
+                                                 (1,))
+    return tok_B, x_tok_B - (m_B + jnp.log(z_B))
+
+
 def pick(row_keys_B: jax.Array, i_B: jax.Array, logits_BV: jax.Array, temperature: float, top_k: int, top_p: float
          ) -> tuple[jax.Array, jax.Array]:
     """Token i_B of each row (drawn with its stream folded with i_B) and its log-prob. The logits stay sharded over
     the vocab as the head wrote them: each chip draws the Gumbel noise of its own slice (threefry is partitionable:
     the same bits whatever the sharding) and only [B] maxima cross chips, instead of every chip drawing for the
-    whole vocab."""
+    whole vocab. The draw is jax.random.categorical's (argmax of logits + Gumbel noise, the same noise), in the
+    log-prob's own pass over the logits."""
     logits_BV = constrain(logits_BV, ("batch", "vocab"))
+    if temperature == 0:
+        tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return tok_B, logprobs_and_entropy(logits_BV, tok_B, temperature)[0]
     keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, i_B)
-    tok_B = choose(keys_B, logits_BV, temperature, top_k, top_p)
-    logp_B, _ = logprobs_and_entropy(logits_BV, tok_B, temperature)
-    return tok_B, logp_B
+    x_BV = logits_BV / temperature
+    filtered = filter_logits(x_BV, top_k, top_p)
+    noise_BV = jax.vmap(lambda k: jax.random.gumbel(k, filtered.shape[1:], filtered.dtype))(keys_B)
+    return _draw(x_BV, filtered + noise_BV)
 
 
 def prefill(params: Params, cfg: ModelConfig, prompt_BP: jax.Array, valid_BP: jax.Array, cache_len: int,
