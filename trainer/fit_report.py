@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from envspec import tpu
-from trainer.fit_phases import DEPTHS
 
 GiB = 1 << 30
 WARN_FRACTION = 0.9  # above this share of the usable HBM a program fits, with a warning
@@ -228,7 +227,8 @@ class FitReport:
     phases: list[PhaseFit] = field(default_factory=list)  # the sampler's phases, when compiled on their own
     sample_bounds: dict[str, float] = field(default_factory=dict)  # prefill and decode lower bounds, seconds
     sampler_mesh: dict[str, int] | None = None  # set: the sampler runs on the chips regrouped (sampling.tensor)
-    depths: tuple[int, int] = DEPTHS  # the layers programs priced by depth were compiled at (fit_phases.depths)
+    # The layers the programs priced by depth were compiled at (fit_phases.depths; set by fit.fit, which prices so).
+    depths: tuple[int, ...] = ()
 
     @property
     def devices_per_chip(self) -> int:
@@ -430,13 +430,17 @@ class FitReport:
                              "fewer bytes than the weights each chip must read.")
         return [*notes, *self._resident_notes()]
 
+    @property
+    def _depths(self) -> str:
+        return " and ".join(map(str, self.depths)) or "two depths of"
+
     def _passes_note(self) -> str:
         by_depth = [f"{p.name} {p.runs} x {_secs(p.seconds / p.runs)}" for p in self.programs
                     if p.compiled and p.depth_seconds]
         scaled = [p.name for p in self.programs if p.compiled and p.name != "sample" and not p.depth_seconds]
         out = ""
         if by_depth:
-            out += (f"compiled again with their layers unrolled at {self.depths[0]} and {self.depths[1]} layers and "
+            out += (f"compiled again with their layers unrolled at {self._depths} layers and "
                     "extrapolated to the model's "
                     "depth (the update one micro-batch per run, the optimizer once per minibatch; the log-prob chunk "
                     "loops at their trip counts): "
@@ -451,8 +455,8 @@ class FitReport:
             return ("sample is prefill + max_new_tokens decode steps on a FLOPs / HBM-bandwidth roofline (its phases "
                     "were not compiled on their own).")
         parts = [f"{ph.name} {ph.runs} x {_secs(ph.seconds)}" for ph in self.phases if ph.runs]
-        return (f"sample is each of its phases compiled on its own (layers unrolled, at {self.depths[0]} and "
-                f"{self.depths[1]} layers, extrapolated to the model's depth) times the runs of a step whose every "
+        return (f"sample is each of its phases compiled on its own (layers unrolled, at {self._depths} layers, "
+                "extrapolated to the model's depth) times the runs of a step whose every "
                 "row generates max_new_tokens: "
                 + " + ".join(parts) + ".")
 
