@@ -424,6 +424,8 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
     spent: dict[str, float] = {}
     blocks: dict[str, tuple[float, int]] = {}
     all_blocks: dict[str, float] = {}  # a block loop's phase reading all its blocks, at the deeper depth
+    n_devices = mesh.devices.size  # the sampler's regrouped mesh holds the same devices
+    peak = target.peak_flops_per_chip / max(1, n_devices // target.chips)  # per device
 
     def compile_seconds(ph: FP.Phase, depth: int, n_blocks: int | None) -> float:
         read = "" if n_blocks is None else f" reading {n_blocks} cache block{'s' if n_blocks > 1 else ''}"
@@ -436,9 +438,7 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
         spent[ph.name] = spent.get(ph.name, 0.0) + time.perf_counter() - t0
         kernel = 0.0  # a prefill's splash kernel FLOPs at peak, as _price_passes adds the update's
         if ph.name in ("prefill", "refill"):
-            n = ph.mesh.devices.size
-            peak = target.peak_flops_per_chip / max(1, n // target.chips)
-            kernel = depth * _kernel_attention_flops(cfg, ph.mesh, ph.name, ph.args[1].shape[0]) / n / peak
+            kernel = depth * _kernel_attention_flops(cfg, ph.mesh, ph.name, ph.args[1].shape[0]) / n_devices / peak
         return _optimal_seconds(compiled) + kernel
 
     layers = cfg.model_cfg.n_layers

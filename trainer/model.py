@@ -534,10 +534,12 @@ def forward(
     q_slot_BT = jnp.broadcast_to(jnp.reshape(index, (-1, 1)) + jnp.arange(T), (B, T))
     # A pass from slot 0 (a prefill) attends among its own T tokens, the slots it writes, as a pass without a cache
     # does: with the same kernels, and no read back of the cache just written. cuDNN's packed rows would move them.
-    kind = "cache" if cache is not None and not (isinstance(index, int) and index == 0) else no_cache_attention(cc, T)
+    prefill = cache is not None and isinstance(index, int) and index == 0
+    kind = "cache" if cache is not None and not prefill else no_cache_attention(cc, T)
+    if prefill and kind == "cudnn":
+        kind = "xla"
     if cache is not None:
         valid_BS = write_slots(cache.valid_BS, valid_BT.astype(bool), index)
-        kind = "xla" if kind == "cudnn" else kind
     if kind != "cache":
         mask_BTS = valid_BT[:, None, :] & (jnp.arange(T)[None, None, :] <= q_slot_BT[:, :, None])
 

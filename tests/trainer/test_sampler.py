@@ -234,15 +234,6 @@ def test_block_attention_never_reads_past_the_live_block() -> None:
         assert not bool(jnp.all(jnp.isfinite(spoiled[:3])))
 
 
-def _prefill_case() -> tuple[ModelConfig, M.Params, jax.Array, jax.Array]:
-    """A 128-token prompt batch (one flash block), left-padded as the sampler hands prompts to `prefill`."""
-    cfg = ModelConfig(**{**TINY_MODEL, "max_seq_len": 256})
-    rng = np.random.default_rng(4)
-    prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (4, 128)).astype(np.int32))
-    valid = jnp.asarray(np.stack([np.arange(128) >= s for s in (0, 30, 100, 127)]))
-    return cfg, M.init_params(cfg, jax.random.PRNGKey(5)), prompt, valid
-
-
 def test_a_prefill_attends_its_own_tokens_in_the_flash_kernel() -> None:
     """A prefill writes slots [0, P) of a fresh cache and attends among exactly those tokens, as a pass without a
     cache does: with compute.attention flash, in the splash kernel (run in Pallas' TPU interpret mode here) rather
@@ -254,7 +245,11 @@ def test_a_prefill_attends_its_own_tokens_in_the_flash_kernel() -> None:
     from trainer.config import ComputeConfig
     from trainer.sampler import prefill
 
-    cfg, params, prompt, valid = _prefill_case()
+    cfg = ModelConfig(**{**TINY_MODEL, "max_seq_len": 256})
+    params = M.init_params(cfg, jax.random.PRNGKey(5))
+    # A 128-token prompt batch (one flash block), left-padded as the sampler hands prompts to `prefill`.
+    prompt = jnp.asarray(np.random.default_rng(4).integers(3, cfg.vocab_size, (4, 128)).astype(np.int32))
+    valid = jnp.asarray(np.stack([np.arange(128) >= s for s in (0, 30, 100, 127)]))
     run = lambda cc: prefill(params, cfg, prompt, valid, 160, cc, None)  # noqa: E731
     want, want_cache = run(ComputeConfig(attention="xla"))
     flash = ComputeConfig(attention="flash")
