@@ -37,6 +37,14 @@ def tiny_checkpoint(tmp_path: Path) -> Path:
     return path
 
 
+def _compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's fit compiles on its first call only; later calls render that report (other formats, same job)."""
+    reports: list[Any] = []
+    real_run_fit = cli._run_fit
+    monkeypatch.setattr(cli, "_run_fit", lambda job, model=None: reports[0] if reports else
+                        reports.append(real_run_fit(job, model)) or reports[0])
+
+
 def _run_yaml(path: Path, model: dict | None = None, **sections: dict) -> Path:
     doc = {"model": {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                      "head_dim": 32, "d_ff": 384, "max_seq_len": 64, **(model or {})},
@@ -47,7 +55,9 @@ def _run_yaml(path: Path, model: dict | None = None, **sections: dict) -> Path:
     return path
 
 
-def test_fit_dev_compiles_the_environments_trainer(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_fit_dev_compiles_the_environments_trainer(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _compile_once(monkeypatch)
     # dev's trainer config, slice group and JobSet mesh; the checkpoint path swapped for a small model.
     args = ["fit", "dev", "--set", f"init.path={tiny_checkpoint}", *SMALL_STEP]
     assert cli.main(args) == 0
@@ -83,10 +93,7 @@ def test_an_oversized_config_is_refused_naming_the_program_and_the_fix(
     # v5e chip (16 GiB). One layer and short sequences keep the compile to seconds.
     run = _run_yaml(tmp_path / "big.yaml", {"vocab_size": 1 << 20, "d_model": 4096, "n_layers": 1, "n_heads": 32,
                                             "n_kv_heads": 8, "head_dim": 128, "d_ff": 4096, "tie_embeddings": False})
-    reports = []
-    real_run_fit = cli._run_fit
-    monkeypatch.setattr(cli, "_run_fit", lambda job, model=None: reports[0] if reports else
-                        reports.append(real_run_fit(job, model)) or reports[0])  # compile once, render twice
+    _compile_once(monkeypatch)
     assert cli.main(["fit", "--config", str(run), "--tpu", "v5e:2x2", "--format", "json"]) == cli.EXIT_NO_FIT
     out, err = capsys.readouterr()
     assert json.loads(out)["fits"] is False

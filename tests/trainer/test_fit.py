@@ -661,18 +661,19 @@ def test_the_update_reads_grouped_kv_heads_inside_the_attention_kernel() -> None
 def test_unrolled_layers_are_rematerialised_on_tpu() -> None:
     """remat keeps each layer's input alone and runs its forward again in the backward. Unrolled (fit prices
     updates with their layers unrolled, and a model of up to 16 layers runs so), a checkpoint without prevent_cse let
-    libtpu merge the recomputed forward with the first: 489 MB of temporaries here against 462 MB without remat, so
-    neither the memory saving nor the recomputation's time was in the program. With it: 163 MB."""
+    libtpu merge the recomputed forward with the first: 16.1 MB of temporaries here against 14.3 MB without remat, so
+    neither the memory saving nor the recomputation's time was in the program (0.88x the FLOPs). With it: 5.5 MB and
+    1.14x. (Small widths and sequences: the same finding at a fifth of the compile time.)"""
     from trainer import model as M
     from trainer.config import ComputeConfig, ModelConfig
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
-    cfg = ModelConfig(**{**SMALL, "n_layers": 4, "d_model": 512, "d_ff": 2048, "n_heads": 8, "n_kv_heads": 4,
-                         "head_dim": 64, "vocab_size": 1024, "max_seq_len": 512})
+    cfg = ModelConfig(**{**SMALL, "n_layers": 4, "d_model": 256, "d_ff": 1024, "n_heads": 8, "n_kv_heads": 4,
+                         "head_dim": 64, "vocab_size": 1024, "max_seq_len": 256})
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                           jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0))))
-    prompt, completion = (jax.ShapeDtypeStruct((8, n), jnp.int32, sharding=sh) for n in (128, 384))
+    prompt, completion = (jax.ShapeDtypeStruct((4, n), jnp.int32, sharding=sh) for n in (64, 192))
 
     def compiled(remat: str) -> Any:
         cc = ComputeConfig(remat=remat, scan_layers=False, attention="xla", dtype="bfloat16")
@@ -684,8 +685,8 @@ def test_unrolled_layers_are_rematerialised_on_tpu() -> None:
 
     none, full = compiled("none"), compiled("full")
     assert full.memory_analysis().temp_size_in_bytes < 0.5 * none.memory_analysis().temp_size_in_bytes
-    # The forward runs again: about a third more matmul FLOPs (the head is not recomputed by the layers' remat).
-    assert full.cost_analysis()["flops"] > 1.2 * none.cost_analysis()["flops"]
+    # The forward runs again: more FLOPs (the head, a large share at this width, is not part of the layers' remat).
+    assert full.cost_analysis()["flops"] > 1.1 * none.cost_analysis()["flops"]
 
 
 def test_rope_is_priced_as_one_pass_on_tpu() -> None:
