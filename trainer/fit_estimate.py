@@ -2,7 +2,8 @@
 settings that trade memory for time, and a relative time model to order candidate settings by.
 
 Memory: the tensors that scale with each setting, per device: the weights, optimizer state and reference copy
-(state), and the largest live activations (temporaries): per decoder layer its fp32 attention scores and its
+(state), and the largest live activations (temporaries): per decoder layer its fp32 attention scores (none where
+Pallas' flash kernel runs: a pass without a KV cache on TPU, the sampler's prefill from slot 0) and its
 [rows, tokens, width] intermediates, what remat keeps of them for the backward pass, the fp32 [rows, chunk, vocab]
 logits of a log-prob chunk, the gradient (and accumulation) buffers, the sampler's KV cache. The update's
 temporaries are the larger of two phases (the backward pass of one layer, and the log-prob head over every kept
@@ -212,14 +213,27 @@ def state(cfg: TrainConfig, lay: Layout | None = None) -> State:
     return State(base, n_dev * pb, opt, n_dev * pb, n_dev * _b(c.grad_accum_dtype) if accumulate else 0.0, 0.0)
 
 
-def _layer(m: ModelConfig, lay: Layout, rows: float, T: int, S: int, cb: int, low_rank: int = 0) -> float:
+def _layer(m: ModelConfig, lay: Layout, rows: float, T: int, S: int, cb: int, low_rank: int = 0,
+           flash: bool = False) -> float:
     """One decoder layer's forward intermediates for `rows` rows of T queries over S keys, on one device;
     `low_rank`: the lora slots x rank x layer targets of the adapters' [rows, T, slots, rank] activations (each and its
-    gated copy)."""
+    gated copy); `flash`: the attention runs in the flash kernel, which keeps no [T, S] scores, only each query's
+    log-sum-exp for the backward pass."""
     H, K, F = _split(m.n_heads, lay.tensor), _split(m.n_kv_heads, lay.tensor), _split(m.d_ff, lay.tensor)
     acts = rows * T * cb * (4 * m.d_model + 3 * H * m.head_dim + 4 * K * m.head_dim + 4 * F + 2 * low_rank)
-    scores = rows * H * T * S * (2 * F32 + cb)  # fp32 scores and their masked copy, probs in the compute dtype
+    # Else fp32 scores, their masked copy and the probabilities in the compute dtype: an upper bound (libtpu fuses
+    # them; a v6e update of 1024-token rows holds a quarter of it, tests/trainer/test_fit.py), kept as the search's
+    # scenarios were tuned on it.
+    scores = rows * H * T * (F32 if flash else S * (2 * F32 + cb))
     return acts + scores
+
+
+def _flash(cfg: TrainConfig, T: int) -> bool:
+    """Whether a pass of T tokens without a KV cache (or a prefill from slot 0) runs the flash kernel on the TPU that
+    fit compiles for: `model.no_cache_attention` decides, as `model.forward` does."""
+    from trainer.model import no_cache_attention
+
+    return no_cache_attention(cfg.compute.on_platform("tpu"), T) == "flash"
 
 
 def _low_rank(lcfg: LoraConfig | None) -> int:
@@ -255,16 +269,21 @@ def memory(cfg: TrainConfig, program: str, lay: Layout | None = None) -> Memory:
         kv = L * r * T * 2 * _split(m.n_kv_heads, sl.tensor) * m.head_dim * cb
         # FSDP gathers one layer's weights at a time; gather_weights keeps a whole compute-dtype copy.
         gathered = n * cb / sl.tensor / (1 if cfg.sampling.gather_weights else L)
-        temp = kv + gathered + max(_layer(m, sl, r, P, T, cb, lr), 3 * r * V * F32)
+        # A prefill from slot 0 attends its own P tokens (the flash kernel where P fills its blocks); a continuous
+        # batching refill, one row per data-parallel group, attends the cache's T slots.
+        prefill = _layer(m, sl, r, P, P, cb, lr, _flash(cfg, P))
+        continuous = cfg.sampling.continuous_batching and cfg.sample_chunk_rows < cfg.batch_size
+        refill = _layer(m, sl, 1, P, T, cb, lr) if continuous else 0.0
+        temp = kv + gathered + max(prefill, refill, 3 * r * V * F32)
         return Memory(params + opt + ref, temp)
     if program == "ref_logprobs":
         r = cfg.batch_size / lay.data
         head = 2 * r * C * V * F32 + r * N * D * cb
-        temp = r * T * D * cb + max(_layer(m, lay, r, T, T, cb), head)
+        temp = r * T * D * cb + max(_layer(m, lay, r, T, T, cb, flash=_flash(cfg, T)), head)
         # Without lora the reference copy is the argument and the policy is resident; with lora both are the params.
         return Memory((params if cfg.lora is not None else 2 * params) + opt, temp)
     r = cfg.micro_batch_rows / lay.data
-    ws = _layer(m, lay, r, T, T, cb, lr)
+    ws = _layer(m, lay, r, T, T, cb, lr, _flash(cfg, T))
     keep = _kept(m, lay, r, T, cb, c.remat, ws)
     inputs = r * T * D * cb  # scan keeps every layer's input whatever remat does
     head = 4 * r * C * V * F32 + r * N * D * (cb + F32)
@@ -423,7 +442,7 @@ def service_memory(cfg: TrainConfig, program: str, p: Pass | None = None, lay: L
     V = _split(m.vocab_size, lay.tensor)
     C = min(c.logprob_chunk, T)
     stack = stack_config(cfg)
-    ws = _layer(m, lay, r, T, T, cb, _low_rank(stack))
+    ws = _layer(m, lay, r, T, T, cb, _low_rank(stack), _flash(cfg, T))
     keep = _kept(m, lay, r, T, cb, c.remat, ws)
     inputs = r * T * D * cb
     head = 4 * r * C * V * F32 + r * T * D * (cb + F32) + 2 * r * T * stack.slots * stack.rank * cb
