@@ -131,14 +131,16 @@ def model_small() -> ModelConfig:
                        max_seq_len=512, tie_embeddings=True)
 
 
-def train_cfg(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, Any]) -> Any:
+def train_cfg(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, Any],
+              sampling: dict[str, Any] | None = None) -> Any:
     return config_from_dict({
         "model": mcfg.model_dump(),
         "mesh": {"slices": 1, "fsdp": 1, "tensor": 1},
         "task": {"name": "digits"},
         "compute": {"param_dtype": "float32", "dtype": "bfloat16", **compute},
         "rl": {"group_size": rows, "prompts_per_step": 1, "mu_iterations": 1},
-        "sampling": {"max_new_tokens": N, "max_prompt_len": P, "temperature": 1.0, "continuous_batching": False},
+        "sampling": {"max_new_tokens": N, "max_prompt_len": P, "temperature": 1.0, "continuous_batching": False,
+                     **(sampling or {})},
         "optim": {"lr": 1e-5},
         "steps": 100,
         "progress": False,
@@ -194,15 +196,22 @@ def update_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, 
 
 
 def decode_step_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, Any], repeats: int,
-                    bw: float) -> dict[str, Any]:
+                    bw: float, trace_dir: str | None = None) -> dict[str, Any]:
     """One decode step alone (`trainer.sampler.decode_step`, jitted, the cache donated) with every row's cache
-    live up to slot P + N / 2: the step's own cost, without the sampler's loop around it."""
+    live up to slot P + N / 2: the step's own cost, without the sampler's loop around it. The weights as the sampler
+    holds them (one array per layer where `step.UNSTACKED_SAMPLER_PLATFORMS` says). `trace_dir`: `repeats` more
+    steps traced by jax.profiler (`trace_summary`; a whole sample call's trace, ~250,000 kernels, did not finish
+    in 230 s on an H100)."""
     from trainer.sampler import decode_step
+    from trainer.step import UNSTACKED_SAMPLER_PLATFORMS
 
     cfg = train_cfg(mcfg, rows, P, N, compute)
-    cc = cfg.compute.on_platform(jax.devices()[0].platform)
+    platform = jax.devices()[0].platform
+    cc = cfg.compute.on_platform(platform)
     dt = M.compute_dtype(mcfg, cc)
     params = M.cast_weights(M.init_params(mcfg, jax.random.key(0)), dt)
+    if platform in UNSTACKED_SAMPLER_PLATFORMS:
+        params = M.unstack_layers(params)
     cache = M.init_cache(mcfg, rows, P + N, cc)
     live = P + N // 2
     cache = M.KVCache(cache.k_LBSKE + jnp.asarray(0.01, dt), cache.v_LBSKE + jnp.asarray(0.01, dt),
@@ -221,13 +230,18 @@ def decode_step_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[
     t = median_time(run, repeats)
     kv = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * 2 * rows * live
     floor = (2 * param_count(mcfg) + kv) / bw
-    return {"compute": compute, "rows": rows, "live_slots": live, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor,
-            "time_over_floor": t / floor}
+    out = {"compute": compute, "rows": rows, "live_slots": live, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor,
+           "time_over_floor": t / floor}
+    if trace_dir:
+        out["profile"] = trace_summary(lambda: [run() for _ in range(repeats)][-1], trace_dir, steps=repeats)
+    return out
 
 
 def decode_run(mcfg: ModelConfig, rows: int, P: int, N: int, repeats: int, peak: float, bw: float,
-               compute: dict[str, Any] | None = None) -> dict[str, Any]:
-    cfg = train_cfg(mcfg, rows, P, N, compute or {})
+               compute: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
+               hlo_file: str | None = None) -> dict[str, Any]:
+    """The sample program's time against its roofline; `hlo_file`: its optimised HLO written there."""
+    cfg = train_cfg(mcfg, rows, P, N, compute or {}, sampling)
     mesh = make_mesh(1, 1, 1, jax.devices()[:1])
     programs = build_programs(cfg, mesh, 0, -1)  # EOS -1 is never drawn: every row decodes N tokens
     batch = _batch(rows, P, N, mcfg.vocab_size)
@@ -235,7 +249,14 @@ def decode_run(mcfg: ModelConfig, rows: int, P: int, N: int, repeats: int, peak:
         params = programs.init_params(replicate(mesh, np.asarray(jax.random.key_data(jax.random.key(0)))))
         key = replicate(mesh, np.asarray(jax.random.key_data(jax.random.key(1))))
         step = replicate(mesh, np.asarray(0, np.int32))
-        run = lambda: programs.sample(params, batch["prompt"], batch["prompt_valid"], key, step)  # noqa: E731
+        args = (params, batch["prompt"], batch["prompt_valid"], key, step)
+        t0 = time.perf_counter()
+        compiled = programs.sample.lower(*args).compile()
+        compile_s = time.perf_counter() - t0
+        if hlo_file:
+            with open(hlo_file, "w") as f:
+                f.write(compiled.as_text())
+        run = lambda: compiled(*args)  # noqa: E731
         t0 = time.perf_counter()
         samples = jax.block_until_ready(run())
         first_s = time.perf_counter() - t0
@@ -252,19 +273,60 @@ def decode_run(mcfg: ModelConfig, rows: int, P: int, N: int, repeats: int, peak:
     decode_bytes = sum(weights + kv_per_slot * (prompt_tokens + rows * s) for s in range(1, steps + 1))
     floor_s = prefill_s + decode_bytes / bw
     return {
-        "compute": compute or {}, "rows": rows, "prompt": P, "new_tokens": N, "steps": steps, "generated": generated,
-        "first_call_s": first_s, "sample_s": t, "tokens_per_s": generated / t,
+        "compute": compute or {}, "sampling": sampling or {},
+        "decode_attention": cfg.compute.on_platform(jax.devices()[0].platform).decode_attention,
+        "rows": rows, "prompt": P, "new_tokens": N, "steps": steps, "generated": generated,
+        "compile_s": compile_s, "first_call_s": first_s, "sample_s": t, "tokens_per_s": generated / t,
         "roofline_s": floor_s, "roofline_tokens_per_s": generated / floor_s, "time_over_roofline": t / floor_s,
         "decode_step_ms": 1e3 * t / max(steps, 1), "weights_bytes": weights,
     }
+
+
+def trace_summary(run: Callable[[], Any], trace_dir: str, steps: int = 1, top: int = 30) -> dict[str, Any]:
+    """One call of `run` (`steps` steps) under jax.profiler: the device's busy time (the union of its kernels'
+    intervals) against the span from its first kernel to its last, so the share the device waits (on the host,
+    between launches) shows, and the kernels taking most of it (ms per step, launches per step)."""
+    import collections
+    import glob
+    import gzip
+
+    t0 = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(run())
+    wall_us = (time.perf_counter() - t0) * 1e6
+    with gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in procs.items() if "/device:GPU" in name}
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("pid") in device and "dur" in e)
+    busy, end = 0.0, -1.0
+    for a, b in spans:  # the union of the kernels' intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    total: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
+            total[e["name"][:120]] += e["dur"]
+            count[e["name"][:120]] += 1
+    return {"processes": sorted(set(procs.values()))[:20], "wall_ms": wall_us / 1e3,
+            "device_busy_ms_per_step": busy / 1e3 / steps, "device_kernels_per_step": len(spans) / steps,
+            "span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / steps if spans else 0.0,
+            "top": [[name, round(us / 1e3 / steps, 4), count[name] / steps] for name, us in total.most_common(top)]}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the figures here (rewritten after each part)")
     ap.add_argument("--small", action="store_true", help="toy sizes: checks the script on any backend")
-    ap.add_argument("--parts", help="comma-separated parts to run (default: all), e.g. decode,decode_block0")
+    ap.add_argument("--parts", help="comma-separated parts to run (default: all), e.g. ceilings,decode,decode_unrolled")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip parts that would start after this")
+    ap.add_argument("--hlo-dir", help="write each decode variant's optimised HLO here")
+    ap.add_argument("--trace-dir", default="/tmp/bench-gpu-trace", help="decode_profile's jax.profiler trace")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     small = args.small
@@ -324,11 +386,20 @@ def main(argv: list[str] | None = None) -> int:
     part("update_xla", lambda: update("xla", {"attention": "xla", "remat": "full"}))
     same_logp("cudnn", "xla")
     dec = (8, 32, 32) if small else (64, 256, 512)
-    for block in (256, 0):  # the config's default: the cache read block by block up to the live end; 0: whole
-        part(f"decode_block{block}", lambda b=block: decode_run(mcfg, *dec, 2 if small else 3, peak, bw,
-                                                                {"decode_block": b}))
-        part(f"decode_step_block{block}", lambda b=block: decode_step_run(mcfg, *dec, {"decode_block": b},
-                                                                          3 if small else 20, bw))
+    reps = 2 if small else 3
+    # name: compute and sampling settings over the defaults (on a GPU: the whole cache in one einsum, a bf16 copy of
+    # the weights made once before the loop, one array per layer)
+    decodes: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "decode": ({}, {}),
+        "decode_unrolled": ({"decode_block": 256}, {}),  # 256-slot blocks, the step compiled per live-block count
+        "decode_loop": ({"decode_block": 256, "decode_attention": "xla"}, {}),  # the block loop inside the step
+        "decode_gather": ({}, {"gather_weights": True}),  # one device: nothing to gather, the same copy
+    }
+    for name, (cc, sc) in decodes.items():
+        part(name, lambda cc=cc, sc=sc, name=name: decode_run(
+            mcfg, *dec, reps, peak, bw, cc, sc, f"{args.hlo_dir}/{name}.hlo" if args.hlo_dir else None))
+    part("decode_step", lambda: decode_step_run(mcfg, *dec, {"decode_block": 256}, 3 if small else 20, bw))
+    part("decode_profile", lambda: decode_step_run(mcfg, *dec, {}, 3 if small else 10, bw, args.trace_dir))
     part("update_cudnn_dots", lambda: update("cudnn_dots", {"attention": "cudnn", "remat": "dots"}))
     # Both attentions where the einsum's [T, T] scores fit: a quarter of the batch
     for attention in ("cudnn", "xla"):

@@ -93,6 +93,8 @@ DType = Literal["float32", "bfloat16"]
 # compute.scan_layers unset: unrolled up to this depth. Unrolled was faster at 4, 8 and 16 layers on the CPU while
 # its first call grew from 6-10 s to 6-17 s (bench/README.md "Against Tunix"); deep models keep flat compile times.
 UNROLL_MAX_LAYERS = 16
+# compute.decode_attention's `auto` per platform (the Pallas kernel is a TPU kernel)
+DECODE_ATTENTION = {"tpu": "pallas", "gpu": "unrolled"}
 # compute.train_micro_batch_size unset on a CPU mesh: tokens per data shard per micro-batch. A measurement on a
 # 2 MiB-L2 CPU (bench/README.md "Against Tunix"), where the update's transposes and matmuls then fit the caches;
 # TPUs and GPUs keep the whole minibatch (large matmuls; FSDP re-gathers the weights for every micro-batch).
@@ -146,20 +148,29 @@ class ComputeConfig(_Strict):
     # row's newest token (online softmax, static shapes; a loop whose trip count grows with the step). One einsum
     # over the whole P + N-slot cache reads every slot at every step, and made libtpu copy each layer's slice of the
     # stacked cache before reading it. 0 (or a cache no longer than a block): that einsum, the reference.
+    # Unset on a GPU: 0. There the whole-cache einsum beat the blocks (1B model, 64 rows, 768 slots, H100: 1.85 s
+    # against 2.27 s unrolled and 2.45 s in a loop; bench/README.md "The trainer on a GPU"): fewer, larger kernels.
     decode_block: int = Field(256, ge=0, description="KV-cache slots a decode step's attention reads per block, "
-                              "up to the furthest live token only; 0: the whole cache in one einsum (the reference)")
+                              "up to the furthest live token only; 0: the whole cache in one einsum (the reference; "
+                              "the default on GPU)")
     # How those blocks are read: auto = the Pallas TPU kernel of trainer/decode_kernel.py (each block DMA'd from the
     # stacked cache, no copy) where the mesh is on TPU and the cache and head size fit its tiles, else XLA's loop of
     # dynamic slices (which libtpu copies block by block). pallas off TPU runs in Pallas' interpret mode only.
-    decode_attention: Literal["auto", "xla", "pallas"] = Field(
-        "auto", description="a decode step's block-wise attention: auto = the Pallas TPU kernel on TPU, else XLA")
+    # unrolled: XLA's blocks, but no loop inside the step: the step is compiled once per count of live blocks and
+    # lax.switch runs the one each step needs. On a GPU, XLA runs a loop whose trip count it cannot see by copying
+    # its predicate to the host at every iteration (once per block and layer), so the GPU waits on the host.
+    decode_attention: Literal["auto", "xla", "pallas", "unrolled"] = Field(
+        "auto", description="a decode step's block-wise attention: auto = the Pallas TPU kernel on TPU, unrolled "
+        "on GPU (one compiled step per live-block count, picked per step), else XLA's block loop")
 
     def on_platform(self, platform: str) -> ComputeConfig:
         """The `auto` kernel choices resolved for a mesh of `platform` (the Pallas kernels are TPU kernels)."""
-        tpu = platform == "tpu"
         fused = {"tpu": "flash", "gpu": "cudnn"}.get(platform, "xla")
-        update = {k: v for k, v in (("attention", fused),
-                                    ("decode_attention", "pallas" if tpu else "xla")) if getattr(self, k) == "auto"}
+        update: dict[str, Any] = {k: v for k, v in (("attention", fused),
+                                                    ("decode_attention", DECODE_ATTENTION.get(platform, "xla")))
+                                  if getattr(self, k) == "auto"}
+        if platform == "gpu" and "decode_block" not in self.model_fields_set:
+            update["decode_block"] = 0
         return self.model_copy(update=update) if update else self
 
     def scans(self, n_layers: int) -> bool:

@@ -86,6 +86,15 @@ def cast_weights(p: Params, dt: jnp.dtype) -> Params:
         lambda path, w: w if "norm" in jax.tree_util.keystr(path) else w.astype(dt), p)
 
 
+def unstack_layers(params: Params) -> Params:
+    """The stacked [L, ...] layer weights as a list of L per-layer trees, which `forward` runs unrolled. XLA on a
+    GPU copies a layer's slice of a stacked weight before a GEMM reads it (a kernel per weight, layer and decode
+    step: 112 of the ~470 kernels of a 1B model's decode step, each moving the weights once more); separate arrays
+    are read in place."""
+    L = jax.tree.leaves(params["layers"])[0].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(L)]}
+
+
 def param_shapes(cfg: ModelConfig) -> Params:
     L, D, H, K, E, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                            cfg.vocab_size)
@@ -404,6 +413,11 @@ def static_decode_blocks(n: int) -> Iterator[None]:
         _STATIC_DECODE_BLOCKS.reset(token)
 
 
+def static_blocks() -> int | None:
+    """The block count `static_decode_blocks` fixes for the trace under way, if any."""
+    return _STATIC_DECODE_BLOCKS.get()
+
+
 def live_blocks(q_slot_BT: jax.Array, live_BT: jax.Array, block: int, slots: int) -> jax.Array:
     """Blocks of `block` cache slots up to the one holding the furthest live query's own slot (at most all)."""
     last = jnp.max(jnp.where(live_BT, q_slot_BT, 0))
@@ -578,8 +592,16 @@ def forward(
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cc.remat], prevent_cse=not scans)
 
     kv_in = None if cache is None else (cache.k_LBSKE, cache.v_LBSKE)
-    (x_BTD, kv_out), _ = jax.lax.scan(body, (x_BTD, kv_in), (params["layers"], lora_layers, jnp.arange(cfg.n_layers)),
-                                      unroll=1 if scans else True)
+    if isinstance(params["layers"], (list, tuple)):  # `unstack_layers`: one array per layer, no slice to take
+        carry = (x_BTD, kv_in)
+        for i, p in enumerate(params["layers"]):
+            lp = None if lora_layers is None else jax.tree.map(lambda w, i=i: w[i], lora_layers)
+            carry, _ = body(carry, (p, lp, i))
+        x_BTD, kv_out = carry
+    else:
+        (x_BTD, kv_out), _ = jax.lax.scan(body, (x_BTD, kv_in),
+                                          (params["layers"], lora_layers, jnp.arange(cfg.n_layers)),
+                                          unroll=1 if scans else True)
     if kind == "cudnn":  # back to the rows' own order
         x_BTD = jnp.take_along_axis(x_BTD, back_BT[:, :, None], axis=1)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)

@@ -16,13 +16,26 @@ truncation (temperature 0 = greedy, log-probs at temperature 1). That is exactly
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from trainer.config import ComputeConfig, ModelConfig
-from trainer.model import DEFAULT_COMPUTE, Adapter, KVCache, Params, forward, init_cache, logits, logprobs_and_entropy
+from trainer.model import (
+    DEFAULT_COMPUTE,
+    Adapter,
+    KVCache,
+    Params,
+    forward,
+    init_cache,
+    live_blocks,
+    logits,
+    logprobs_and_entropy,
+    static_blocks,
+    static_decode_blocks,
+)
 from trainer.sharding import constrain, join_strided, split_strided
 
 
@@ -185,10 +198,29 @@ def decode_step(params: Params, cfg: ModelConfig, tok_B: jax.Array, live_B: jax.
                 slot: jax.Array, cache: KVCache, cc: ComputeConfig, adapter: Adapter | None
                 ) -> tuple[jax.Array, KVCache]:
     """One token per row into cache slot `slot` (one for all rows, or one per row) at RoPE position pos_B; a row
-    that is not live writes an invalid slot, which nothing attends to. Returns the next logits and the cache."""
-    x_B1D, cache = forward(params, cfg, tok_B[:, None], live_B[:, None], pos_B[:, None], cache=cache, index=slot,
-                           cc=cc, adapter=adapter)
-    return logits(params, cfg, x_B1D, adapter)[:, 0], cache  # type: ignore[return-value]
+    that is not live writes an invalid slot, which nothing attends to. Returns the next logits and the cache.
+
+    With `compute.decode_attention: unrolled` the step is traced once per count of live cache blocks, each reading
+    exactly that many (unrolled), and `lax.switch` runs the one this step needs: no loop inside the step."""
+
+    def run(cache: KVCache) -> tuple[jax.Array, KVCache]:
+        x_B1D, cache = forward(params, cfg, tok_B[:, None], live_B[:, None], pos_B[:, None], cache=cache,  # type: ignore[assignment]
+                               index=slot, cc=cc, adapter=adapter)
+        return logits(params, cfg, x_B1D, adapter)[:, 0], cache
+
+    S, block = cache.valid_BS.shape[1], cc.decode_block
+    if cc.decode_attention != "unrolled" or not 0 < block < S or static_blocks() is not None:
+        return run(cache)
+
+    def fixed(n: int) -> Callable[[KVCache], tuple[jax.Array, KVCache]]:
+        def branch(cache: KVCache) -> tuple[jax.Array, KVCache]:
+            with static_decode_blocks(n):
+                return run(cache)
+        return branch
+
+    slot_B1 = jnp.broadcast_to(jnp.reshape(slot, (-1, 1)), (tok_B.shape[0], 1))
+    n = live_blocks(slot_B1, live_B[:, None], block, S)
+    return jax.lax.switch(n - 1, [fixed(k) for k in range(1, -(-S // block) + 1)], cache)
 
 
 def _stop(tok_B: jax.Array, eos_id: int | tuple[int, ...]) -> jax.Array:

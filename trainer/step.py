@@ -72,9 +72,14 @@ class Programs:
 def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
     """The programs for a resolved config (mesh axes known) on `mesh`."""
     rules = RULES_ACROSS_SLICES if cfg.mesh.fsdp_across_slices else RULES
-    micro_rows = cfg.micro_batch_rows_on(mesh.devices.flat[0].platform, data_size(mesh))
-    return _build(cfg.model_cfg, cfg.compute, cfg.rl, cfg.sampling, cfg.optim, cfg.steps, micro_rows,
-                  mesh, rules, pad_id, eos_id, cfg.lora)
+    platform = mesh.devices.flat[0].platform
+    micro_rows = cfg.micro_batch_rows_on(platform, data_size(mesh))
+    # Resolved before the cache: configs equal in value can resolve apart (a decode_block left unset on a GPU)
+    return _build(cfg.model_cfg, cfg.compute.on_platform(platform), cfg.rl, cfg.sampling, cfg.optim, cfg.steps,
+                  micro_rows, mesh, rules, pad_id, eos_id, cfg.lora)
+
+
+UNSTACKED_SAMPLER_PLATFORMS = frozenset({"gpu"})
 
 
 def gather_for_sampling(params: M.Params, dt: Any, sh: Any, by_layer: bool, unroll: bool = False) -> M.Params:
@@ -128,6 +133,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     smesh = regroup(mesh, sc.tensor)
     gathered_sh = named_shardings(smesh, M.param_axes(mcfg), M.abstract_params(mcfg), RULES_GATHERED)
     compute_dt = M.compute_dtype(mcfg, cc)
+    # Unrolled layers on a GPU sample from per-layer arrays (`model.unstack_layers`); TPU reads slices in place.
+    unstack_sampler = mesh.devices.flat[0].platform in UNSTACKED_SAMPLER_PLATFORMS and not cc.scans(mcfg.n_layers)
 
     def base_of(params: M.Params) -> M.Params:
         return params if lcfg is None else params["base"]
@@ -143,11 +150,14 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         return None if lcfg is None or slot_B is None else L.adapter(params["lora"], slot_B, lcfg)
 
     def sampler_weights(params: M.Params) -> M.Params:
-        """The weights as the sampler reads them: with sampling.gather_weights, one compute-dtype copy gathered
-        over fsdp (norm scales keep their dtype: they are applied in fp32)."""
+        """The weights as the sampler reads them: one compute-dtype copy made before the decode loop (norm scales
+        keep their dtype: they are applied in fp32), laid out as trained or, with sampling.gather_weights, gathered
+        over fsdp. Cast inside the loop, fp32 master weights were read whole and cast at every decode step."""
         if not sc.gather_weights:
-            return params
-        return gather_for_sampling(params, compute_dt, gathered_sh, smesh is not mesh, not cc.scans(mcfg.n_layers))
+            w = jax.lax.with_sharding_constraint(M.cast_weights(params, compute_dt), base_sh)
+        else:
+            w = gather_for_sampling(params, compute_dt, gathered_sh, smesh is not mesh, not cc.scans(mcfg.n_layers))
+        return M.unstack_layers(w) if unstack_sampler else w
 
     def onto_sampler_mesh(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array,
                           step: jax.Array, slot: jax.Array | None) -> tuple[Any, ...]:

@@ -179,12 +179,14 @@ def test_continuous_batching_with_one_slot_per_row_and_greedy() -> None:
     assert int(one.steps) == int(whole[2].sum())  # one slot: a step per generated token
 
 
+@pytest.mark.parametrize("attention", ["xla", "unrolled"])
 @pytest.mark.parametrize("block", [8, 5])
-def test_block_attention_decodes_as_the_whole_cache(block: int) -> None:
+def test_block_attention_decodes_as_the_whole_cache(block: int, attention: str) -> None:
     """compute.decode_block: a decode step reads the cache block by block up to the furthest live token. float32:
     the same tokens as the whole-cache einsum (the reference), with log-probs within rounding, sampled all at once
     or continuously batched (rows then sit at different slots), blocks dividing the cache (48 + 16 = 64 slots) or
-    not (the last block overlaps the one before)."""
+    not (the last block overlaps the one before); the blocks in a loop (xla) or the step compiled per live-block
+    count (unrolled, GPU's default)."""
     from trainer.config import ComputeConfig
 
     B, P, n_new = 8, 16, 48
@@ -193,7 +195,7 @@ def test_block_attention_decodes_as_the_whole_cache(block: int) -> None:
     valid = jnp.asarray(np.arange(P)[None, :] >= rng.integers(0, 6, (B, 1)))
 
     def run(decode_block: int, **kw: object) -> tuple[np.ndarray, ...]:
-        cc = ComputeConfig(dtype="float32", decode_block=decode_block)
+        cc = ComputeConfig(dtype="float32", decode_block=decode_block, decode_attention=attention)
         f = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=n_new, eos_id=tuple(range(10, 14)), pad_id=PAD,
                                       cc=cc, **kw))
         out = f(_params(), prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5))
@@ -208,7 +210,8 @@ def test_block_attention_decodes_as_the_whole_cache(block: int) -> None:
         np.testing.assert_allclose(out[1], ref[1], atol=2e-5)
 
 
-def test_block_attention_never_reads_past_the_live_block() -> None:
+@pytest.mark.parametrize("attention", ["xla", "unrolled"])
+def test_block_attention_never_reads_past_the_live_block(attention: str) -> None:
     """Slots in blocks past the one holding the furthest live token are never read: filled with NaN they leave the
     step's logits finite and equal to a clean cache's (the whole-cache einsum reads them: its probabilities are 0
     there, but 0 x NaN is NaN). In bfloat16 the blocks' online softmax rounds differently from the einsum's, within
@@ -219,7 +222,7 @@ def test_block_attention_never_reads_past_the_live_block() -> None:
     P, S, block = 8, 40, 8
     prompt, valid = _padded(left=True)
     for dtype, atol in (("float32", 2e-5), ("bfloat16", 0.1)):
-        whole, blocks = (ComputeConfig(dtype=dtype, decode_block=b) for b in (0, block))
+        whole, blocks = (ComputeConfig(dtype=dtype, decode_block=b, decode_attention=attention) for b in (0, block))
         _, cache = prefill(_params(), CFG, prompt, valid, S, whole, None)
         slot = jnp.array([P + 3, P + 9, P + 1, P])  # rows at their own slots; the furthest live one in block 2
         live = jnp.array([True, True, True, False])
@@ -232,6 +235,35 @@ def test_block_attention_never_reads_past_the_live_block() -> None:
         np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(want[:3]), atol=atol)
         spoiled, _ = decode_step(_params(), CFG, tok, live, pos, slot, poisoned, whole, None)
         assert not bool(jnp.all(jnp.isfinite(spoiled[:3])))
+
+
+def test_an_unrolled_decode_step_has_no_loop_inside() -> None:
+    """compute.decode_attention unrolled (GPU's default): the step is one compiled branch per live-block count (a
+    conditional), with no `while` inside, whose trip count a GPU would read back from the device at every
+    iteration; the block loop (xla) has one."""
+    from trainer.config import ComputeConfig
+    from trainer.sampler import decode_step, prefill
+
+    P, S, block = 8, 40, 8
+    prompt, valid = _padded(left=True)
+    _, cache = prefill(_params(), CFG, prompt, valid, S, ComputeConfig(), None)
+    tok, live, slot = jnp.array([5, 6, 7, 8], jnp.int32), jnp.ones(4, bool), jnp.asarray(P + 3)
+
+    def hlo(attention: str) -> str:
+        cc = ComputeConfig(decode_block=block, decode_attention=attention)
+        step = jax.jit(lambda p, c, s: decode_step(p, CFG, tok, live, jnp.sum(valid, axis=1) + s - P, s, c, cc,
+                                                   None))
+        return step.lower(_params(), cache, slot).compile().as_text()
+
+    unrolled, loop = hlo("unrolled"), hlo("xla")
+    assert " while(" not in unrolled and " conditional(" in unrolled
+    assert " while(" in loop
+    assert ComputeConfig().on_platform("gpu").decode_attention == "unrolled"
+    # A GPU reads the whole cache unless told a block (measured faster there); a block set is kept
+    assert ComputeConfig().on_platform("gpu").decode_block == 0
+    assert ComputeConfig(decode_block=256).on_platform("gpu").decode_block == 256
+    assert ComputeConfig().on_platform("tpu").decode_block == 256
+    assert ComputeConfig().on_platform("cpu").decode_attention == "xla"
 
 
 def test_a_prefill_attends_its_own_tokens_in_the_flash_kernel() -> None:

@@ -292,6 +292,40 @@ def test_gathered_sampler_weights_give_the_same_samples(base: dict) -> None:
     np.testing.assert_allclose(outs[0].logprobs_BN, outs[1].logprobs_BN, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_unstacked_sampler_weights_give_the_same_samples(base: dict, gather: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the sampler reads one array per layer (XLA there copies each layer's slice of a stacked weight
+    before its GEMM, at every decode step): forced on here, the same tokens and log-probs on a sharded mesh,
+    gathered or not, from a program that takes no slice of a stacked weight inside its decode loop."""
+    import trainer.step as step_module
+
+    cfg = _cfg(base, (1, 4, 2), sampling={"temperature": 1.0, "gather_weights": gather})
+    mesh = make_mesh(1, 4, 2)
+    batch = _batch(mesh)
+    key = replicate(mesh, np.asarray(jax.random.key_data(jax.random.PRNGKey(4))))
+    step = replicate(mesh, np.int32(0))
+    outs, texts = [], []
+    for platforms in (frozenset(), frozenset({"cpu"})):
+        monkeypatch.setattr(step_module, "UNSTACKED_SAMPLER_PLATFORMS", platforms)
+        step_module._build.cache_clear()
+        progs = build_programs(cfg, mesh, 0, 2)
+        with jax.set_mesh(mesh):
+            params = progs.init_params(key)
+            outs.append(jax.device_get(progs.sample(params, batch["prompt"], batch["prompt_valid"], key, step)))
+            texts.append(progs.sample.lower(params, batch["prompt"], batch["prompt_valid"], key, step).as_text())
+    step_module._build.cache_clear()
+    np.testing.assert_array_equal(outs[0].tokens_BN, outs[1].tokens_BN)
+    np.testing.assert_allclose(outs[0].logprobs_BN, outs[1].logprobs_BN, rtol=1e-5, atol=1e-5)
+    L = cfg.model_cfg.n_layers
+
+    def loop_slices(text: str) -> int:  # slices of a stacked [L, ...] array inside the decode loop's body
+        body = text[text.index("stablehlo.while"):]
+        return len(re.findall(rf"stablehlo\.(?:dynamic_)?slice %[\w#]+(?:, %[\w#]+)* .*tensor<{L}x", body))
+
+    assert loop_slices(texts[1]) <= loop_slices(texts[0]) - 7 * L  # none of the 7 matrices of any layer
+
+
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_a_regrouped_sampler_gives_the_same_samples(base: dict, chunk: int | None) -> None:
     """sampling.tensor 4 on a slices 2 x fsdp 2 x tensor 2 mesh: the sampler runs on (2, 1, 4), its gathered weights
