@@ -267,8 +267,12 @@ def memory(cfg: TrainConfig, program: str, lay: Layout | None = None) -> Memory:
         sl = lay.regrouped(cfg.sampling.tensor)
         r, V = cfg.sample_chunk_rows / sl.data, _split(m.vocab_size, sl.tensor)
         kv = L * r * T * 2 * _split(m.n_kv_heads, sl.tensor) * m.head_dim * cb
-        # FSDP gathers one layer's weights at a time; gather_weights keeps a whole compute-dtype copy.
-        gathered = n * cb / sl.tensor / (1 if cfg.sampling.gather_weights else L)
+        # gather_weights keeps a whole compute-dtype copy; without it, the sampler's compute-dtype copy stays
+        # sharded as trained (made once before the loop) and FSDP gathers one layer of it at a time.
+        if cfg.sampling.gather_weights:
+            gathered = n * cb / sl.tensor
+        else:
+            gathered = n * cb / sl.tensor / L + (n * cb / lay.shards if cb < _b(m.param_dtype) else 0.0)
         # A prefill from slot 0 attends its own P tokens (the flash kernel where P fills its blocks); a continuous
         # batching refill, one row per data-parallel group, attends the cache's T slots.
         prefill = _layer(m, sl, r, P, P, cb, lr, _flash(cfg, P))
@@ -502,9 +506,9 @@ def sample_seconds(cfg: TrainConfig, n_devices: int, flops: StepFlops, peak: flo
     chunks = cfg.batch_size // rows
     S = cfg.prompt_len + cfg.sampling.max_new_tokens
     data = sm["slices"] * sm["fsdp"]
-    # Each device reads the weights of its tensor shard once per forward pass (FSDP gathers the rest; with
-    # sampling.gather_weights a compute-dtype copy gathered once per step) and its rows' KV cache (sharded over kv
-    # heads when the sampler's tensor axis divides them).
+    # Each device reads the weights of its tensor shard once per forward pass and its rows' KV cache (sharded over
+    # kv heads when the sampler's tensor axis divides them). Without sampling.gather_weights FSDP gathers every
+    # layer at every step: priced as reading the weights in their stored dtype (a proxy for that traffic).
     gathered = getattr(cfg.sampling, "gather_weights", False)
     weights = param_count(m) * jnp.dtype(cfg.compute_dtype if gathered else m.param_dtype).itemsize / sm["tensor"]
     kv_shards = sm["tensor"] if m.n_kv_heads % sm["tensor"] == 0 else 1
