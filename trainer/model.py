@@ -354,6 +354,32 @@ def _pallas_interpreting() -> bool:
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
+@jax.custom_vjp
+def token_dense(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
+    """x @ w over the last axis (compute.dense_grad transposed): its weight gradient, a matmul over the tokens,
+    reads x's transpose written out first, so both operands are in the canonical layout. XLA's CPU otherwise wrote
+    the [T, F] output gradient transposed (fused into the SwiGLU backward) and ran the matmul with a transposed left
+    operand, which YNNPACK refuses (Eigen ran it): 8 % of the CPU update step (bench/README.md "Against Tunix").
+    The barrier keeps the algebraic simplifier from folding the transpose back into the dot."""
+    return jnp.einsum("bti,io->bto", x_BTI, w_IO)
+
+
+def _token_dense_fwd(x_BTI: jax.Array, w_IO: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return token_dense(x_BTI, w_IO), (x_BTI, w_IO)
+
+
+def _token_dense_bwd(res: tuple[jax.Array, jax.Array], g_BTO: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x_BTI, w_IO = res
+    dx = jnp.einsum("bto,io->bti", g_BTO, w_IO)
+    x_IN = jax.lax.optimization_barrier(x_BTI.reshape(-1, x_BTI.shape[-1]).T)
+    dw = jnp.dot(x_IN, g_BTO.reshape(-1, g_BTO.shape[-1]).astype(x_IN.dtype), preferred_element_type=w_IO.dtype)
+    return dx, dw.astype(w_IO.dtype)
+
+
+token_dense.defvjp(_token_dense_fwd, _token_dense_bwd)
+MLP_WEIGHTS = ("w_gate", "w_up", "w_down")  # what compute.dense_grad covers: the rest already ran canonical
+
+
 def _layer(
     cfg: ModelConfig,
     x_BTD: jax.Array,
@@ -364,8 +390,11 @@ def _layer(
     index: jax.Array | int,
     lora: Params | None = None,
     gate_BS: jax.Array | None = None,
+    transposed_grads: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
     def proj(spec: str, x: jax.Array, key: str) -> jax.Array:
+        if transposed_grads and key in MLP_WEIGHTS and (lora is None or key not in lora):
+            return token_dense(x, p[key])
         y = jnp.einsum(spec, x, p[key])
         if lora is not None and key in lora:
             y = y + lora_delta(x, lora[key], gate_BS, key)  # type: ignore[arg-type]
@@ -582,7 +611,7 @@ def forward(
         p, lp, layer = xs
         lp = None if lp is None else cast_weights(lp, dt)
         x, kv = _layer(cfg, x, cast_weights(p, dt), rope_tab, attend,
-                       None if kv is None else (*kv, layer), index, lp, gate_BS)
+                       None if kv is None else (*kv, layer), index, lp, gate_BS, cc.dense_grad == "transposed")
         return (x, None if kv is None else kv[:2]), None
 
     scans = cc.scans(cfg.n_layers)

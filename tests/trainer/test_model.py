@@ -338,3 +338,32 @@ def test_logprobs_and_entropy_match_log_softmax_and_their_gradient(temperature: 
     grad = jax.grad(lambda x: jnp.sum(M.logprobs_and_entropy(x, targets, temperature)[0]))(logits)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(jax.grad(lambda x: jnp.sum(reference(x)[0]))(logits)),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_token_dense_keeps_the_weight_gradient_a_canonical_matmul_on_cpu() -> None:
+    """compute.dense_grad transposed (CPU's default): the MLP projections' values and gradients are the einsum's,
+    and the weight gradient (a matmul over the tokens) runs with both operands canonical, which YNNPACK takes;
+    through the plain einsum XLA's CPU contracts the left operand over its major axis (an Eigen dot)."""
+    from trainer.config import ComputeConfig
+
+    x = jax.random.normal(jax.random.key(0), (2, 64, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 96)) * 0.1
+
+    def plain(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.einsum("bti,io->bto", x, w)
+
+    def loss(f: Any) -> Any:
+        return lambda x, w: jnp.sum(jax.nn.silu(f(x, w)) ** 2)
+
+    grads = {name: jax.jit(jax.grad(loss(f), argnums=(0, 1))) for name, f in (("plain", plain),
+                                                                                  ("token", M.token_dense))}
+    np.testing.assert_allclose(M.token_dense(x, w), plain(x, w), rtol=1e-6)
+    for got, want in zip(grads["token"](x, w), grads["plain"](x, w), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    def transposed_lhs(name: str) -> int:
+        return grads[name].lower(x, w).compile().as_text().count("lhs_contracting_dims={0}")
+
+    assert transposed_lhs("token") == 0 < transposed_lhs("plain")
+    assert ComputeConfig().on_platform("cpu").dense_grad == "transposed"
+    assert ComputeConfig().on_platform("tpu").dense_grad == "xla" == ComputeConfig().on_platform("gpu").dense_grad
