@@ -13,7 +13,9 @@ cut short keeps what it measured):
    (bench.common.update_flops) / time / the measured bf16 peak;
 4. decode: the trainer's own sample program (prefill + decode loop, continuous batching off: every row decodes
    `new` tokens, no EOS) against its HBM roofline: per decode step the bf16 weights plus each row's live KV cache
-   read once at the measured bandwidth, the prefill at its FLOPs over the measured peak.
+   read once at the measured bandwidth, the prefill at its FLOPs over the measured peak. With the defaults and with
+   256-slot blocks (unrolled, or in a loop); `--hlo-dir` writes each variant's optimised HLO (how the kernels of a
+   step were counted); decode_step and decode_profile time one step alone, the latter under jax.profiler.
 """
 
 from __future__ import annotations
