@@ -96,9 +96,11 @@ UNROLL_MAX_LAYERS = 16
 # compute.decode_attention's `auto` per platform (the Pallas kernel is a TPU kernel)
 DECODE_ATTENTION = {"tpu": "pallas", "gpu": "unrolled"}
 # compute.train_micro_batch_size unset on a CPU mesh: tokens per data shard per micro-batch. A measurement on a
-# 2 MiB-L2 CPU (bench/README.md "Against Tunix"), where the update's transposes and matmuls then fit the caches;
-# TPUs and GPUs keep the whole minibatch (large matmuls; FSDP re-gathers the weights for every micro-batch).
-CPU_MICRO_BATCH_TOKENS = 256
+# 2 MiB-L2 CPU (bench/README.md "Against Tunix"), where the update's transposes and matmuls then fit the caches
+# (256 before the MLP's weight gradients became canonical matmuls, compute.dense_grad; 512 since: 4-5 % faster on one
+# device, 2 % on 2 x 2); TPUs and GPUs keep the whole minibatch (large matmuls; FSDP re-gathers the weights for
+# every micro-batch).
+CPU_MICRO_BATCH_TOKENS = 512
 
 
 class ComputeConfig(_Strict):
@@ -123,7 +125,7 @@ class ComputeConfig(_Strict):
         "(keep only the layer inputs), dots (keep matmul outputs without a batch dim, recompute the rest)")
     train_micro_batch_size: int | None = Field(None, gt=0, description="global sequences per gradient-accumulation "
                                                "micro-batch; unset: the whole minibatch in one pass (on a CPU "
-                                               "mesh: micro-batches of at most 256 tokens per data shard)")
+                                               "mesh: micro-batches of at most 512 tokens per data shard)")
     logprob_chunk: int = Field(512, gt=0, description="completion tokens whose float32 logits exist at once "
                                "(recomputed in the backward pass)")
     # The gradient-accumulation buffer (with train_micro_batch_size). float32 adds a params x 4 bytes buffer; bfloat16
