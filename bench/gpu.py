@@ -302,8 +302,8 @@ def trace_summary(run: Callable[[], Any], trace_dir: str, steps: int = 1, top: i
     procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in procs.items() if "/device:GPU" in name}
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and e.get("pid") in device and "dur" in e)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device and "dur" in e]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     busy, end = 0.0, -1.0
     for a, b in spans:  # the union of the kernels' intervals
         if b > end:
@@ -311,10 +311,9 @@ def trace_summary(run: Callable[[], Any], trace_dir: str, steps: int = 1, top: i
             end = b
     total: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
-            total[e["name"][:120]] += e["dur"]
-            count[e["name"][:120]] += 1
+    for e in kernels:
+        total[e["name"][:120]] += e["dur"]
+        count[e["name"][:120]] += 1
     return {"processes": sorted(set(procs.values()))[:20], "wall_ms": wall_us / 1e3,
             "device_busy_ms_per_step": busy / 1e3 / steps, "device_kernels_per_step": len(spans) / steps,
             "span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / steps if spans else 0.0,

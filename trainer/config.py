@@ -93,8 +93,11 @@ DType = Literal["float32", "bfloat16"]
 # compute.scan_layers unset: unrolled up to this depth. Unrolled was faster at 4, 8 and 16 layers on the CPU while
 # its first call grew from 6-10 s to 6-17 s (bench/README.md "Against Tunix"); deep models keep flat compile times.
 UNROLL_MAX_LAYERS = 16
-# compute.decode_attention's `auto` per platform (the Pallas kernel is a TPU kernel)
-DECODE_ATTENTION = {"tpu": "pallas", "gpu": "unrolled"}
+# What compute's `auto` kernel choices resolve to per platform (ComputeConfig.on_platform); others get "xla". The
+# Pallas kernels are TPU kernels, cuDNN's a GPU's; dense_grad: YNNPACK takes canonical matmuls only.
+AUTO_KERNELS = {"attention": {"tpu": "flash", "gpu": "cudnn"},
+                "decode_attention": {"tpu": "pallas", "gpu": "unrolled"},
+                "dense_grad": {"cpu": "transposed"}}
 # compute.train_micro_batch_size unset on a CPU mesh: tokens per data shard per micro-batch. A measurement on a
 # 2 MiB-L2 CPU (bench/README.md "Against Tunix"), where the update's transposes and matmuls then fit the caches
 # (256 before the MLP's weight gradients became canonical matmuls, compute.dense_grad; 512 since: 4-5 % faster on one
@@ -174,10 +177,7 @@ class ComputeConfig(_Strict):
 
     def on_platform(self, platform: str) -> ComputeConfig:
         """The `auto` kernel choices resolved for a mesh of `platform` (the Pallas kernels are TPU kernels)."""
-        fused = {"tpu": "flash", "gpu": "cudnn"}.get(platform, "xla")
-        update: dict[str, Any] = {k: v for k, v in (("attention", fused),
-                                                    ("decode_attention", DECODE_ATTENTION.get(platform, "xla")),
-                                                    ("dense_grad", "transposed" if platform == "cpu" else "xla"))
+        update: dict[str, Any] = {k: by.get(platform, "xla") for k, by in AUTO_KERNELS.items()
                                   if getattr(self, k) == "auto"}
         if platform == "gpu" and "decode_block" not in self.model_fields_set:
             update["decode_block"] = 0

@@ -534,7 +534,7 @@ def _cached_attend(valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array
             return attention(q, k_all[layer, :, :n], v_all[layer, :, :n], mask_BTS)
 
         return whole
-    fixed = _STATIC_DECODE_BLOCKS.get()
+    fixed = static_blocks()
 
     def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
         k_all, v_all, layer = kv

@@ -153,10 +153,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         """The weights as the sampler reads them: one compute-dtype copy made before the decode loop (norm scales
         keep their dtype: they are applied in fp32), laid out as trained or, with sampling.gather_weights, gathered
         over fsdp. Cast inside the loop, fp32 master weights were read whole and cast at every decode step."""
-        if not sc.gather_weights:
-            w = jax.lax.with_sharding_constraint(M.cast_weights(params, compute_dt), base_sh)
-        else:
-            w = gather_for_sampling(params, compute_dt, gathered_sh, smesh is not mesh, not cc.scans(mcfg.n_layers))
+        sh, by_layer = (gathered_sh, smesh is not mesh) if sc.gather_weights else (base_sh, False)
+        w = gather_for_sampling(params, compute_dt, sh, by_layer, not cc.scans(mcfg.n_layers))
         return M.unstack_layers(w) if unstack_sampler else w
 
     def onto_sampler_mesh(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array,
