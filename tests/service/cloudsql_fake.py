@@ -55,6 +55,11 @@ What the connector (cloud-sql-python-connector 1.23) does, and what answers it h
 The port being fixed, both addresses are random 127.x.y.z loopback addresses (Linux routes all of 127/8 to lo), so
 parallel runs do not collide; the PRIMARY one has a plain listener that only counts connections, so a test can
 assert the connector never used it. Everything runs on one asyncio loop in a daemon thread.
+
+For pods in network namespaces (tests/deployed/gcp.py), which reach only one address of this machine: `instance_ip`
+puts the PRIVATE endpoint on that address (and no PRIMARY listener), `handle` answers a request another listener got
+(on the fake's loop: `run`), `issue_token` / `federated_token` hand out tokens for another issuer (a metadata
+server) and `stop_instance` / `start_instance` take the instance's port 3307 down and up.
 """
 
 from __future__ import annotations
@@ -182,7 +187,7 @@ class Tunnel:
 
 
 def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn[:64])])  # X.509's upper bound on a CN
 
 
 def _pem(cert: x509.Certificate) -> str:
@@ -194,7 +199,9 @@ class FakeCloudSql:
     endpoint, for one instance.
 
     `pg_unix_socket`: the PostgreSQL server's socket file the tunnel relays to. `token_lifetime_s`: seconds of
-    validity per scope of the access tokens handed out (default 3600). Use as a context manager (or start/stop).
+    validity per scope of the access tokens handed out (default 3600). `instance_ip`: listen for the instance (the
+    PRIVATE address) on this address's port 3307 instead of a random loopback one, with no PRIMARY listener. Use as a
+    context manager (or start/stop).
     """
 
     def __init__(
@@ -206,6 +213,7 @@ class FakeCloudSql:
         service_account: str = "api-sa@proj.iam.gserviceaccount.com",
         token_lifetime_s: dict[str, int] | None = None,
         cert_lifetime_s: int = 3600,
+        instance_ip: str | None = None,
     ) -> None:
         self.project, self.region, self.instance = connection_name.split(":")
         self.pg_unix_socket = pg_unix_socket
@@ -226,12 +234,14 @@ class FakeCloudSql:
         self.public_ip_connections = 0
         self.errors: list[str] = []  # the loop's unhandled errors, relay failures (a refused TLS handshake: no tunnel)
         self.private_ip = self.public_ip = ""
+        self.instance_ip = instance_ip
         self.port = 0
         self._make_pki()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-cloudsql", daemon=True)
         self._runner: web.AppRunner | None = None
         self._servers: list[asyncio.base_events.Server] = []
+        self._instance: asyncio.base_events.Server | None = None  # the PRIVATE address's listener
         self._tunnel_writers: set[asyncio.StreamWriter] = set()
         self._tmp = tempfile.TemporaryDirectory(prefix="fake-cloudsql-")
 
@@ -301,14 +311,17 @@ class FakeCloudSql:
         self._clusters.setdefault(audience, (rsa.generate_private_key(public_exponent=65537, key_size=2048),
                                              secrets.token_hex(20)))
 
-    def ksa_token(self, audience: str, namespace: str, name: str, lifetime_s: int = 3600) -> str:
+    def ksa_token(self, audience: str, namespace: str, name: str, lifetime_s: int = 3600,
+                  token_audience: str | None = None) -> str:
         """A projected service account token of the cluster `trust_cluster` registered for `audience`, as the kubelet
-        writes it (a JWT; its audience is the pool, `serviceAccountToken.audience`, its issuer the provider)."""
+        writes it (a JWT; its audience is the pool, `serviceAccountToken.audience`, or `token_audience`; its issuer
+        the provider)."""
         key, kid = self._clusters[audience]
         m = _IDENTITY_NAMESPACE.fullmatch(audience)
         assert m is not None
         now = int(dt.datetime.now(dt.UTC).timestamp())
-        claims = {"aud": [m.group(1)], "iss": m.group(2), "sub": f"system:serviceaccount:{namespace}:{name}",
+        claims = {"aud": [token_audience or m.group(1)], "iss": m.group(2),
+                  "sub": f"system:serviceaccount:{namespace}:{name}",
                   "iat": now, "nbf": now, "exp": now + lifetime_s,
                   "kubernetes.io": {"namespace": namespace, "serviceaccount": {"name": name,
                                                                                "uid": secrets.token_hex(8)}}}
@@ -323,6 +336,35 @@ class FakeCloudSql:
 
     def calls_to(self, suffix: str) -> list[ApiCall]:
         return [c for c in self.calls if c.path.endswith(suffix)]
+
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        """Run a coroutine on the fake's loop (where its servers live) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout)
+
+    def issue_token(self, account: str, scope: str, *, via: str, caller: str | None = None) -> IssuedToken:
+        """A token of the service account `account` for `scope` (space-separated), as if an issuer other than the
+        routes here (a metadata server) had got it; the SQL Admin routes take it as they take their own."""
+        lifetime = self.token_lifetime_s.get(scope, 3600)
+        token = IssuedToken(f"ya29.c.fake-{len(self.tokens)}-{secrets.token_urlsafe(8)}", account, scope, lifetime,
+                            via=via, caller=caller)
+        self.tokens[token.token] = token
+        return token
+
+    def federated_token(self, principal: str, audience: str, scope: str) -> FederatedToken:
+        """A federated token of `principal` (serviceAccount:<pool>[<ns>/<ksa>]) as STS would give it: good for
+        impersonation where `allow_impersonation` allows it, refused by the SQL Admin routes."""
+        token = FederatedToken(f"ya29.d.fake-sts-{len(self.sts_tokens)}-{secrets.token_urlsafe(8)}", principal,
+                               audience, scope, "", 3600)
+        self.sts_tokens[token.token] = token
+        return token
+
+    def stop_instance(self) -> None:
+        """The instance goes away: its port 3307 refuses connections and open tunnels are closed."""
+        self.run(self._stop_instance())
+
+    def start_instance(self) -> None:
+        """The instance is back on the same PRIVATE address."""
+        self.run(self._start_instance())
 
     # -- PKI ---------------------------------------------------------------------------------------------------
 
@@ -397,14 +439,20 @@ class FakeCloudSql:
 
     async def _start(self) -> None:
         app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._http)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = self._runner.addresses[0][1]
         # The PRIVATE address gets the TLS terminator; a PRIMARY one gets a listener that only counts connections.
+        if self.instance_ip is not None:
+            self.private_ip = self.instance_ip
+            self.public_ip = "203.0.113.10"  # TEST-NET-3: nothing answers there
+            await self._start_instance()
+            return
         server, self.private_ip = await self._listen_3307(self._tunnel, self._server_ssl_context())
+        self._instance = server
         self._servers.append(server)
         try:
             server, self.public_ip = await self._listen_3307(self._public, None)
@@ -429,6 +477,23 @@ class FakeCloudSql:
         raise PortUnavailable(f"port {SERVER_PROXY_PORT} (the connector's fixed SERVER_PROXY_PORT) cannot be bound on "
                               f"any loopback address tried ({'; '.join(reasons[-2:])})")
 
+    async def _start_instance(self) -> None:
+        if self._instance is not None:
+            return
+        self._instance = await asyncio.start_server(self._tunnel, self.private_ip, SERVER_PROXY_PORT,
+                                                    ssl=self._server_ssl_context(), ssl_handshake_timeout=10)
+        self._servers.append(self._instance)
+
+    async def _stop_instance(self) -> None:
+        if self._instance is None:
+            return
+        self._servers.remove(self._instance)
+        self._instance.close()
+        for writer in list(self._tunnel_writers):
+            writer.close()
+        await self._instance.wait_closed()
+        self._instance = None
+
     async def _stop(self) -> None:
         for server in self._servers:
             server.close()
@@ -444,7 +509,8 @@ class FakeCloudSql:
 
     # -- HTTP: token route and SQL Admin API -------------------------------------------------------------------
 
-    async def _http(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.Response:
+        """Answer one request to the HTTP routes (what `endpoint` and `serve`'s listeners run)."""
         raw = await request.read()
         if request.content_type == "application/x-www-form-urlencoded":
             body: dict[str, Any] = dict(urllib.parse.parse_qsl(raw.decode()))
