@@ -20,7 +20,8 @@ machine a pod can reach (the pod bridge's address in the root namespace):
     <cluster>-nodes@<project>.iam.gserviceaccount.com (infra/iam.py's node account);
   - an address no pod has (not `add_pod`ed): 404 on identity paths. project/project-id and universe/universe-domain
     answer anyone.
-  Every request must carry Metadata-Flavor: Google (else 403) and every answer does.
+  Every request but the root's (google-auth's ping) must carry Metadata-Flavor: Google (else 403); every answer
+  does.
 - :443, HTTPS for sts., iamcredentials., sqladmin. and oauth2.googleapis.com with a certificate signed by a CA made
   here (the pods trust it through `env`): each host answers only its own API's paths, served by `FakeCloudSql`
   (tests/service/cloudsql_fake.py: STS for this cluster's KSA tokens, generateAccessToken, connectSettings,
@@ -133,6 +134,7 @@ class GcpBoundary:
 
     def start(self) -> GcpBoundary:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.chmod(0o755)  # the pods' users read the CA bundle here
         self.fake.start()
         try:
             self.fake.trust_cluster(self.sts_audience)
