@@ -1,0 +1,857 @@
+"""The objects an environment's plan renders, run on this machine as Kubernetes and JobSet v0.12 would run them.
+
+Each container is its rendered command and args with its rendered env and volumes (tests/deployed/sandbox.py), and
+each exit code is judged by the rendered policies, as the upstream controllers judge them:
+
+- Pod (kubelet): a container's exit code is its process's, 128 + n after a signal n. Deletion: the preStop hook,
+  then SIGTERM, then SIGKILL after terminationGracePeriodSeconds. restartPolicy Always (a Deployment's pods)
+  restarts the container in place after CrashLoopBackOff's delay (kubelet: 10 s doubling to 300 s,
+  pkg/kubelet/kubelet.go MaxContainerBackOff). Probes (pkg/kubelet/prober): httpGet on the named port's
+  containerPort, 200-399 is success, timeoutSeconds, periodSeconds, failureThreshold; liveness and readiness only once
+  the startup probe has succeeded; a failed startup or liveness probe restarts the container; readiness gates the
+  Service's endpoints.
+- Job (k8s 1.34 pkg/controller/job): Indexed pods per completion index with `parallelism` at a time; a failed pod is
+  matched against podFailurePolicy's rules in order (pod_failure_policy.go matchPodFailurePolicy: onExitCodes over
+  the named container's exit code, exit code 0 never matches; FailJob / Ignore / Count); FailJob fails the Job with
+  reason PodFailurePolicy at once; a counted failure beyond backoffLimit fails it with BackoffLimitExceeded;
+  otherwise the pod is replaced after the pod-failure back-off (10 s doubling, DefaultJobPodFailureBackOff). A
+  failed Job's other pods are deleted. All indexes succeeded: Complete.
+- JobSet (v0.12.0 pkg/controllers/jobset_controller.go and failure_policy.go): one Job per replicated Job replica,
+  named <jobset>-<replicatedJob>-<index>, pods labelled and annotated with jobset-name, replicatedjob-name,
+  job-index, job-global-index, restart-attempt; pod hostname <job>-<completion index>, subdomain
+  spec.network.subdomain (default the JobSet's name). A failed Job: the first rule of failurePolicy.rules whose
+  onJobFailureReasons (empty: any) and targetReplicatedJobs (empty: any) match decides; no rule: RestartJobSet.
+  RestartJobSet fails the JobSet once restartsCountTowardsMax reached maxRestarts (reason ReachedMaxRestarts),
+  otherwise deletes every Job (Recreate) and creates them again with restart-attempt + 1;
+  RestartJobSetAndIgnoreMaxRestarts does the same without counting; FailJobSet fails it. successPolicy All: every
+  Job of targetReplicatedJobs Complete completes the JobSet.
+- Deployment: `replicas` pods that restart in place; Service: a TCP proxy on 127.0.0.1 per port to the Ready pods
+  its selector matches.
+- pulumi up: objects created in the plan's order, each once the resources it dependsOn are ready (a Job: Complete,
+  as pulumi-kubernetes' Job await; a Deployment: its replicas Ready).
+
+Not emulated: Kueue's admission (the queues have the quota these workloads ask for), node scheduling and
+resources, NetworkPolicy, the GCS FUSE sidecar (the bucket is a local folder, tests/deployed/sandbox.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.deployed import sandbox as S
+
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+REPLICATED_JOB_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
+JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
+RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
+IMAGE_ENTRYPOINT = ["python", "-m", "trainer"]  # trainer/Dockerfile ENTRYPOINT
+TPU_RESOURCE = "google.com/tpu"
+CRASH_BACKOFF_S = (10.0, 300.0)  # kubelet: initial, max
+JOB_BACKOFF_S = (10.0, 360.0)  # job controller: DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff
+
+
+class HarnessError(Exception):
+    """A rendered object this harness (and so the cluster) cannot run as written: the message names it."""
+
+
+@dataclass
+class Boundary:
+    """What stands in for GCP and the Hub at their edge (tests/deployed/gcp.py GcpBoundary has the same shape):
+    host names for every pod's /etc/hosts, env every container gets on top of its own (certificate bundles, the
+    metadata server's address, the Hub mirror), folders mounted into every container (the mirror), the identity a
+    pod's KSA has, projected tokens."""
+
+    hosts: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    mounts: dict[str, str] = field(default_factory=dict)  # container path -> local folder
+
+    def add_pod(self, ip: str, namespace: str, service_account: str, gcp_service_account: str | None, *,
+                host_network: bool = False) -> None:
+        pass
+
+    def projected_token(self, audience: str, namespace: str, service_account: str) -> str:
+        return "token"
+
+
+@dataclass
+class Pod:
+    name: str
+    namespace: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    spec: dict[str, Any]
+    owner: str
+    hostname: str | None = None
+    subdomain: str | None = None
+    ip: str = ""
+    netns: str = ""
+    containers: list[S.Container] = field(default_factory=list)
+    phase: str = "Pending"  # Pending, Running, Succeeded, Failed
+    started: float = 0.0
+    ready: bool = False
+    started_probe_ok: bool = False
+    deleting: float | None = None  # when SIGTERM was sent
+    restart_at: float | None = None  # restartPolicy Always: when the crashed container starts again
+    probe_failures: dict[str, int] = field(default_factory=dict)
+    next_probe: dict[str, float] = field(default_factory=dict)
+    ran_since: float = 0.0
+    removing: bool = False  # deleted (not a liveness kill): gone once its containers have exited
+
+    @property
+    def restart_always(self) -> bool:
+        return self.spec.get("restartPolicy", "Always") == "Always"
+
+    def exit_codes(self) -> dict[str, int | None]:
+        return {c.name: c.poll() for c in self.containers}
+
+
+@dataclass
+class Job:
+    name: str
+    namespace: str
+    spec: dict[str, Any]
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    hostname_prefix: str | None = None  # JobSet: pods get <job>-<index> as hostname
+    subdomain: str | None = None
+    pods: list[Pod] = field(default_factory=list)
+    succeeded: set[int] = field(default_factory=set)
+    failed: int = 0
+    status: str = "Active"  # Active, Complete, Failed
+    reason: str = ""
+    message: str = ""
+    waiting: dict[int, float] = field(default_factory=dict)  # index -> when its next pod may start
+
+    @property
+    def completions(self) -> int:
+        return int(self.spec.get("completions", 1))
+
+    @property
+    def indexed(self) -> bool:
+        return self.spec.get("completionMode") == "Indexed"
+
+
+@dataclass
+class JobSet:
+    name: str
+    namespace: str
+    obj: dict[str, Any]
+    jobs: list[Job] = field(default_factory=list)
+    restarts: int = 0
+    restarts_toward_max: int = 0
+    status: str = "Active"  # Active, Completed, Failed
+    reason: str = ""
+    message: str = ""
+    recreating: bool = False
+    history: list[str] = field(default_factory=list)  # each restart's cause, for the scenarios' messages
+
+
+class Cluster:
+    """Runs rendered objects. `work` holds every pod's folders and logs and the buckets' folders."""
+
+    def __init__(self, objects: list[dict[str, Any]], work: Path, *, boundary: Boundary | None = None,
+                 secrets: Mapping[str, str] | None = None, cpu_devices: int = 1,
+                 depends_on: Mapping[str, list[str]] | None = None, time_scale: float = 1.0,
+                 mounts: Mapping[str, str] | None = None, network: S.Network | None = None) -> None:
+        """objects: the plan's Kubernetes objects, in its order. secrets: Pulumi secret config values by the
+        masked Secret data they stand for (`[secret]` in the plan), key = "<secret name>/<key>". cpu_devices: CPU
+        devices of a pod that asks for TPU chips (TRAINER_CPU_DEVICES: what a user runs locally in place of chips).
+        depends_on: "<kind>/<name>" -> the "<kind>/<name>" it waits for (the Pulumi program's dependsOn).
+        time_scale: multiplies the controllers' back-off delays (1.0: Kubernetes' own). mounts: container path ->
+        local folder, in every container (the boundary's own folders, e.g. the Hub mirror)."""
+        if (why := S.can_run()) is not None:
+            raise HarnessError(why)
+        self.objects = objects
+        self.work = work
+        self.boundary: Any = boundary or Boundary()
+        self.mounts = dict(mounts or {})
+        self.secrets = dict(secrets or {})
+        self.cpu_devices = cpu_devices
+        keys = {self._key(o) for o in objects}
+        self.depends_on = {k: [d for d in v if d in keys] for k, v in (depends_on or {}).items()}
+        self.time_scale = time_scale
+        self.pods: dict[str, Pod] = {}
+        self.jobs: dict[str, Job] = {}
+        self.jobsets: dict[str, JobSet] = {}
+        self.deployments: dict[str, dict[str, Any]] = {}
+        self.created: set[str] = set()
+        self.events: list[str] = []
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._ips: dict[str, tuple[str, str]] = {}  # pod name -> (ip, netns): one address per pod name
+        self._rr = itertools.count()
+        self.services: dict[str, int] = {}  # "<service>:<port>" -> local port
+        self._proxies: list[socket.socket] = []
+        self.net: S.Network | None = network  # made here unless the boundary needed the bridge first
+        self.error: Exception | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> Cluster:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.net = self.net or S.Network()
+        self._thread = threading.Thread(target=self._loop, name="cluster", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        with self._lock:
+            for pod in self.pods.values():
+                for c in pod.containers:
+                    c.signal(signal.SIGKILL)
+            for pod in self.pods.values():
+                for c in pod.containers:
+                    if c.proc is not None:
+                        with contextlib.suppress(Exception):
+                            c.proc.wait(10)
+        for s in self._proxies:
+            with contextlib.suppress(OSError):
+                s.close()
+        if self.net is not None:
+            self.net.close()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _event(self, text: str) -> None:
+        self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
+
+    # ------------------------------------------------------------------ objects
+
+    def _key(self, obj: dict[str, Any]) -> str:
+        return f"{obj['kind']}/{obj['metadata']['name']}"
+
+    def _ready(self, key: str) -> bool:
+        kind, _, name = key.partition("/")
+        if key not in self.created:
+            return False
+        if kind == "Job":
+            return self.jobs[name].status == "Complete"
+        if kind == "Deployment":
+            want = int(self.deployments[name]["spec"].get("replicas", 1))
+            return sum(p.ready for p in self.pods.values() if p.owner == f"Deployment/{name}") >= want
+        return True
+
+    def _create_pending(self) -> None:
+        for obj in self.objects:
+            key = self._key(obj)
+            if key in self.created or not all(self._ready(d) for d in self.depends_on.get(key, [])):
+                continue
+            self.created.add(key)
+            self._event(f"create {key}")
+            kind = obj["kind"]
+            if kind == "Job":
+                self._create_job(obj["metadata"]["name"], obj["metadata"].get("namespace", "default"), obj["spec"],
+                                 dict(obj["metadata"].get("labels", {})), {})
+            elif kind == "JobSet":
+                self._create_jobset(obj)
+            elif kind == "Deployment":
+                self.deployments[obj["metadata"]["name"]] = obj
+                self._scale_deployment(obj)
+            elif kind == "Service":
+                self._serve(obj)
+
+    def secret_value(self, name: str, key: str) -> str:
+        for obj in self.objects:
+            if obj["kind"] == "Secret" and obj["metadata"]["name"] == name:
+                if (v := obj.get("stringData", {}).get(key)) is not None:
+                    return self.secrets.get(f"{name}/{key}", v) if v == "[secret]" else v
+                if (v := obj.get("data", {}).get(key)) is not None:
+                    return self.secrets.get(f"{name}/{key}") or base64.b64decode(v).decode()
+                raise HarnessError(f"Secret {name} has no key {key!r}")
+        raise HarnessError(f"no rendered Secret {name!r}")
+
+    def service_account(self, name: str, namespace: str) -> dict[str, Any]:
+        for obj in self.objects:
+            if obj["kind"] == "ServiceAccount" and obj["metadata"]["name"] == name \
+                    and obj["metadata"].get("namespace") == namespace:
+                return obj
+        raise HarnessError(f"pods run as ServiceAccount {namespace}/{name}, which the plan does not render")
+
+    # ------------------------------------------------------------------ pods
+
+    def _pod(self, name: str, namespace: str, template: dict[str, Any], owner: str, labels: dict[str, str],
+             annotations: dict[str, str], hostname: str | None = None, subdomain: str | None = None) -> Pod:
+        meta = template.get("metadata", {})
+        pod = Pod(name=name, namespace=namespace, labels={**meta.get("labels", {}), **labels},
+                  annotations={**meta.get("annotations", {}), **annotations}, spec=template["spec"], owner=owner,
+                  hostname=hostname, subdomain=subdomain)
+        assert self.net is not None
+        if name not in self._ips:
+            self._ips[name] = (self.net.add(name), f"gtr-{name}")
+        pod.ip, pod.netns = self._ips[name]
+        self.pods[name] = pod
+        self._start_pod(pod)
+        return pod
+
+    def _dns_names(self) -> dict[str, str]:
+        names: dict[str, str] = {}
+        for pod in self.pods.values():
+            if pod.hostname and pod.subdomain:
+                for suffix in ("", f".{pod.namespace}", f".{pod.namespace}.svc", f".{pod.namespace}.svc.cluster.local"):
+                    names[f"{pod.hostname}.{pod.subdomain}{suffix}"] = pod.ip
+        return names
+
+    def _start_pod(self, pod: Pod) -> None:
+        folder = self.work / "pods" / pod.name
+        if folder.exists():
+            shutil.rmtree(folder)  # a new pod of the same name: new emptyDirs, a new writable layer
+        folder.mkdir(parents=True)
+        ksa = pod.spec.get("serviceAccountName", "default")
+        gsa = self.service_account(ksa, pod.namespace)["metadata"].get("annotations", {}).get(
+            "iam.gke.io/gcp-service-account")
+        self.boundary.add_pod(pod.ip, pod.namespace, ksa, gsa, host_network=bool(pod.spec.get("hostNetwork")))
+        hosts = {**self.boundary.hosts, **self._dns_names()}
+        if pod.hostname:
+            hosts[pod.hostname] = pod.ip
+        S.write_hosts(pod.netns, hosts)
+        volumes = self._volumes(pod, folder)
+        pod.containers = [self._container(pod, c, volumes, folder) for c in pod.spec["containers"]]
+        for c in pod.containers:
+            c.start(pod.netns, folder)
+        pod.phase, pod.started, pod.ran_since = "Running", time.monotonic(), time.monotonic()
+        pod.ready = pod.started_probe_ok = False
+        self._event(f"start pod {pod.name} ({pod.ip})")
+
+    def _volumes(self, pod: Pod, folder: Path) -> dict[str, tuple[str, bool]]:
+        """volume name -> (local folder, read-only)."""
+        out: dict[str, tuple[str, bool]] = {}
+        sec = pod.spec.get("securityContext", {})
+        for vol in pod.spec.get("volumes", []):
+            name = vol["name"]
+            if "emptyDir" in vol:
+                path = folder / "volumes" / name
+                path.mkdir(parents=True)
+                os.chmod(path, 0o777)  # emptyDir: world-writable (kubelet's 0777)
+                out[name] = (str(path), False)
+            elif "csi" in vol and vol["csi"].get("driver") == GCSFUSE_DRIVER:
+                attrs = vol["csi"].get("volumeAttributes", {})
+                bucket = attrs["bucketName"]
+                path = self.work / "buckets" / bucket
+                path.mkdir(parents=True, exist_ok=True)
+                opts = dict(o.partition("=")[::2] for o in attrs.get("mountOptions", "").split(",") if o)
+                uid, gid = int(opts.get("uid", 0)), int(opts.get("gid", 0))
+                for p in [path, *path.rglob("*")]:  # gcsfuse shows every object as the mount's uid/gid
+                    os.chown(p, uid, gid)
+                out[name] = (str(path), vol["csi"].get("readOnly", False))
+            elif "projected" in vol:
+                path = folder / "volumes" / name
+                path.mkdir(parents=True)
+                for source in vol["projected"]["sources"]:
+                    if "serviceAccountToken" not in source:
+                        raise HarnessError(f"pod {pod.name}: projected source {source} not supported")
+                    tok = source["serviceAccountToken"]
+                    ksa = pod.spec.get("serviceAccountName", "default")
+                    file = path / tok["path"]
+                    file.write_text(self.boundary.projected_token(tok.get("audience", ""), pod.namespace, ksa))
+                    os.chown(file, int(sec.get("runAsUser", S.IMAGE_UID)), int(sec.get("fsGroup", 0)))
+                    os.chmod(file, 0o600)
+                out[name] = (str(path), True)
+            elif "secret" in vol:
+                path = folder / "volumes" / name
+                path.mkdir(parents=True)
+                secret = vol["secret"]["secretName"]
+                for item in vol["secret"].get("items", []):
+                    (path / item["path"]).write_text(self.secret_value(secret, item["key"]))
+                out[name] = (str(path), True)
+            else:
+                raise HarnessError(f"pod {pod.name}: volume {name} of a kind this harness does not run: {vol}")
+        return out
+
+    def resolve_env(self, pod: Pod, container: dict[str, Any]) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for item in container.get("env", []):
+            name = item["name"]
+            if "value" in item:
+                env[name] = str(item["value"])
+                continue
+            ref = item.get("valueFrom", {})
+            if "fieldRef" in ref:
+                env[name] = self._field(pod, ref["fieldRef"]["fieldPath"])
+            elif "secretKeyRef" in ref:
+                env[name] = self.secret_value(ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"])
+            else:
+                raise HarnessError(f"pod {pod.name}: env {name} comes from {ref}, which this harness cannot resolve")
+        return env
+
+    def _field(self, pod: Pod, path: str) -> str:
+        for prefix, source in (("metadata.labels", pod.labels), ("metadata.annotations", pod.annotations)):
+            if path.startswith(prefix + "['"):
+                key = path[len(prefix) + 2:-2]
+                if key not in source:
+                    raise HarnessError(f"pod {pod.name}: the downward API field {path} is not set on the pod "
+                                       f"(have {sorted(source)})")
+                return source[key]
+        simple = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "status.podIP": pod.ip,
+                  "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default"),
+                  "spec.nodeName": f"node-{pod.name}"}
+        if path not in simple:
+            raise HarnessError(f"pod {pod.name}: downward API field {path} not supported")
+        return simple[path]
+
+    def _container(self, pod: Pod, c: dict[str, Any], volumes: dict[str, tuple[str, bool]],
+                   folder: Path) -> S.Container:
+        argv = list(c.get("command") or IMAGE_ENTRYPOINT) + list(c.get("args", []))
+        rendered = self.resolve_env(pod, c)
+        clash = sorted(set(rendered) & set(self.boundary.env))
+        if clash:
+            raise HarnessError(f"pod {pod.name}: the boundary's env would override the rendered {clash}")
+        venv_bin = str(Path(os.environ.get("VIRTUAL_ENV", "") or Path(os.sys.executable).parent.parent) / "bin")
+        env = {**S.IMAGE_ENV, "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin", **rendered, **self.boundary.env}
+        requests = c.get("resources", {}).get("limits", {})
+        if TPU_RESOURCE in requests:
+            env["TRAINER_CPU_DEVICES"] = str(self.cpu_devices)  # CPU devices in place of the pod's chips
+        mounts: list[tuple[str, str, bool]] = []
+        layer = folder / f"layer-{c['name']}"
+        for sub in ("home", "tmp"):
+            (layer / sub).mkdir(parents=True)
+            os.chmod(layer / sub, 0o777)
+        mounted = {m["mountPath"] for m in c.get("volumeMounts", [])}
+        # The container's own writable layer where the image has folders: its home, /tmp (unless a volume is there).
+        mounts.append((str(layer / "home"), S.IMAGE_WORKDIR, False))
+        if "/tmp" not in mounted:
+            mounts.append((str(layer / "tmp"), "/tmp", False))
+        for m in c.get("volumeMounts", []):
+            if m["name"] not in volumes:
+                raise HarnessError(f"pod {pod.name}: container {c['name']} mounts {m['name']}, which is no volume")
+            src, ro = volumes[m["name"]]
+            if m.get("subPath"):
+                src = os.path.join(src, m["subPath"])
+            mounts.append((src, m["mountPath"], ro or bool(m.get("readOnly"))))
+        mounts += [(src, dst, False) for dst, src in self.mounts.items()]
+        sec = {**pod.spec.get("securityContext", {}), **c.get("securityContext", {})}
+        uid = int(sec.get("runAsUser", S.IMAGE_UID))
+        gid = int(sec.get("runAsGroup", S.IMAGE_UID))
+        groups = sorted({gid, *([int(sec["fsGroup"])] if "fsGroup" in sec else []),
+                         *map(int, sec.get("supplementalGroups", []))})
+        return S.Container(name=c["name"], argv=argv, env=env, mounts=mounts,
+                           read_only_root=bool(sec.get("readOnlyRootFilesystem")), uid=uid, gid=gid, groups=groups,
+                           workdir=c.get("workingDir", S.IMAGE_WORKDIR), log=folder.parent / f"{pod.name}.log")
+
+    def delete_pod(self, pod: Pod) -> None:
+        """Graceful deletion: preStop, SIGTERM, SIGKILL after the grace period (checked in the loop)."""
+        if pod.deleting is not None and pod.removing:
+            return
+        pod.deleting, pod.removing = time.monotonic(), True
+        for c in pod.spec["containers"]:
+            pre = c.get("lifecycle", {}).get("preStop", {})
+            if "sleep" in pre:
+                pod.deleting += float(pre["sleep"]["seconds"])  # SIGTERM after the hook
+        self._event(f"delete pod {pod.name}")
+
+    def _grace(self, pod: Pod) -> float:
+        return float(pod.spec.get("terminationGracePeriodSeconds", 30))
+
+    def log(self, pod_name: str) -> str:
+        path = self.work / "pods" / f"{pod_name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # ------------------------------------------------------------------ Jobs
+
+    def _create_job(self, name: str, namespace: str, spec: dict[str, Any], labels: dict[str, str],
+                    annotations: dict[str, str], hostname_prefix: str | None = None,
+                    subdomain: str | None = None) -> Job:
+        job = Job(name, namespace, spec, labels, annotations, hostname_prefix, subdomain)
+        self.jobs[name] = job
+        for index in range(min(int(spec.get("parallelism", 1)), job.completions)):
+            self._job_pod(job, index)
+        return job
+
+    def _job_pod(self, job: Job, index: int) -> None:
+        template = job.spec["template"]
+        ann = dict(job.annotations)
+        labels = dict(job.labels)
+        if job.indexed:
+            ann[COMPLETION_INDEX] = str(index)
+            labels[COMPLETION_INDEX] = str(index)
+        hostname = f"{job.hostname_prefix}-{index}" if job.hostname_prefix and job.indexed else None
+        name = f"{job.name}-{index}" if job.indexed else f"{job.name}-{job.failed}"
+        job.pods = [p for p in job.pods if p.name != name]
+        job.pods.append(self._pod(name, job.namespace, template, f"Job/{job.name}", labels, ann, hostname,
+                                  job.subdomain))
+
+    def _pod_failure_action(self, job: Job, pod: Pod) -> str:
+        """podFailurePolicy's verdict on a failed pod: FailJob, Ignore or Count (no rule matched)."""
+        codes = pod.exit_codes()
+        for rule in job.spec.get("podFailurePolicy", {}).get("rules", []):
+            on = rule.get("onExitCodes")
+            if on is None:
+                continue  # onPodConditions (DisruptionTarget): a node-level eviction, which the scenarios do not make
+            names = [on["containerName"]] if on.get("containerName") else list(codes)
+            for name in names:
+                code = codes.get(name)
+                if not code:  # 0 never matches (pod_failure_policy.go); a container still running has no code
+                    continue
+                if (code in on["values"]) == (on["operator"] == "In"):
+                    return rule["action"]
+        return "Count"
+
+    def _tick_job(self, job: Job) -> None:
+        if job.status != "Active":
+            return
+        now = time.monotonic()
+        for pod in list(job.pods):
+            if pod.phase != "Running" or any(c.running() for c in pod.containers):
+                continue
+            codes = pod.exit_codes()
+            index = int(pod.annotations.get(COMPLETION_INDEX, 0))
+            if all(code == 0 for code in codes.values()):
+                pod.phase = "Succeeded"
+                job.succeeded.add(index)
+                continue
+            pod.phase = "Failed"
+            action = self._pod_failure_action(job, pod)
+            self._event(f"pod {pod.name} failed {codes}: {action}")
+            if action == "FailJob":
+                self._fail_job(job, "PodFailurePolicy", f"pod {pod.name} exited {codes}: podFailurePolicy FailJob")
+                return
+            if action == "Ignore":
+                job.waiting[index] = now
+                continue
+            job.failed += 1
+            if job.failed > int(job.spec.get("backoffLimit", 6)):
+                self._fail_job(job, "BackoffLimitExceeded", f"pod {pod.name} exited {codes}: "
+                               f"{job.failed} failures > backoffLimit {job.spec.get('backoffLimit', 6)}")
+                return
+            base, cap = JOB_BACKOFF_S
+            job.waiting[index] = now + min(base * 2 ** (job.failed - 1), cap) * self.time_scale
+        for index, when in list(job.waiting.items()):
+            if now >= when:
+                del job.waiting[index]
+                self._job_pod(job, index)
+        if len(job.succeeded) >= job.completions:
+            job.status = "Complete"
+            self._event(f"job {job.name} Complete")
+
+    def _fail_job(self, job: Job, reason: str, message: str) -> None:
+        job.status, job.reason, job.message = "Failed", reason, message
+        self._event(f"job {job.name} Failed: {reason}: {message}")
+        for pod in job.pods:
+            if any(c.running() for c in pod.containers):
+                self.delete_pod(pod)
+
+    # ------------------------------------------------------------------ JobSets
+
+    def _create_jobset(self, obj: dict[str, Any]) -> None:
+        js = JobSet(obj["metadata"]["name"], obj["metadata"].get("namespace", "default"), obj)
+        self.jobsets[js.name] = js
+        self._jobset_jobs(js)
+
+    def _jobset_jobs(self, js: JobSet) -> None:
+        spec = js.obj["spec"]
+        subdomain = spec.get("network", {}).get("subdomain") or js.name
+        dns = spec.get("network", {}).get("enableDNSHostnames", True)
+        global_index = 0
+        js.jobs = []
+        for rj in spec["replicatedJobs"]:
+            for i in range(int(rj.get("replicas", 1))):
+                name = f"{js.name}-{rj['name']}-{i}"
+                meta = {JOBSET_NAME: js.name, REPLICATED_JOB: rj["name"], REPLICATED_JOB_REPLICAS: str(rj.get(
+                    "replicas", 1)), JOB_INDEX: str(i), JOB_GLOBAL_INDEX: str(global_index),
+                    RESTART_ATTEMPT: str(js.restarts)}
+                global_index += 1
+                job_spec = json.loads(json.dumps(rj["template"]["spec"]))
+                js.jobs.append(self._create_job(name, js.namespace, job_spec, meta, dict(meta),
+                                                name if dns else None, subdomain if dns else None))
+
+    def _tick_jobset(self, js: JobSet) -> None:
+        if js.status != "Active":
+            return
+        if js.recreating:
+            if all(not c.running() for j in js.jobs for p in j.pods for c in p.containers):
+                for j in js.jobs:
+                    self.jobs.pop(j.name, None)
+                js.recreating = False
+                self._jobset_jobs(js)
+                self._event(f"jobset {js.name} recreated (restart-attempt {js.restarts})")
+            return
+        for job in js.jobs:
+            self._tick_job(job)
+        failed = [j for j in js.jobs if j.status == "Failed"]
+        if failed:
+            job = failed[0]
+            rj = job.labels[REPLICATED_JOB]
+            action = "RestartJobSet"
+            for rule in js.obj["spec"].get("failurePolicy", {}).get("rules", []):
+                reasons, targets = rule.get("onJobFailureReasons") or [], rule.get("targetReplicatedJobs") or []
+                if (not reasons or job.reason in reasons) and (not targets or rj in targets):
+                    action = rule["action"]
+                    break
+            js.history.append(f"{job.name}: {job.reason} ({job.message}) -> {action}")
+            self._event(f"jobset {js.name}: job {job.name} failed ({job.reason}) -> {action}")
+            max_restarts = int(js.obj["spec"].get("failurePolicy", {}).get("maxRestarts", 0))
+            if action == "FailJobSet":
+                self._fail_jobset(js, "FailJobSetActionTaken", f"job {job.name} failed: {job.reason}: {job.message}")
+            elif action == "RestartJobSet" and js.restarts_toward_max >= max_restarts:
+                self._fail_jobset(js, "ReachedMaxRestarts", f"job {job.name} failed: {job.reason}: {job.message}")
+            elif action in ("RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"):
+                js.restarts += 1
+                js.restarts_toward_max += action == "RestartJobSet"
+                js.recreating = True
+                for j in js.jobs:
+                    for pod in j.pods:
+                        self.delete_pod(pod)
+            else:
+                raise HarnessError(f"JobSet {js.name}: failure policy action {action!r} not supported")
+            return
+        targets = js.obj["spec"].get("successPolicy", {}).get("targetReplicatedJobs") or []
+        judged = [j for j in js.jobs if not targets or j.labels[REPLICATED_JOB] in targets]
+        if judged and all(j.status == "Complete" for j in judged):
+            js.status = "Completed"
+            self._event(f"jobset {js.name} Completed")
+
+    def _fail_jobset(self, js: JobSet, reason: str, message: str) -> None:
+        js.status, js.reason, js.message = "Failed", reason, message
+        self._event(f"jobset {js.name} Failed: {reason}: {message}")
+        for j in js.jobs:
+            for pod in j.pods:
+                self.delete_pod(pod)
+
+    # ------------------------------------------------------------------ Deployments and probes
+
+    def _scale_deployment(self, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        labels = obj["spec"]["template"].get("metadata", {}).get("labels", {})
+        for i in range(int(obj["spec"].get("replicas", 1))):
+            self._pod(f"{name}-{i}", obj["metadata"].get("namespace", "default"), obj["spec"]["template"],
+                      f"Deployment/{name}", dict(labels), {})
+
+    def _port(self, pod: Pod, port: Any) -> int:
+        if isinstance(port, int) or str(port).isdigit():
+            return int(port)
+        for c in pod.spec["containers"]:
+            for p in c.get("ports", []):
+                if p.get("name") == port:
+                    return int(p["containerPort"])
+        raise HarnessError(f"pod {pod.name}: no container port named {port!r}")
+
+    def _probe_ok(self, pod: Pod, probe: dict[str, Any]) -> bool:
+        get = probe["httpGet"]
+        url = f"http://{pod.ip}:{self._port(pod, get['port'])}{get.get('path', '/')}"
+        try:
+            with urllib.request.urlopen(url, timeout=float(probe.get("timeoutSeconds", 1))) as r:
+                return 200 <= r.status < 400
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _tick_probes(self, pod: Pod) -> None:
+        now = time.monotonic()
+        c = pod.spec["containers"][0]
+        kinds = ["startupProbe"] if "startupProbe" in c and not pod.started_probe_ok else ["livenessProbe",
+                                                                                         "readinessProbe"]
+        for kind in kinds:
+            probe = c.get(kind)
+            if probe is None:
+                if kind == "readinessProbe":
+                    pod.ready = True
+                continue
+            if now < pod.next_probe.get(kind, pod.started + float(probe.get("initialDelaySeconds", 0))):
+                continue
+            pod.next_probe[kind] = now + float(probe.get("periodSeconds", 10))
+            ok = self._probe_ok(pod, probe)
+            pod.probe_failures[kind] = 0 if ok else pod.probe_failures.get(kind, 0) + 1
+            if kind == "startupProbe" and ok:
+                pod.started_probe_ok = True
+            elif kind == "readinessProbe":
+                pod.ready = ok or (pod.ready and pod.probe_failures[kind] < int(probe.get("failureThreshold", 3)))
+            elif not ok and pod.probe_failures[kind] >= int(probe.get("failureThreshold", 3)):
+                self._event(f"pod {pod.name}: {kind} failed {pod.probe_failures[kind]} times: restart")
+                pod.probe_failures[kind] = 0
+                pod.deleting = now  # the kubelet kills the container with its grace period; it restarts in place
+
+    def _tick_pod(self, pod: Pod) -> None:
+        now = time.monotonic()
+        if pod.deleting is not None and now >= pod.deleting:
+            for c in pod.containers:
+                if c.running():
+                    if now - pod.deleting >= self._grace(pod):
+                        c.signal(signal.SIGKILL)
+                    elif not c.extra.get("sigterm"):
+                        c.signal(signal.SIGTERM)
+                        c.extra["sigterm"] = "1"
+        if not pod.restart_always:
+            return
+        if pod.deleting is not None and pod.removing:
+            if not any(c.running() for c in pod.containers):
+                del self.pods[pod.name]
+                self._event(f"pod {pod.name} gone")
+                if pod.owner.startswith("Deployment/"):  # the ReplicaSet replaces it
+                    obj = self.deployments[pod.owner.partition("/")[2]]
+                    self._pod(f"{pod.name.rsplit('-r', 1)[0]}-r{next(self._rr)}", pod.namespace,
+                              obj["spec"]["template"], pod.owner, dict(pod.labels), {})
+            return
+        if pod.restart_at is not None:
+            if now >= pod.restart_at:
+                pod.restart_at = None
+                for c in pod.containers:
+                    c.restarts += 1
+                    c.extra.pop("sigterm", None)
+                    c.start(pod.netns, self.work / "pods" / pod.name)
+                pod.started, pod.ran_since, pod.ready, pod.started_probe_ok = now, now, False, False
+                pod.next_probe.clear()
+                self._event(f"restart container(s) of {pod.name}")
+            return
+        if any(c.poll() is not None for c in pod.containers):
+            if any(c.running() for c in pod.containers):
+                return  # the others are still stopping
+            pod.ready, pod.deleting = False, None
+            restarts = max(c.restarts for c in pod.containers)
+            if now - pod.ran_since > 600:
+                restarts = 0  # the kubelet resets the back-off after 10 minutes of running
+            base, cap = CRASH_BACKOFF_S
+            pod.restart_at = now + min(base * 2 ** restarts, cap) * self.time_scale
+            self._event(f"pod {pod.name}: container exited {pod.exit_codes()}, restart in "
+                        f"{pod.restart_at - now:.0f} s")
+            return
+        if pod.deleting is None:
+            self._tick_probes(pod)
+
+    # ------------------------------------------------------------------ Services
+
+    def _serve(self, obj: dict[str, Any]) -> None:
+        selector = obj["spec"].get("selector", {})
+        for port in obj["spec"].get("ports", []):
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(64)
+            self._proxies.append(listener)
+            self.services[f"{obj['metadata']['name']}:{port['port']}"] = listener.getsockname()[1]
+            threading.Thread(target=self._accept, args=(listener, selector, port.get("targetPort", port["port"])),
+                             daemon=True).start()
+
+    def endpoints(self, selector: Mapping[str, str]) -> list[Pod]:
+        with self._lock:
+            return [p for p in self.pods.values() if p.ready and p.deleting is None
+                    and all(p.labels.get(k) == v for k, v in selector.items())]
+
+    def _accept(self, listener: socket.socket, selector: dict[str, str], target: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            ready = self.endpoints(selector)
+            if not ready:
+                client.close()  # no endpoints: kube-proxy rejects the connection
+                continue
+            pod = ready[next(self._rr) % len(ready)]
+            try:
+                upstream = socket.create_connection((pod.ip, self._port(pod, target)), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def service_url(self, name: str, port: int) -> str:
+        return f"http://127.0.0.1:{self.services[f'{name}:{port}']}"
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                try:
+                    self._create_pending()
+                    for js in list(self.jobsets.values()):
+                        self._tick_jobset(js)
+                    owned = {j.name for js in self.jobsets.values() for j in js.jobs}
+                    for job in list(self.jobs.values()):
+                        if job.name not in owned:
+                            self._tick_job(job)
+                    for pod in list(self.pods.values()):
+                        self._tick_pod(pod)
+                except Exception as e:  # a harness bug: visible in the events, and the scenario's wait fails
+                    self._event(f"harness error: {e!r}")
+                    self.error = e
+            self._stop.wait(0.2)
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float) -> None:
+        """Until check() holds; on timeout (or a harness error) fail with the events and the pods' log tails."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                raise HarnessError(f"harness error while waiting for {what}: {self.error!r}\n{self.report()}")
+            with self._lock:
+                if check():
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(f"{what}: not within {timeout:.0f} s\n{self.report()}")
+
+    def report(self, tail: int = 1500) -> str:
+        lines = ["events:", *self.events[-40:]]
+        for name in sorted(self.pods):
+            lines.append(f"--- {name} (log tail) ---")
+            lines.append(self.log(name)[-tail:])
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ what a scenario does to pods
+
+    def exec(self, pod_name: str, argv: list[str], timeout: float = 120) -> Any:
+        """`kubectl exec POD -- ARGV` into the pod's first container."""
+        with self._lock:
+            pod = self.pods[pod_name]
+        return pod.containers[0].exec(pod.netns, self.work / "pods" / pod.name, argv, timeout)
+
+    def pods_of(self, owner_prefix: str) -> list[Pod]:
+        with self._lock:
+            return [p for p in self.pods.values() if p.name.startswith(owner_prefix)]
+
+    def kill(self, pod_name: str, sig: int) -> None:
+        """A preemption (SIGTERM: the node's shutdown with the grace period), a crash (SIGKILL)."""
+        with self._lock:
+            pod = self.pods[pod_name]
+            if sig == signal.SIGTERM:
+                self.delete_pod(pod)
+            else:
+                for c in pod.containers:
+                    c.signal(sig)
+            self._event(f"scenario: signal {sig} to {pod_name}")
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Cluster]:
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,63 @@
+"""The container runtime's last step, run inside a pod's network namespace (`ip netns exec`, which also gives it a
+mount namespace of its own with /etc/netns/<pod>/hosts bound over /etc/hosts): bind the pod's volumes at their
+rendered mount paths, make the root read-only when the container asks for it, take the pod's user and groups, go to
+the image's working directory and exec the container's command with its env. Nothing of the command is changed.
+
+`python -m tests.deployed.container_init SPEC.json`; SPEC: {"mounts": [[src, dst, read_only]], "read_only_root",
+"uid", "gid", "groups", "workdir", "argv", "env", "expose": [paths]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True)
+
+
+def _expose(path: str) -> None:
+    """Make `path` (the interpreter's install) reachable for the pod's user where an ancestor is closed to others
+    (pyenv under /root, 0700): in this namespace only, a tmpfs over that ancestor holding `path` alone."""
+    parts = os.path.realpath(path).split("/")
+    for i in range(2, len(parts)):
+        ancestor = "/".join(parts[:i])
+        if os.stat(ancestor).st_mode & 0o001:
+            continue
+        stage = tempfile.mkdtemp(prefix="gtr-expose-", dir="/var/tmp")
+        _mount("--bind", path, stage)
+        _mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", ancestor)
+        os.makedirs(path, exist_ok=True)
+        _mount("--bind", stage, path)
+        return
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    # ip netns exec made the mounts slave already; private keeps ours out of the parent namespace for certain.
+    _mount("--make-rprivate", "/")
+    for path in spec.get("expose", []):
+        _expose(path)
+    for src, dst, read_only in spec["mounts"]:
+        # The mount point is created on the host's file system (an empty folder: the mount itself stays here).
+        os.makedirs(dst, exist_ok=True)
+        _mount("--bind", src, dst)
+        if read_only:
+            _mount("-o", "remount,bind,ro", dst)
+    if spec["read_only_root"]:
+        _mount("-o", "remount,bind,ro", "/")
+    os.setgroups(spec["groups"])
+    os.setgid(spec["gid"])
+    os.setuid(spec["uid"])
+    os.chdir(spec["workdir"])
+    argv = spec["argv"]
+    os.execvpe(argv[0], argv, spec["env"])
+
+
+if __name__ == "__main__":
+    main()
