@@ -11,7 +11,7 @@ import pulumi
 import pulumi_gcp as gcp
 
 from envspec.config import EnvironmentSpec
-from infra.iam import workload_principal
+from infra.iam import after_pool, workload_principal
 from infra.storage import CHECKPOINT_ROLE
 from trainer.service.store import CLOUDSQL_OWNER_ROLE as OWNER_ROLE
 from workloads.service import engine_on_host_network
@@ -41,6 +41,8 @@ class ServiceDatabaseArgs:
     spec: EnvironmentSpec
     network: pulumi.Input[str]  # the environment's VPC (its id): private services access and the private IP
     project_number: pulumi.Input[str]  # the KSA principals' pool is named by the project's number
+    # The cluster: its creation creates the workload identity pool the bindings below name (iam.after_pool).
+    cluster: pulumi.Resource
     # The checkpoint bucket's name; pass the Storage component's bucket.name so the engine's grant waits for the
     # bucket. The spec's name (the same string, no dependency) when unset.
     bucket: pulumi.Input[str] | None = None
@@ -79,6 +81,7 @@ class ServiceDatabase(pulumi.ComponentResource):
         db = svc.database
         protected = spec.sql_protected
         child = pulumi.ResourceOptions(parent=self)
+        in_pool = after_pool(self, args.cluster)  # a member named in the cluster's workload identity pool
         # Protected: `pulumi destroy` leaves the instance, its database and the private range it lives in, as
         # infra/storage.py leaves a protected bucket; deletion protection also refuses deletion by any other means.
         kept = pulumi.ResourceOptions(parent=self, retain_on_delete=protected)
@@ -170,7 +173,7 @@ class ServiceDatabase(pulumi.ComponentResource):
             gcp.serviceaccount.IAMMember(
                 f"{name}-{role}-workload-identity", service_account_id=gsa.name, role=WORKLOAD_IDENTITY_USER,
                 member=f"serviceAccount:{spec.project}.svc.id.goog[{spec.queues.namespace}/{ksas[role]}]",
-                opts=child)
+                opts=in_pool)
             for grant in CONNECTOR_ROLES:
                 gcp.projects.IAMMember(
                     f"{name}-{role}-{grant.split('.')[-1].lower()}", project=spec.project, role=grant, member=member,
@@ -218,12 +221,13 @@ class ServiceDatabase(pulumi.ComponentResource):
                     members["-ksa"] = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                                          ksas[role])
                 for suffix, who in members.items():
+                    grant = in_pool if suffix else child
                     gcp.storage.BucketIAMMember(
                         f"{name}-engine{suffix}-object-user", bucket=args.bucket or spec.bucket_name,
-                        role=CHECKPOINT_ROLE, member=who, opts=child)
+                        role=CHECKPOINT_ROLE, member=who, opts=grant)
                     gcp.storage.BucketIAMMember(
                         f"{name}-engine{suffix}-state-user", bucket=args.state_bucket or spec.service_state_bucket,
-                        role=CHECKPOINT_ROLE, member=who, opts=child)
+                        role=CHECKPOINT_ROLE, member=who, opts=grant)
         self.owner_role = OWNER_ROLE
         # What the connector dials; built from the inputs so it is known at preview (Cloud SQL's connectionName).
         self.connection_name = pulumi.Output.concat(spec.project, ":", spec.region, ":", self.instance.name)

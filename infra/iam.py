@@ -16,10 +16,22 @@ NODE_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter", "roles
 
 def workload_principal(project_number: pulumi.Input[str], project: str, namespace: str,
                        ksa: str) -> pulumi.Output[str]:
-    """The IAM principal of a Kubernetes service account under Workload Identity Federation for GKE."""
+    """The IAM principal of a Kubernetes service account under Workload Identity Federation for GKE. A grant to it
+    must be created with after_pool."""
     return pulumi.Output.concat(
         "principal://iam.googleapis.com/projects/", project_number, "/locations/global/workloadIdentityPools/",
         project, ".svc.id.goog/subject/ns/", namespace, "/sa/", ksa)
+
+
+def after_pool(parent: pulumi.Resource, cluster: pulumi.Resource) -> pulumi.ResourceOptions:
+    """Options for an IAM grant whose member names the project's workload identity pool (<project>.svc.id.goog: a
+    `principal://...` of workload_principal, or `serviceAccount:<pool>[ns/ksa]`). The pool comes into being with the
+    first cluster that has workload identity on, and IAM refuses such a member until then ("Error 400: Identity Pool
+    does not exist", googleforgames/global-multiplayer-demo#39; terraform-google-kubernetes-engine#916). A grant
+    takes seconds and the cluster minutes, so without this dependency a first `pulumi up` in a new project loses the
+    race (review 2026-11-28 #4). depends_on is explicit on both backends: the Terraform synth copies it
+    (infra/terraform.py)."""
+    return pulumi.ResourceOptions(parent=parent, depends_on=[cluster])
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
         dranet_networks=[v.name for v in network.dranet_vpcs],
         dranet_subnets=[s.name for s in network.dranet_subnets]))
     project_number = gcp.organizations.get_project_output(project_id=spec.project).number
-    storage = Storage(f"{env}-storage", StorageArgs(spec, project_number=project_number))
+    storage = Storage(f"{env}-storage", StorageArgs(spec, project_number=project_number, cluster=cluster.cluster))
     registry = Registry(f"{env}-registry", RegistryArgs(spec, node_service_account=nodes.account.email))
     image: pulumi.Input[str] = spec.trainer.image or TrainerImage(
         f"{env}-image", TrainerImageArgs(spec, repository=registry.repository)).ref
@@ -56,7 +56,8 @@ def build(spec: EnvironmentSpec, hf_token: pulumi.Output[str] | None) -> None:
     if spec.service is not None:
         # The store, and the Google service accounts the API and the engine act as (with their bucket grant).
         database = ServiceDatabase(f"{env}-database", ServiceDatabaseArgs(
-            spec, network=network.vpc.id, project_number=project_number, bucket=storage.bucket.name,
+            spec, network=network.vpc.id, project_number=project_number, cluster=cluster.cluster,
+            bucket=storage.bucket.name,
             state_bucket=storage.state_bucket.name if storage.state_bucket is not None else None))
         svc = service.Service(f"{env}-service", service.ServiceArgs(
             spec, image=image, hf_token=hf_token, instance=database.connection_name, database=database.database,

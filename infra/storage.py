@@ -8,7 +8,7 @@ import pulumi
 import pulumi_gcp as gcp
 
 from envspec.config import EnvironmentSpec
-from infra.iam import workload_principal
+from infra.iam import after_pool, workload_principal
 
 # Read, write and delete objects; no bucket administration.
 CHECKPOINT_ROLE = "roles/storage.objectUser"
@@ -20,6 +20,7 @@ READER_ROLE = "roles/storage.objectViewer"
 class StorageArgs:
     spec: EnvironmentSpec
     project_number: pulumi.Input[str]
+    cluster: pulumi.Resource  # the grants to workload principals wait for it: it creates the pool (iam.after_pool)
 
 
 class Storage(pulumi.ComponentResource):
@@ -55,7 +56,7 @@ class Storage(pulumi.ComponentResource):
                                         spec.trainer.service_account)
             gcp.storage.BucketIAMMember(
                 f"{name}-trainer-object-user", bucket=self.bucket.name, role=CHECKPOINT_ROLE, member=member,
-                opts=pulumi.ResourceOptions(parent=self))
+                opts=after_pool(self, args.cluster))
         self.state_bucket: gcp.storage.Bucket | None = None
         if spec.service is not None:
             # The engine replaces each model's state snapshot (about 1 GiB for a rank-32 LoRA of an 8B model, Adam
@@ -68,6 +69,6 @@ class Storage(pulumi.ComponentResource):
             head = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                       spec.ray_head_service_account)
             gcp.storage.BucketIAMMember(f"{name}-ray-head-object-viewer", bucket=self.bucket.name, role=READER_ROLE,
-                                        member=head, opts=pulumi.ResourceOptions(parent=self))
+                                        member=head, opts=after_pool(self, args.cluster))
         self.url = pulumi.Output.concat("gs://", self.bucket.name)
         self.register_outputs({"url": self.url})

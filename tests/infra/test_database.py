@@ -7,7 +7,7 @@ sets pulumi.runtime's mocks and records every registration with its options)."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import pulumi
 import pulumi_gcp as gcp
@@ -27,13 +27,15 @@ SA_MEMBER = "gcp:serviceaccount/iAMMember:IAMMember"
 BUCKET_MEMBER = "gcp:storage/bucketIAMMember:BucketIAMMember"
 ACCOUNT = "gcp:serviceaccount/account:Account"
 VPC_ID = "vpc-id"  # what the mocks give the stand-in VPC as its id
+CLUSTER_NAME = "cluster"  # the stand-in cluster, whose creation makes the workload identity pool
 
 
 def _program() -> None:
     spec = load_spec()
     vpc = gcp.compute.Network("vpc", project=spec.project, auto_create_subnetworks=False)
-    db = database.ServiceDatabase(f"{spec.env}-database",
-                                  database.ServiceDatabaseArgs(spec, network=vpc.id, project_number="123456789012"))
+    cluster = gcp.container.Cluster(CLUSTER_NAME, project=spec.project, location=spec.zone)
+    db = database.ServiceDatabase(f"{spec.env}-database", database.ServiceDatabaseArgs(
+        spec, network=vpc.id, project_number="123456789012", cluster=cluster))
     pulumi.export("connectionName", db.connection_name)
     pulumi.export("database", db.database)
     pulumi.export("accounts", db.accounts)
@@ -151,6 +153,15 @@ def test_each_account_is_bound_to_its_kubernetes_service_account(plan: PlanResul
     assert (plan.spec.service_api_name, plan.spec.service_engine_name) == ("tinker-api", "tinker-engine")
 
 
+def test_grants_naming_the_workload_pool_wait_for_the_cluster(plan: PlanResult) -> None:
+    """Review 2026-11-28 #4: the pool <project>.svc.id.goog exists once the cluster does; the bindings and the KSA's
+    bucket grants name it, so they depend on the cluster. The GSA's own grants need no pool."""
+    [cluster] = plan.of_type("gcp:container/cluster:Cluster")
+    for r in [*plan.of_type(SA_MEMBER), *plan.of_type(BUCKET_MEMBER), *plan.of_type(PROJECT_MEMBER)]:
+        names_pool = "svc.id.goog" in r.inputs["member"]
+        assert (cluster.urn in r.options.get("dependsOn", [])) is names_pool, r.name
+
+
 def test_the_connector_roles_are_granted_on_the_one_instance_only(plan: PlanResult) -> None:
     grants = sorted((m.inputs["member"], m.inputs["role"]) for m in plan.of_type(PROJECT_MEMBER))
     api = "serviceAccount:tinker-tinker-api@acme-rl-tinker.iam.gserviceaccount.com"
@@ -225,7 +236,8 @@ def test_an_environment_without_a_service_has_no_database() -> None:
     del config["gke-tpu-rl:service"]
     spec = parse_spec({k.removeprefix("gke-tpu-rl:"): v for k, v in config.items()}, "tinker", bundled_configs())
     with pytest.raises(ValueError, match="no service section"):
-        database.ServiceDatabase("x", database.ServiceDatabaseArgs(spec, network="vpc", project_number="1"))
+        database.ServiceDatabase("x", database.ServiceDatabaseArgs(spec, network="vpc", project_number="1",
+                                                                   cluster=cast(pulumi.Resource, None)))
 
 
 def test_helpers() -> None:
