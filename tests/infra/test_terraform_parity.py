@@ -198,6 +198,27 @@ def test_every_manifest_terraform_applies_matches_its_upstream_schema(env: str) 
         k8s_schemas.assert_valid(json.loads(text))
 
 
+@pytest.mark.parametrize("env", ENVIRONMENTS)
+def test_no_terraform_value_is_a_name_the_mocks_made_up_review_2026_11_28_6(
+        plans: dict[str, PlanResult], env: str) -> None:
+    """A GCP resource the program gives no `name` gets its Pulumi resource name as the mocks' `name` output
+    (infra/mockrun.py _fake_state); the provider computes the real one (a service account's is
+    projects/P/serviceAccounts/EMAIL). A Terraform value equal to such a resource name is that made-up output
+    copied as a literal, unless Terraform names the resource so itself (the synth gives an autonamed resource its
+    Pulumi name). Refer to an output Terraform computes instead (the account's id)."""
+    made_up = {r.name: address_of(r.type, r.name) for r in plans[env].resources
+               if r.type in GCP_TYPES and "name" not in r.inputs}
+    tf = golden(env, "gcp")
+    for type_, named in tf["resource"].items():
+        for name, body in named.items():
+            for path, value in leaves({k: v for k, v in body.items() if k not in META}).items():
+                owner = made_up.get(value) if isinstance(value, str) else None
+                if owner is None or (owner == f"{type_}.{name}" and path == "name"):
+                    continue
+                assert _body(tf, owner).get("name") == value, (
+                    f"{env} {type_}.{name} {path} = {value!r}: {owner}'s name as the mocks made it up")
+
+
 def test_the_peering_connection_is_abandoned_as_hashicorp_google_understands_review_2026_11_28_9() -> None:
     """pulumi-gcp's REMOVE_PEERING is no hashicorp/google value: refused at plan up to 7.32, read as DELETE from
     7.33. ABANDON leaves the connection on both sides of 7.33 (docs/terraform.md: removing the peering by hand)."""
