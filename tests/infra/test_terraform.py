@@ -34,6 +34,7 @@ from infra.terraform import (
     STAGES,
     Synthesis,
     synthesize,
+    tf_name,
 )
 from tests.infra.conftest import ENVIRONMENTS, ROOT, stack_config
 
@@ -253,6 +254,27 @@ def test_replace_triggered_by_is_a_static_reference_review_2026_11_28_5(written:
             for ref in refs:
                 assert re.fullmatch(r"terraform_data\.[A-Za-z_][A-Za-z0-9_-]*", ref), f"{env} {address}: {ref!r}"
                 assert ref.split(".")[1] in tf["resource"]["terraform_data"], f"{env} {address}: {ref} undeclared"
+
+
+def test_staging_jobs_are_replaced_not_patched_on_both_backends_review_2026_11_28_7(
+        syntheses: dict[str, Synthesis], written: Path) -> None:
+    """A Job's pod template is immutable. pulumi-kubernetes replaces the Job (and is told so explicitly);
+    kubernetes_manifest would PATCH it (it replaces only on apiVersion, kind, name, namespace), so Terraform needs
+    a replace_triggered_by on a terraform_data holding the spec, which holds the image digest variable."""
+    with_jobs = set()
+    for env, s in syntheses.items():
+        tf = _stack(written, env, "workloads")
+        manifests, data = tf["resource"]["kubernetes_manifest"], tf["resource"].get("terraform_data", {})
+        for job in s.plan.of_type("kubernetes:batch/v1:Job"):
+            with_jobs.add(env)
+            assert job.options.get("replaceOnChanges") == ["spec"], f"{env} {job.name}"
+            assert job.options.get("deleteBeforeReplace") is True, f"{env} {job.name}"
+            body = manifests[tf_name(job.name)]
+            [trigger] = body["lifecycle"]["replace_triggered_by"]
+            watched = data[trigger.removeprefix("terraform_data.")]["input"]
+            assert watched == {"spec": body["manifest"]["spec"]}, f"{env} {job.name}"
+            assert f"${{var.{IMAGE_DIGEST_VAR}}}" in json.dumps(watched), f"{env} {job.name}: a new image"
+    assert with_jobs == set(ENVIRONMENTS)  # every shipped environment stages its model
 
 
 def terraform_cli() -> str:
