@@ -43,9 +43,11 @@ from infra.tfref import REF, references
 
 PACKAGES = {"google": "cdktf_cdktf_provider_google", "helm": "cdktf_cdktf_provider_helm",
             "kubernetes": "cdktf_cdktf_provider_kubernetes"}
-# The google provider version the overrides (infra/terraform.py OVERRIDES) need (settings.data_api_access is in
-# hashicorp/google since 7.21.0); the bindings pin 6.50.0.
-GOOGLE_PROVIDER = "~> 7.21"
+# The google provider versions the overrides (infra/terraform.py OVERRIDES) need: settings.data_api_access arrived
+# in hashicorp/google 7.22.0 (CHANGELOG 7.22.0; absent from resource_sql_database_instance.go at v7.21.0), and
+# database_roles earlier (7.19). Every value written is accepted on both sides of 7.33, where deletion_policy became
+# the universal field (infra/terraform.py TERRAFORM_VALUES), so no later floor. The bindings pin 6.50.0.
+GOOGLE_PROVIDER = ">= 7.22, < 8.0"
 AUTH_PLUGIN = {"api_version": "client.authentication.k8s.io/v1beta1", "command": "gke-gcloud-auth-plugin"}
 
 
@@ -200,8 +202,12 @@ class Renderer:
             # Written as Terraform expressions (infra/terraform.py): wrapped, never escaped.
             life["precondition"] = [Precondition(condition=f"${{{p['condition']}}}", error_message=p["error_message"])
                                     for p in life["precondition"]]
-        if life.get("replace_triggered_by"):
-            life["replace_triggered_by"] = [self.constructs[a] for a in life["replace_triggered_by"]]
+        # cdktf 0.21 writes a construct here as "${terraform_data.x}", which Terraform refuses ("Invalid
+        # character": replace_triggered_by takes static references, hashicorp/terraform-cdk#3196, #3645): the
+        # addresses go in raw, after the construct exists.
+        triggers = list(life.pop("replace_triggered_by", ()))
+        if missing := [a for a in triggers if a not in self.constructs]:
+            raise SynthError(f"{address}: replace_triggered_by names {missing}, not declared before it")
         if life:
             kwargs["lifecycle"] = life
         if entry.get("timeouts"):
@@ -215,6 +221,8 @@ class Renderer:
         except TypeError as e:
             raise SynthError(f"{address}: {e}") from None
         construct.override_logical_id(name)
+        if triggers:
+            construct.add_override("lifecycle.replace_triggered_by", triggers)
         for path, value in overrides.items():
             construct.add_override(path, value)
         self.constructs[address] = construct

@@ -171,7 +171,7 @@ class ServiceDatabase(pulumi.ComponentResource):
                 display_name=f"{svc.name} {role} of {spec.cluster_name}", opts=child)
             member = pulumi.Output.concat("serviceAccount:", gsa.email)
             gcp.serviceaccount.IAMMember(
-                f"{name}-{role}-workload-identity", service_account_id=gsa.name, role=WORKLOAD_IDENTITY_USER,
+                f"{name}-{role}-workload-identity", service_account_id=gsa.id, role=WORKLOAD_IDENTITY_USER,
                 member=f"serviceAccount:{spec.project}.svc.id.goog[{spec.queues.namespace}/{ksas[role]}]",
                 opts=in_pool)
             for grant in CONNECTOR_ROLES:

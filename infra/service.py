@@ -20,7 +20,7 @@ import pulumi_kubernetes as k8s
 from envspec.config import EnvironmentSpec
 from infra.k8s import apply, resource_name
 from infra.trainer_job import DELETE_MARGIN_S, REPLACE_ON_CHANGES
-from workloads import dra, service, trainer_pod
+from workloads import dra, service, stage, trainer_pod
 from workloads.labels import MANAGED_BY
 
 # How long `pulumi up` waits for the base model's staging Job: trainer.stage.timeoutMinutes' default, which covers a
@@ -121,7 +121,8 @@ class Service(pulumi.ComponentResource):
                 # batch/v1 Job's Complete condition, provider/pkg/await/job.go) up to the create timeout. A Job's pod
                 # template is immutable: a changed one is replaced, the old one deleted first (same name).
                 deps.append(apply(job, pulumi.ResourceOptions(
-                    parent=self, depends_on=list(deps), delete_before_replace=True,
+                    parent=self, depends_on=list(deps), replace_on_changes=list(stage.REPLACE_ON_CHANGES),
+                    delete_before_replace=True,
                     custom_timeouts=pulumi.CustomTimeouts(create=f"{STAGE_TIMEOUT_MINUTES}m"))))
             # Day two, as TrainerJob's (infra/trainer_job.py): the JobSet webhook refuses any change to
             # spec.replicatedJobs of an existing JobSet (jobset pkg/webhooks/jobset_webhook.go ValidateUpdate), and

@@ -59,6 +59,15 @@ OVERRIDES = (
     ("google_sql_database_instance", "settings.dataApiAccess"),
     ("google_sql_user", "databaseRoles"),
 )
+# Values pulumi-gcp takes that hashicorp/google does not, as the nearest value it does: (Terraform type, argument)
+# -> {Pulumi value: Terraform value}. REMOVE_PEERING (pulumi-gcp 10.2 servicenetworking.Connection) is in no
+# hashicorp/google release: up to 7.32 StringInSlice(["ABANDON", ""]) refuses it at plan, from 7.33 the universal
+# deletion_policy (tpgresource.DeletionPolicyPreDelete) takes any string and treats it as DELETE, which fails while
+# Cloud SQL still uses the peering (hashicorp/terraform-provider-google#16275). ABANDON means the same on both sides
+# of 7.33: the connection is left as it is; docs/terraform.md says how to remove the peering by hand.
+TERRAFORM_VALUES: dict[tuple[str, str], dict[Any, Any]] = {
+    ("google_service_networking_connection", "deletionPolicy"): {"REMOVE_PEERING": "ABANDON"},
+}
 HELM_TYPE = "kubernetes:helm.sh/v3:Release"
 MANIFEST = "kubernetes_manifest"
 # What the provider computes and the program reads, besides every resource's id and a GCP resource's selfLink.
@@ -255,6 +264,15 @@ def _lifecycle(resource: Resource) -> dict[str, Any]:
     return life
 
 
+def terraform_values(tf_type: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """A GCP resource's top-level arguments with TERRAFORM_VALUES' translations made."""
+    out = dict(args)
+    for (type_, key), table in TERRAFORM_VALUES.items():
+        if type_ == tf_type and key in out:
+            out[key] = table.get(out[key], out[key])
+    return out
+
+
 def _substitute(value: Any, substitutions: Mapping[str, str]) -> Any:
     return _walk(value, lambda v: substitutions.get(v, v) if isinstance(v, str) else v)
 
@@ -314,7 +332,8 @@ def synthesize(env: str, config: Mapping[str, Any], state_bucket: str | None = N
         stage_of[address] = stage
         extra: list[dict[str, Any]] = []
         if r.type in GCP_TYPES:
-            entry: dict[str, Any] = {"args": _substitute(r.inputs, mocks.substitutions), "naming": "pulumi"}
+            args = terraform_values(GCP_TYPES[r.type], _substitute(r.inputs, mocks.substitutions))
+            entry: dict[str, Any] = {"args": args, "naming": "pulumi"}
         elif r.type == HELM_TYPE:
             entry = {"args": _helm_args(r), "naming": "terraform"}
         elif is_kubernetes_object(r):

@@ -81,7 +81,8 @@ class TrainerJob(pulumi.ComponentResource):
             # Created, and completed, before the trainer: `pulumi up` waits on the Job (pulumi-kubernetes awaits a
             # batch/v1 Job's Complete condition) up to trainer.stage.timeoutMinutes.
             deps.append(apply(stage.stage_job(spec, refs, targets), pulumi.ResourceOptions(
-                parent=self, depends_on=list(deps), delete_before_replace=True,
+                parent=self, depends_on=list(deps), replace_on_changes=list(stage.REPLACE_ON_CHANGES),
+                delete_before_replace=True,
                 custom_timeouts=pulumi.CustomTimeouts(create=f"{spec.trainer.stage.timeout_minutes}m"))))
         if t.launcher == "ray":
             head = spec.ray_head_service_account

@@ -142,13 +142,17 @@ def test_the_users_are_the_service_accounts_of_the_api_and_the_engine(plan: Plan
 
 def test_each_account_is_bound_to_its_kubernetes_service_account(plan: PlanResult) -> None:
     bindings = {m.name: m.inputs for m in plan.of_type(SA_MEMBER)}
+    # The account's id (projects/P/serviceAccounts/EMAIL, what service_account_id must match), a reference on both
+    # backends; its `name` under the mocks is the Pulumi resource name (review 2026-11-28 #6).
+    ids = {a.name: a.id for a in plan.of_type(ACCOUNT)}
     assert bindings == {
         "tinker-database-api-workload-identity": {
             "member": "serviceAccount:acme-rl-tinker.svc.id.goog[rl/tinker-api]",
-            "role": "roles/iam.workloadIdentityUser", "serviceAccountId": "tinker-database-api"},
+            "role": "roles/iam.workloadIdentityUser", "serviceAccountId": ids["tinker-database-api"]},
         "tinker-database-engine-workload-identity": {
             "member": "serviceAccount:acme-rl-tinker.svc.id.goog[rl/tinker-engine]",
-            "role": "roles/iam.workloadIdentityUser", "serviceAccountId": "tinker-database-engine"}}
+            "role": "roles/iam.workloadIdentityUser", "serviceAccountId": ids["tinker-database-engine"]}}
+    assert None not in ids.values()
     assert plan.spec.queues.namespace == "rl"
     assert (plan.spec.service_api_name, plan.spec.service_engine_name) == ("tinker-api", "tinker-engine")
 

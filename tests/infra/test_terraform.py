@@ -1,8 +1,11 @@
 """`gke-tpu-rl synth`: the Pulumi program's resources as Terraform, through the pinned cdktf bindings.
 
 The synth tests run infra/cdktf_app.py in the cdktf venv `make install` builds ($(VENV)/cdktf): the bindings' own
-constructors check every argument's name and type. `terraform validate` cannot run here (it downloads the providers);
-tests/infra/test_terraform_parity.py compares what is written with the Pulumi plan, and the checkov test scans it.
+constructors check every argument's name and type. The real Terraform CLI then loads every stack: `terraform init
+-backend=false` checks the whole configuration before it looks for providers, and `terraform console` evaluates the
+preconditions and validations. `validate` and `plan` cannot run here (they need the providers, which are not
+downloadable); tests/infra/test_terraform_parity.py compares what is written with the Pulumi plan, and the checkov
+test scans it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +26,25 @@ from envspec.config import gke_version_tuple
 from infra import synth
 from infra.mockrun import IMAGE_TYPE
 from infra.plan import is_kubernetes_object
-from infra.terraform import GCP_TYPES, HELM_TYPE, HF_TOKEN_VAR, IMAGE_DIGEST_VAR, STAGES, Synthesis, synthesize
+from infra.terraform import (
+    GCP_TYPES,
+    HELM_TYPE,
+    HF_TOKEN_VAR,
+    IMAGE_DIGEST_VAR,
+    STAGES,
+    Synthesis,
+    synthesize,
+    tf_name,
+)
 from tests.infra.conftest import ENVIRONMENTS, ROOT, stack_config
 
 GOLDEN = ROOT / "tests" / "golden" / "terraform"
+# A user's own environment: a shipped one copied under another stack name and project, with its store unprotected
+# (no prevent_destroy), synthesized with the shipped ones in the same cdktf run.
+USER_COPY = ("qa", "tinker", {"gke-tpu-rl:project": "acme-rl-qa", "gke-tpu-rl:storage": {"protect": False}})
+GOOGLE_CONSTRAINT = ">= 7.22, < 8.0"  # review 2026-11-28 #13: data_api_access arrived in 7.22.0
+# What `terraform init` says when it has loaded the configuration and cannot get a provider: the only error allowed.
+PROVIDER_DOWNLOAD = "Failed to query available provider packages"
 
 
 def strip_metadata(value: Any) -> Any:
@@ -46,9 +66,15 @@ def syntheses() -> dict[str, Synthesis]:
 
 
 @pytest.fixture(scope="module")
-def written(syntheses: dict[str, Synthesis], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def user_copy() -> Synthesis:
+    name, source, changes = USER_COPY
+    return synthesize(name, {**stack_config(source), **changes})
+
+
+@pytest.fixture(scope="module")
+def written(syntheses: dict[str, Synthesis], user_copy: Synthesis, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synth")
-    synth.write([s.document for s in syntheses.values()], out)
+    synth.write([*(s.document for s in syntheses.values()), user_copy.document], out)
     return out
 
 
@@ -91,43 +117,6 @@ def test_the_hugging_face_token_is_a_sensitive_variable_not_a_value() -> None:
     assert "AAABAGVuY3J5cHRlZA" not in json.dumps(s.document)
 
 
-def _hcl_eval(expression: str, version: str) -> bool:
-    """The precondition's expression for one looked-up version, with Terraform's split, tonumber and try (the only
-    functions it uses) done by Python. A stand-in for `terraform console`, which needs the providers downloaded."""
-    expr = re.sub(r'data\.google_container_engine_versions\.\w+\.\w+\["\w+"\]', "V", expression)
-    expr = re.sub(r'try\((.*?), "0"\)', r'_try(lambda: \1, lambda: "0")', expr)
-
-    def _try(*options: Any) -> Any:
-        for option in options:
-            try:
-                return option()
-            except (IndexError, ValueError):
-                continue
-        raise ValueError("no option of try() evaluated")
-
-    env = {"V": version, "split": lambda sep, s: s.split(sep), "tonumber": lambda s: int(s), "_try": _try}
-    return bool(eval(expr, env))  # noqa: S307 (our own expression, tested)
-
-
-def test_the_cluster_refuses_a_channel_version_below_the_dranet_floor_as_the_program_does(
-        syntheses: dict[str, Synthesis]) -> None:
-    spec = syntheses["staging"].plan.spec
-    floor = spec.gke_version_floor
-    assert floor is not None
-    [cluster] = [e for e in syntheses["staging"].document["stacks"]["gcp"]["resources"]
-                 if e["type"] == "google_container_cluster"]
-    [pre] = cluster["lifecycle"]["precondition"]
-    versions = ["1.33.5-gke.1000", "1.34.0-gke.1999999", "1.34.1-gke.1829000", floor, "1.34.1-gke.1829002",
-                "1.34.2-gke.1", "1.35.0-gke.100", "2.0.0-gke.1"]
-    for v in versions:
-        assert _hcl_eval(pre["condition"], v) == (gke_version_tuple(v) >= gke_version_tuple(floor)), v
-    # Environments without DRANET have no floor, and no precondition.
-    for env in ("dev", "tinker"):
-        [c] = [e for e in syntheses[env].document["stacks"]["gcp"]["resources"]
-               if e["type"] == "google_container_cluster"]
-        assert "precondition" not in c.get("lifecycle", {})
-
-
 # ---------------------------------------------------------------- through cdktf
 
 
@@ -165,7 +154,7 @@ def test_each_stack_has_its_own_state_and_reaches_the_cluster_without_a_stored_t
         for stack in STAGES:
             tf = _stack(written, env, stack)
             assert tf["terraform"]["backend"]["gcs"]["prefix"] == f"gke-tpu-rl/{env}/{stack}"
-            assert tf["terraform"]["required_providers"]["google"]["version"] == "~> 7.21"
+            assert tf["terraform"]["required_providers"]["google"]["version"] == GOOGLE_CONSTRAINT
             if stack == "gcp":
                 assert "kubernetes" not in tf.get("provider", {})
                 continue
@@ -243,3 +232,170 @@ def test_build_image_builds_what_the_program_builds_and_prints_the_digest(
     assert (ROOT / "infra" / args[args.index("--file") + 1]).resolve() == ROOT / "trainer" / "Dockerfile"
     assert (ROOT / "infra" / args[-1]).resolve() == ROOT
     assert args[args.index("--tag") + 1].startswith(image["repository"] + ":")
+
+
+# ---------------------------------------------------------------- what Terraform itself makes of it
+
+
+def _triggers(tf: dict[str, Any]) -> dict[str, list[str]]:
+    """address -> its lifecycle.replace_triggered_by, for every resource that has one."""
+    return {f"{t}.{n}": body["lifecycle"]["replace_triggered_by"] for t, named in tf.get("resource", {}).items()
+            for n, body in named.items() if "replace_triggered_by" in (body.get("lifecycle") or {})}
+
+
+def test_replace_triggered_by_is_a_static_reference_review_2026_11_28_5(written: Path) -> None:
+    """Terraform's JSON syntax reads replace_triggered_by as static references: "terraform_data.x", never the
+    interpolation cdktf writes for a construct ("${terraform_data.x}", an "Invalid character" at init)."""
+    for env in ENVIRONMENTS:
+        tf = _stack(written, env, "workloads")
+        triggers = _triggers(tf)
+        assert triggers, f"{env}: nothing is replaced on change"
+        for address, refs in triggers.items():
+            for ref in refs:
+                assert re.fullmatch(r"terraform_data\.[A-Za-z_][A-Za-z0-9_-]*", ref), f"{env} {address}: {ref!r}"
+                assert ref.split(".")[1] in tf["resource"]["terraform_data"], f"{env} {address}: {ref} undeclared"
+
+
+def test_staging_jobs_are_replaced_not_patched_on_both_backends_review_2026_11_28_7(
+        syntheses: dict[str, Synthesis], written: Path) -> None:
+    """A Job's pod template is immutable. pulumi-kubernetes replaces the Job (and is told so explicitly);
+    kubernetes_manifest would PATCH it (it replaces only on apiVersion, kind, name, namespace), so Terraform needs
+    a replace_triggered_by on a terraform_data holding the spec, which holds the image digest variable."""
+    with_jobs = set()
+    for env, s in syntheses.items():
+        tf = _stack(written, env, "workloads")
+        manifests, data = tf["resource"]["kubernetes_manifest"], tf["resource"].get("terraform_data", {})
+        for job in s.plan.of_type("kubernetes:batch/v1:Job"):
+            with_jobs.add(env)
+            assert job.options.get("replaceOnChanges") == ["spec"], f"{env} {job.name}"
+            assert job.options.get("deleteBeforeReplace") is True, f"{env} {job.name}"
+            body = manifests[tf_name(job.name)]
+            [trigger] = body["lifecycle"]["replace_triggered_by"]
+            watched = data[trigger.removeprefix("terraform_data.")]["input"]
+            assert watched == {"spec": body["manifest"]["spec"]}, f"{env} {job.name}"
+            assert f"${{var.{IMAGE_DIGEST_VAR}}}" in json.dumps(watched), f"{env} {job.name}: a new image"
+    assert with_jobs == set(ENVIRONMENTS)  # every shipped environment stages its model
+
+
+def terraform_cli() -> str:
+    """The real Terraform CLI; a plain failure without it (it is not installable from the registries here)."""
+    path = shutil.which("terraform")
+    if path is None:
+        pytest.fail("the Terraform CLI (`terraform`, 1.11 or later) is not on PATH: these tests load every "
+                    "synthesized stack with it and cannot check the stacks without it; install it and rerun",
+                    pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def terraform_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Terraform's environment: a CLI config whose only provider source is an empty folder, so `init` loads the
+    configuration, then stops at the provider lookup at once and never reaches a registry, network or not."""
+    home = tmp_path_factory.mktemp("terraform-cli")
+    (home / "mirror").mkdir()
+    (home / "cli.tfrc").write_text(
+        f'provider_installation {{\n  filesystem_mirror {{\n    path = "{home / "mirror"}"\n  }}\n}}\n')
+    return {**os.environ, "TF_CLI_CONFIG_FILE": str(home / "cli.tfrc"), "CHECKPOINT_DISABLE": "1",
+            "TF_IN_AUTOMATION": "1"}
+
+
+def terraform_init(folder: Path, env: dict[str, str]) -> tuple[list[str], str]:
+    """`terraform init -backend=false` in a stack's folder: its errors other than the provider lookup's, and its
+    output. The configuration is loaded and checked first; any other error is a configuration error."""
+    proc = subprocess.run([terraform_cli(), "init", "-backend=false", "-input=false", "-no-color"], cwd=folder,
+                          env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    errors = re.split(r"^(?=Error: )", out, flags=re.M)[1:]
+    wrong = [e.strip() for e in errors if not e.startswith(f"Error: {PROVIDER_DOWNLOAD}")]
+    if proc.returncode != 0 and not errors:
+        wrong.append(f"exit {proc.returncode} without an error:\n{out[-2000:]}")
+    if proc.returncode != 0 and "Finding hashicorp/" not in out:
+        wrong.append(f"stopped before the provider lookup:\n{out[-2000:]}")
+    return wrong, out
+
+
+def _init_all(folders: list[Path], env: dict[str, str]) -> dict[Path, tuple[list[str], str]]:
+    terraform_cli()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip(folders, pool.map(lambda f: terraform_init(f, env), folders), strict=True))
+
+
+def _assert_loads(results: dict[Path, tuple[list[str], str]]) -> None:
+    failed = {str(f): errors for f, (errors, _) in results.items() if errors}
+    assert not failed, "terraform init refused:\n" + "\n\n".join(
+        f"{folder}:\n" + "\n".join(errors) for folder, errors in failed.items())
+    for folder, (_, out) in results.items():
+        # review 2026-11-28 #13: the constraint as Terraform reads it.
+        assert 'Finding hashicorp/google versions matching ">= 7.22.0, < 8.0.0"' in out, folder
+
+
+def test_terraform_init_loads_every_golden_stack_review_2026_11_28_5(
+        tmp_path: Path, terraform_env: dict[str, str]) -> None:
+    folders = []
+    for env in ENVIRONMENTS:
+        for stack in STAGES:
+            folder = tmp_path / env / stack
+            folder.mkdir(parents=True)
+            shutil.copy(golden_path(env, stack), folder / "cdk.tf.json")
+            folders.append(folder)
+    _assert_loads(_init_all(folders, terraform_env))
+
+
+def test_terraform_init_loads_every_synthesized_stack_and_a_users_copy_review_2026_11_28_5(
+        written: Path, terraform_env: dict[str, str]) -> None:
+    folders = [written / env / "stacks" / stack for env in (*ENVIRONMENTS, USER_COPY[0]) for stack in STAGES]
+    _assert_loads(_init_all(folders, terraform_env))
+
+
+def terraform_console(expression: str, env: dict[str, str], cwd: Path) -> Any:
+    """An expression's value as `terraform console` computes it (offline: no configuration in `cwd`)."""
+    proc = subprocess.run([terraform_cli(), "console", "-no-color"], input=f"jsonencode({expression})\n", cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"terraform console: {expression}\n{proc.stdout}{proc.stderr}"
+    return json.loads(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+VERSION_LOOKUP = re.compile(r'data\.google_container_engine_versions\.\w+\.release_channel_\w+_version\["\w+"\]')
+DIGESTS = {"sha256:" + "0" * 64: True, "sha256:" + "ab" * 32: True, "sha256:" + "0" * 63: False,
+           "sha256:" + "0" * 65: False, "sha256:" + "A" * 64: False, "latest": False, "": False}
+
+
+def test_terraform_console_evaluates_each_precondition_and_validation_on_both_sides_of_its_threshold(
+        syntheses: dict[str, Synthesis], user_copy: Synthesis, written: Path, terraform_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """The cluster's precondition (the channel's version is at least managed DRANET's floor, as the program's
+    infra/cluster.py choose_version checks) and the digest variable's validation, evaluated by Terraform itself with
+    the looked-up value replaced by each test value. A precondition or validation this test does not know fails it."""
+    specs = {env: s.plan.spec for env, s in syntheses.items()} | {USER_COPY[0]: user_copy.plan.spec}
+    with_floor = set()
+    for env, spec in specs.items():
+        for stack in STAGES:
+            tf = _stack(written, env, stack)
+            for type_, named in tf.get("resource", {}).items():
+                for name, body in named.items():
+                    for pre in (body.get("lifecycle") or {}).get("precondition", []):
+                        assert type_ == "google_container_cluster", f"{env}: unknown precondition on {type_}.{name}"
+                        floor = spec.gke_version_floor
+                        assert floor is not None, f"{env}: a precondition without a floor"
+                        with_floor.add(env)
+                        condition = pre["condition"]
+                        assert condition.startswith("${") and condition.endswith("}")
+                        expr = VERSION_LOOKUP.sub("v", condition[2:-1])
+                        assert "data." not in expr, expr
+                        versions = ["1.33.5-gke.1000", "1.34.0-gke.1999999", "1.34.1-gke.1829000", floor,
+                                    "1.34.1-gke.1829002", "1.34.2-gke.1", "1.35.0-gke.100", "2.0.0-gke.1",
+                                    "1.34.1", "1.35.0"]
+                        got = terraform_console(f"[for v in {json.dumps(versions)} : {expr}]", terraform_env,
+                                                tmp_path)
+                        want = [gke_version_tuple(v) >= gke_version_tuple(floor) for v in versions]
+                        assert got == want, f"{env}: {dict(zip(versions, got, strict=True))}"
+            for name, var in tf.get("variable", {}).items():
+                for validation in var.get("validation", []):
+                    assert name == IMAGE_DIGEST_VAR, f"{env}: unknown validation of var.{name}"
+                    condition = validation["condition"]
+                    expr = condition[2:-1].replace(f"var.{name}", "v")
+                    got = terraform_console(f"[for v in {json.dumps(list(DIGESTS))} : {expr}]", terraform_env,
+                                            tmp_path)
+                    assert got == list(DIGESTS.values()), f"{env}: {dict(zip(DIGESTS, got, strict=True))}"
+    # Environments with managed DRANET have the floor; the others (dev, tinker and its copy) none.
+    assert with_floor == {env for env, spec in specs.items() if spec.gke_version_floor} == {"staging", "prod"}
