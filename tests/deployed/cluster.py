@@ -67,6 +67,8 @@ IMAGE_ENTRYPOINT = ["python", "-m", "trainer"]  # trainer/Dockerfile ENTRYPOINT
 TPU_RESOURCE = "google.com/tpu"
 CRASH_BACKOFF_S = (10.0, 300.0)  # kubelet: initial, max
 JOB_BACKOFF_S = (10.0, 360.0)  # job controller: DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff
+# Env vars that name another pod by its DNS name (trainer/distributed.py, libtpu's multislice).
+HOST_VARS = ("COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
 
 
 class HarnessError(Exception):
@@ -178,8 +180,6 @@ class Cluster:
         depends_on: "<kind>/<name>" -> the "<kind>/<name>" it waits for (the Pulumi program's dependsOn).
         time_scale: multiplies the controllers' back-off delays (1.0: Kubernetes' own). mounts: container path ->
         local folder, in every container (the boundary's own folders, e.g. the Hub mirror)."""
-        if (why := S.can_run()) is not None:
-            raise HarnessError(why)
         self.objects = objects
         self.work = work
         self.boundary: Any = boundary or Boundary()
@@ -201,6 +201,7 @@ class Cluster:
         self._rr = itertools.count()
         self.services: dict[str, int] = {}  # "<service>:<port>" -> local port
         self._proxies: list[socket.socket] = []
+        self.dry = False
         self.net: S.Network | None = network  # made here unless the boundary needed the bridge first
         self.error: Exception | None = None
         self._thread: threading.Thread | None = None
@@ -208,6 +209,8 @@ class Cluster:
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> Cluster:
+        if (why := S.can_run()) is not None:
+            raise HarnessError(why)
         self.work.mkdir(parents=True, exist_ok=True)
         self.net = self.net or S.Network()
         self._thread = threading.Thread(target=self._loop, name="cluster", daemon=True)
@@ -302,6 +305,10 @@ class Cluster:
         pod = Pod(name=name, namespace=namespace, labels={**meta.get("labels", {}), **labels},
                   annotations={**meta.get("annotations", {}), **annotations}, spec=template["spec"], owner=owner,
                   hostname=hostname, subdomain=subdomain)
+        if self.dry:
+            pod.ip = f"{S.POD_NET}.255.{len(self.pods) % 250 + 2}"
+            self.pods[name] = pod
+            return pod
         assert self.net is not None
         if name not in self._ips:
             self._ips[name] = (self.net.add(name), f"gtr-{name}")
@@ -309,6 +316,38 @@ class Cluster:
         self.pods[name] = pod
         self._start_pod(pod)
         return pod
+
+    def dry_run(self) -> dict[str, list[S.Container]]:
+        """Every pod of every workload as it would start (all at once, ignoring dependsOn and policies), each
+        container resolved as the runtime would resolve it, without starting anything: raises HarnessError for
+        what the cluster could not run (an env ref, a volume, a mount, a host name no pod has)."""
+        self.dry = True
+        self.work.mkdir(parents=True, exist_ok=True)
+        for obj in self.objects:
+            self.created.add(self._key(obj))
+            if obj["kind"] == "Job":
+                self._create_job(obj["metadata"]["name"], obj["metadata"].get("namespace", "default"), obj["spec"],
+                                 dict(obj["metadata"].get("labels", {})), {})
+            elif obj["kind"] == "JobSet":
+                self._create_jobset(obj)
+            elif obj["kind"] == "Deployment":
+                self._scale_deployment(obj)
+        names = self._dns_names()
+        out = {}
+        for pod in self.pods.values():
+            folder = self.work / "pods" / pod.name
+            folder.mkdir(parents=True, exist_ok=True)
+            self.service_account(pod.spec.get("serviceAccountName", "default"), pod.namespace)
+            volumes = self._volumes(pod, folder)
+            out[pod.name] = [self._container(pod, c, volumes, folder) for c in pod.spec["containers"]]
+            for c in out[pod.name]:
+                for var in HOST_VARS:
+                    if var in c.env:
+                        host = c.env[var].rsplit(":", 1)[0] if ":" in c.env[var] else c.env[var]
+                        if host not in names:
+                            raise HarnessError(f"pod {pod.name}: {var}={c.env[var]} names a host no pod of the "
+                                               f"plan has (pods' DNS names: {sorted(names)[:6]}...)")
+        return out
 
     def _dns_names(self) -> dict[str, str]:
         names: dict[str, str] = {}

@@ -1,0 +1,34 @@
+"""Every container of every workload of every shipped environment (and a user's copy of one), resolved as the
+cluster would start it from the plan's objects: each env var (downward API fields as JobSet and the Job controller
+set them, secret refs from the rendered Secrets), each volume and mount, each host name a pod's env names. The
+scenarios (test_service.py) then run some of them; this covers the rest, prod's 80 TPU pods among them, without
+starting them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.deployed.cluster import Cluster
+from tests.deployed.render import render, user_copy
+from workloads.jobset import COORDINATOR_PORT
+
+ENVS = ("dev", "staging", "prod", "tinker")
+
+
+@pytest.mark.parametrize("env", [*ENVS, "mine"])
+def test_every_container_resolves(env: str, tmp_path: Path) -> None:
+    if env == "mine":  # a user's copy: staging on its own project, one slice, a secret Hub token
+        path = user_copy("staging", tmp_path, "mine", {"project": "my-rl-project", "trainer": {"slices": 1}})
+        rendered = render("mine", path)
+    else:
+        rendered = render(env)
+    pods = Cluster(rendered.objects, tmp_path / "work", secrets={}).dry_run()
+    assert pods, f"{env}: no pod"
+    for name, containers in pods.items():
+        for c in containers:
+            assert c.argv[:2] == ["python", "-m"], (name, c.argv)
+            if "COORDINATOR_ADDRESS" in c.env:
+                assert c.env["COORDINATOR_ADDRESS"].endswith(f":{COORDINATOR_PORT}")
+                assert c.env["HOST_INDEX"].isdigit() and c.env["SLICE_INDEX"].isdigit()
