@@ -15,6 +15,8 @@ import pytest
 
 PROCESSES = "processes"
 MULTI_PROCESS_FILES = frozenset({
+    "tests/deployed/test_gcp.py",
+    "tests/deployed/test_service.py",
     "tests/service/test_crash.py",
     "tests/service_engine/test_crash.py",
     "tests/service_engine/test_multihost.py",
