@@ -242,8 +242,10 @@ def _tpu_refs(spec: EnvironmentSpec, refs: ServiceRefs, *, hf: bool = False) -> 
 
 def engine_job(spec: EnvironmentSpec, refs: ServiceRefs) -> TpuJob:
     """The engine as a TpuJob: the trainer's pod contract on one slice of service.sliceGroup. It exits 143 on SIGTERM
-    (a preemption) and, like the trainer, is restarted on 42 and any death by a signal (jobset.RESTART_EXIT_CODES)
-    up to service.maxRestarts; every restart restores the users' models from the bucket."""
+    (a preemption) and, like the trainer, is restarted on 42, any death by a signal (jobset.RESTART_EXIT_CODES) and a
+    pod lost with its node, but without limit (jobset.RESTART_UNLIMITED: an always-on service would otherwise be lost
+    after its maxRestarts-th Spot preemption); a bug's exit code still fails it. Every restart restores the users'
+    models from the bucket."""
     svc = _service(spec)
     return TpuJob(name=spec.service_engine_name, group=_group(spec), service_account=spec.service_engine_name,
                   priority=svc.priority, max_restarts=svc.max_restarts,
@@ -252,7 +254,7 @@ def engine_job(spec: EnvironmentSpec, refs: ServiceRefs) -> TpuJob:
                   env=(*db_env(refs, "engine"),
                        {"name": CLOUDSQL_CREDENTIALS_ENV, "value": json.dumps(engine_credentials(spec))}),
                   buckets=(("service-state", spec.service_state_bucket, STATE_MOUNT),),
-                  volumes=(ksa_token_volume(spec),))
+                  volumes=(ksa_token_volume(spec),), restart_without_limit=True)
 
 
 def engine_jobset(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
