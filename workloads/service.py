@@ -62,6 +62,9 @@ API_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 # uvicorn stops within its own graceful-shutdown timeout (trainer/service/cli.py: timeout_graceful_shutdown=3); an
 # open long-poll is cut, and the SDK retries it on its own. The preStop pause lets the endpoint controller take the
 # pod out of the Services (and the load balancer's backends) before uvicorn stops accepting connections.
+# The rollout's one extra pod (maxSurge): during each rollout apiReplicas + 1 API pods run, so the system pool must
+# hold them all (infra/system_pool.py counts it) or the new pod stays Pending and `pulumi up` times out.
+API_MAX_SURGE = 1
 API_GRACE_S = 30
 API_PRESTOP_S = 5
 SCRATCH = "/tmp"
@@ -338,7 +341,7 @@ def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
             "replicas": svc.api_replicas,
             "selector": {"matchLabels": dict(labels)},
             # A new pod is Ready before an old one goes: the API never drops below its replica count.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": API_MAX_SURGE}},
             "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
         },
     }
