@@ -424,7 +424,7 @@ def _service_fact(spec: EnvironmentSpec) -> str | None:
                                        if svc.access.internal_load_balancer else "")
     engine = ("suspended (no engine: requests queue until it is back)" if svc.suspend else
               f"JobSet {ns}/{spec.service_engine_name} on 1 x {group.name} ({group.topology}), priority "
-              f"{svc.priority}, max {svc.max_restarts} restarts, config {svc.config}; a restart restores every "
+              f"{svc.priority}, restarted without limit on preemption, config {svc.config}; a restart restores every "
               "model from its last snapshot")
     db = svc.database
     return (f"API Deployment {ns}/{spec.service_api_name} x {svc.api_replicas} on the system pool ({access}); engine "

@@ -23,7 +23,7 @@ from envspec.machines import (
     requests_of,
 )
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES, SUBMITTER_REQUESTS
-from workloads.service import API_RESOURCES
+from workloads.service import API_MAX_SURGE, API_RESOURCES
 from workloads.stage import STAGE_RESOURCES
 from workloads.trainer_pod import GCSFUSE_SIDECAR
 
@@ -144,8 +144,10 @@ def pinned_pods(spec: EnvironmentSpec) -> list[Pod]:
         pods.append(stage_pod())
     if spec.service is not None:
         # The API's replicas (spread over nodes by preference only, so packing them anywhere is what can happen),
-        # and the base model's staging Job.
+        # the rollout's surge pod beside them on every new image (maxSurge, maxUnavailable 0), and the base model's
+        # staging Job.
         pods += [Pod(f"service API {i}", requests_of(API_RESOURCES)) for i in range(spec.service.api_replicas)]
+        pods += [Pod(f"service API rollout surge {i}", requests_of(API_RESOURCES)) for i in range(API_MAX_SURGE)]
         if spec.service.stage_model and not spec.service.suspend:
             pods.append(stage_pod())
     return pods

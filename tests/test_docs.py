@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"(?:^|[\s`$])gke-tpu-rl ((?:plan|fit|train)\b[^`#\n]*)")
 _PATH = r"[A-Za-z][A-Za-z0-9]*(?:(?:\.[A-Za-z][A-Za-z0-9]*)|\[\d+\])*"
-KEY = re.compile(rf"gke-tpu-rl:({_PATH})")
+# Not after a colon: a Pulumi URN's type token (`...::gke-tpu-rl:infra:Service$...`) is no config key.
+KEY = re.compile(rf"(?<!:)gke-tpu-rl:({_PATH})")
 # Keys written without the namespace, in backticks: `cluster.versionPrefix`, `storage.protect: true`.
 SHORT_KEY = re.compile(rf"`((?:cluster|network|slices|storage|controllers|queues|trainer)(?:\.|\[\d+\]\.){_PATH})")
 

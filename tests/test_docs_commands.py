@@ -135,6 +135,11 @@ CHECKED: dict[str, tuple[str, str]] = {
     "kubectl -n rl port-forward svc/tinker-api 8000:8000": (
         "test_service_commands", "needs the cluster: the Service and port are the tinker plan's, and the command is "
         "the plan's own servicePortForward output"),
+    "kubectl -n rl describe jobset tinker-engine": (
+        "test_service_commands", "needs the cluster: the JobSet is the tinker plan's engine"),
+    "pulumi up -s tinker --replace 'urn:pulumi:tinker::gke-tpu-rl::gke-tpu-rl:infra:Service$kubernetes:jobset.x-k8s.io/"
+    "v1alpha2:JobSet::jobset-rl-tinker-engine'": (
+        "test_service_commands", f"{_NO_CLI}: the URN is the tinker plan's engine JobSet, the one resource replaced"),
     # docs/walkthrough.md
     "make install": ("test_walkthrough", "installs from the package registries: `make -n` on a fresh venv"),
     "gcloud auth login": ("test_walkthrough", "a browser sign-in: the SDK's command tree"),
@@ -195,6 +200,7 @@ INLINE: dict[str, tuple[str, str]] = {
     "gke-tpu-rl plan tinker": ("test_service_commands", "run: the tinker plan shows the service"),
     "gke-tpu-rl fit tinker": ("test_service_commands", "libtpu compile of an 8B model: run up to the compile, on "
                               "the service's engine config and slice group"),
+    "pulumi stack -s tinker --show-urns": ("test_service_commands", f"{_NO_CLI}: the URN it lists is the plan's"),
     "pulumi up -s tinker": ("test_service_commands", "needs GCP and the Pulumi CLI: the stack file it reads is "
                             "environments/Pulumi.tinker.yaml, the plan's"),
     "pulumi destroy": (MENTION, "`pulumi destroy -s qa` above"),
@@ -646,6 +652,8 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
                 assert inner[:3] == ["python", "-m", "trainer.service"]
                 args = service_cli.build_parser().parse_args(inner[3:])
                 assert (args.command, args.action, args.name) == ("keys", "create", "alice")
+            elif argv[3] == "describe":
+                assert ("JobSet", argv[2], argv[5]) in objects and argv[5] == plan.spec.service_engine_name
             else:
                 assert command == plan.outputs["servicePortForward"]
                 service = objects["Service", argv[2], argv[4].removeprefix("svc/")]
@@ -657,6 +665,12 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             assert (url.get_backend_name(), url.get_driver_name()) == ("postgresql", "psycopg")
             import psycopg  # noqa: F401 - the driver the URL names is installed
 
+            ledger.checked(command)
+        elif argv[0] == "pulumi":
+            # `pulumi up --replace URN`: the URN is the engine JobSet's as the program registers it.
+            assert argv[1:5] == ["up", "-s", "tinker", "--replace"]
+            [engine] = run_stack("tinker", stack_config("tinker")).of_type("kubernetes:jobset.x-k8s.io/v1alpha2:JobSet")
+            assert argv[5] == engine.urn
             ledger.checked(command)
         else:
             monkeypatch.chdir(ROOT)
@@ -676,6 +690,7 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     ledger.checked("gke-tpu-rl fit tinker")
     assert (ROOT / "environments" / "Pulumi.tinker.yaml").is_file()
     ledger.checked("pulumi up -s tinker")
+    ledger.checked("pulumi stack -s tinker --show-urns")
     ledger.close()
 
 

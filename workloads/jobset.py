@@ -37,6 +37,22 @@ MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
 # an exit code, so they count against backoffLimit 0 and restart the JobSet too. trainer/cli.py owns the codes.
 RESTART_EXIT_CODES = (42, *range(128, 256))
 
+# The JobSet's failurePolicy rules, judged by JobSet v0.12.0 pkg/controllers/failure_policy.go: executeFailurePolicy
+# takes the first rule, in order, that matches any failed Job (findFirstFailedPolicyRuleAndJob; ruleIsApplicable
+# compares onJobFailureReasons with the reason of the Job's Failed condition) and, when none does, the default
+# RestartJobSet, which counts toward maxRestarts (restartJobSetActionApplier fails the JobSet once
+# status.restartsCountTowardsMax reaches it; nothing ever resets that count). The Job controller (batch/v1) gives
+# our Jobs one of two reasons: PodFailurePolicy when a pod's exit code hit the FailJob rule of tpu_jobset's
+# podFailurePolicy (a bug), BackoffLimitExceeded when a pod failed any other way with backoffLimit 0 (a restart exit
+# code, a signal, or no exit code at all: a pod lost with its node matches no onExitCodes rule). No deadline and no
+# per-index backoff are set, so DeadlineExceeded, FailedIndexes and MaxFailedIndexesExceeded do not occur.
+FAIL_ON_BUG = {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+# After FAIL_ON_BUG, so a bug in any Job still fails the JobSet first. RestartJobSetAndIgnoreMaxRestarts
+# (restartJobSetAndIgnoreMaxRestartsActionApplier) bumps status.restarts only, never restartsCountTowardsMax: an
+# always-on job survives any number of preemptions.
+RESTART_UNLIMITED = {"name": "restartOnPreemption", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                     "onJobFailureReasons": ["BackoffLimitExceeded"]}
+
 
 def _field(path: str) -> dict[str, Any]:
     return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -122,11 +138,13 @@ def tpu_jobset(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[st
             "annotations": {L.JOBSET_EXCLUSIVE: L.NODEPOOL},
         },
         "spec": {
-            # A pod that exits with a bug's code fails its Job by podFailurePolicy, and this rule fails the JobSet
+            # A pod that exits with a bug's code fails its Job by podFailurePolicy, and failOnBug fails the JobSet
             # at once; anything else (preemption, node loss, a transient runtime error) restarts it from the last
-            # checkpoint, up to maxRestarts (xpk's split: its workload template and get_restart_exit_codes).
+            # checkpoint, up to maxRestarts (xpk's split: its workload template and get_restart_exit_codes), or
+            # without limit for an always-on job. Immutable by CEL (the CRD's failurePolicy: self == oldSelf): a
+            # change replaces the JobSet (infra/trainer_job.py, infra/service.py replace_on_changes).
             "failurePolicy": {"maxRestarts": job.max_restarts, "restartStrategy": "Recreate", "rules": [
-                {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
+                dict(FAIL_ON_BUG), *([dict(RESTART_UNLIMITED)] if job.restart_without_limit else [])]},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": job.name},
             "replicatedJobs": [

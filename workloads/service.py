@@ -62,6 +62,9 @@ API_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 # uvicorn stops within its own graceful-shutdown timeout (trainer/service/cli.py: timeout_graceful_shutdown=3); an
 # open long-poll is cut, and the SDK retries it on its own. The preStop pause lets the endpoint controller take the
 # pod out of the Services (and the load balancer's backends) before uvicorn stops accepting connections.
+# The rollout's one extra pod (maxSurge): during each rollout apiReplicas + 1 API pods run, so the system pool must
+# hold them all (infra/system_pool.py counts it) or the new pod stays Pending and `pulumi up` times out.
+API_MAX_SURGE = 1
 API_GRACE_S = 30
 API_PRESTOP_S = 5
 SCRATCH = "/tmp"
@@ -242,8 +245,10 @@ def _tpu_refs(spec: EnvironmentSpec, refs: ServiceRefs, *, hf: bool = False) -> 
 
 def engine_job(spec: EnvironmentSpec, refs: ServiceRefs) -> TpuJob:
     """The engine as a TpuJob: the trainer's pod contract on one slice of service.sliceGroup. It exits 143 on SIGTERM
-    (a preemption) and, like the trainer, is restarted on 42 and any death by a signal (jobset.RESTART_EXIT_CODES)
-    up to service.maxRestarts; every restart restores the users' models from the bucket."""
+    (a preemption) and, like the trainer, is restarted on 42, any death by a signal (jobset.RESTART_EXIT_CODES) and a
+    pod lost with its node, but without limit (jobset.RESTART_UNLIMITED: an always-on service would otherwise be lost
+    after its maxRestarts-th Spot preemption); a bug's exit code still fails it. Every restart restores the users'
+    models from the bucket."""
     svc = _service(spec)
     return TpuJob(name=spec.service_engine_name, group=_group(spec), service_account=spec.service_engine_name,
                   priority=svc.priority, max_restarts=svc.max_restarts,
@@ -252,7 +257,7 @@ def engine_job(spec: EnvironmentSpec, refs: ServiceRefs) -> TpuJob:
                   env=(*db_env(refs, "engine"),
                        {"name": CLOUDSQL_CREDENTIALS_ENV, "value": json.dumps(engine_credentials(spec))}),
                   buckets=(("service-state", spec.service_state_bucket, STATE_MOUNT),),
-                  volumes=(ksa_token_volume(spec),))
+                  volumes=(ksa_token_volume(spec),), restart_without_limit=True)
 
 
 def engine_jobset(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
@@ -336,7 +341,7 @@ def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
             "replicas": svc.api_replicas,
             "selector": {"matchLabels": dict(labels)},
             # A new pod is Ready before an old one goes: the API never drops below its replica count.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": API_MAX_SURGE}},
             "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
         },
     }

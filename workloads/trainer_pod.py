@@ -75,6 +75,9 @@ class TpuJob:
     buckets: tuple[tuple[str, str, str], ...] = ()
     # Further volumes of the pod, each with its mount in the container: (volume, volumeMount).
     volumes: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ()
+    # An always-on job (the service's engine): a preemption, a signal or a transient exit restarts it without limit;
+    # a bug's exit code still fails it (workloads/jobset.py RESTART_UNLIMITED). A trainer run keeps max_restarts.
+    restart_without_limit: bool = False
 
 
 def trainer_group(spec: EnvironmentSpec) -> SliceGroupSpec:

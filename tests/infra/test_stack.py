@@ -448,3 +448,26 @@ def test_the_grace_period_covers_a_sigterm_checkpoint() -> None:
     for path in sorted((ROOT / "environments").glob("Pulumi.*.yaml")):
         env = path.name.split(".")[1]
         grace.check(parse_spec(_raw_config(env), env, bundled_configs()))
+
+
+def test_the_engines_new_failure_policy_replaces_it_on_an_existing_stack(plans: dict[str, PlanResult]) -> None:
+    """Review 2026-11-28 #8 on a stack deployed before it: the engine's failurePolicy gains a rule, and failurePolicy
+    is immutable by CEL (JobSet v0.12.0 CRD: spec.failurePolicy `self == oldSelf`), so an in-place PATCH would be
+    refused. The engine is registered with replaceOnChanges ["spec", "metadata"] (pulumi-kubernetes' Diff reports
+    the changed path, which the option matches) and deleteBeforeReplace: `pulumi up` deletes the old engine
+    (foreground, waiting out its pods' grace) and creates the new one under the same name."""
+    import copy
+
+    from infra.diff import compare, snapshot
+    from workloads.jobset import FAIL_ON_BUG
+
+    new = snapshot(plans["tinker"])
+    old = copy.deepcopy(new)
+    [urn] = [u for u, r in new.resources.items() if r["type"] == JOBSET]
+    old.resources[urn]["inputs"]["spec"]["failurePolicy"]["rules"] = [FAIL_ON_BUG]  # as it was deployed
+    [change] = compare("tinker", "before", old, new).changed
+    assert change.urn == urn and change.replaced
+    assert [path for path, _, _ in change.inputs] == ["spec.failurePolicy.rules[1].action",
+                                                      "spec.failurePolicy.rules[1].name",
+                                                      "spec.failurePolicy.rules[1].onJobFailureReasons"]
+    assert new.resources[urn]["options"]["deleteBeforeReplace"] is True

@@ -197,3 +197,26 @@ def test_an_unknown_machine_type_exits_2_from_plan(tmp_path: Path, monkeypatch: 
     rc, err, registered = _plan(tmp_path, "staging", config, monkeypatch, capsys)
     assert (rc, registered) == (2, [])
     assert "gke-tpu-rl:cluster.systemPool.machineType: 't2a-standard-8'" in err and "allowed:" in err
+
+
+def test_the_api_rollouts_surge_pod_is_packed_too() -> None:
+    """Review 2026-11-28 #12: one e2-standard-4 (3.52 vCPU after GKE's daemons), apiReplicas 1, stageModel false:
+    Kueue 0.5 + JobSet 0.5 + add-ons 0.7 + API 1 = 2.7 vCPU fits, but every rollout runs a second API pod
+    (maxSurge 1, maxUnavailable 0): 3.7 vCPU, so the new pod would stay Pending and `pulumi up` time out."""
+    from workloads import service
+
+    config = _with_pool(stack_config("tinker"), "e2-standard-4", 1)
+    config[NS + "service"] = {**config[NS + "service"], "apiReplicas": 1, "stageModel": False}
+    spec = _spec("tinker", config)
+    api = service.api_deployment(spec, service.ServiceRefs(image="i", bucket="b", instance="p:r:i", database="d",
+                                                           users={"api": "u"}, accounts={"api": "a", "engine": "e"}))
+    surge = api["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    assert surge == service.API_MAX_SURGE == 1
+    names = [p.name for p in sp.pinned_pods(spec)]
+    assert names.count("service API 0") == 1 and sum(n.startswith("service API rollout surge") for n in names) == surge
+    with pytest.raises(ConfigError, match=r"service API rollout surge 0 1 vCPU / 1\.00 GiB \+ .* = 3\.7 vCPU / "
+                       r"3\.38 GiB requested, .* find no room; set cluster\.systemPool\.machineType to e2-standard-8 "
+                       r"or cluster\.systemPool\.nodes to 2"):
+        sp.check(spec)
+    # Two nodes hold them.
+    assert sp.check(_spec("tinker", _with_pool(config, "e2-standard-4", 2))).fits

@@ -171,9 +171,78 @@ def test_bugs_fail_the_jobset_and_everything_else_restarts_it() -> None:
     policy = obj["spec"]["failurePolicy"]
     assert policy["rules"] == [
         {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
+    assert policy["maxRestarts"] == 3  # the trainer's is finite (trainer.maxRestarts): no unlimited rule
     job = obj["spec"]["replicatedJobs"][0]["template"]["spec"]
     [rule] = job["podFailurePolicy"]["rules"]
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "NotIn"
     assert rule["onExitCodes"]["containerName"] == job["template"]["spec"]["containers"][0]["name"]
     assert rule["onExitCodes"]["values"] == list(jobset.RESTART_EXIT_CODES)
     assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+
+
+# ---------------------------------------------------------------- what the controllers do with a failure
+
+
+def _job_failure_reason(job: dict[str, Any], exit_code: int | None) -> str:
+    """The reason of a Job's Failed condition when one of its pods fails (the batch/v1 Job controller): a FailJob
+    podFailurePolicy rule whose onExitCodes matches the container's exit code gives PodFailurePolicy; otherwise the
+    pod counts toward backoffLimit, and at 0 the Job fails with BackoffLimitExceeded. Exit code 0 is never matched,
+    and a pod lost with its node (None) has no terminated state to match."""
+    for rule in job["podFailurePolicy"]["rules"]:
+        codes = rule["onExitCodes"]
+        if exit_code and (exit_code in codes["values"]) == (codes["operator"] == "In") and rule["action"] == "FailJob":
+            return "PodFailurePolicy"
+    assert job["backoffLimit"] == 0
+    return "BackoffLimitExceeded"
+
+
+def _run(obj: dict[str, Any], failures: list[list[int | None]]) -> tuple[str, int, int]:
+    """JobSet v0.12.0's executeFailurePolicy (pkg/controllers/failure_policy.go) on each round of failed Jobs in turn:
+    the first rule, in order, matching any failed Job's reason (findFirstFailedPolicyRuleAndJob), else the default
+    RestartJobSet; RestartJobSet fails the JobSet once restartsCountTowardsMax reaches maxRestarts and counts;
+    RestartJobSetAndIgnoreMaxRestarts counts into restarts only. Returns (state, restarts, restartsCountTowardsMax)."""
+    policy = obj["spec"]["failurePolicy"]
+    job = obj["spec"]["replicatedJobs"][0]["template"]["spec"]
+    restarts = counted = 0
+    for exit_codes in failures:
+        reasons = {_job_failure_reason(job, code) for code in exit_codes}
+        rule = next((r for r in policy["rules"] if not r.get("onJobFailureReasons")
+                     or reasons & set(r["onJobFailureReasons"])), None)
+        action = rule["action"] if rule else "RestartJobSet"
+        if action == "FailJobSet":
+            return "Failed", restarts, counted
+        if action == "RestartJobSet":
+            if counted >= policy["maxRestarts"]:
+                return "Failed", restarts, counted  # ReachedMaxRestarts
+            counted += 1
+        else:
+            assert action == "RestartJobSetAndIgnoreMaxRestarts"
+        restarts += 1
+    return "Running", restarts, counted
+
+
+PREEMPTED, KILLED, TRANSIENT, NODE_LOST, BUG = 143, 137, 42, None, 1
+
+
+def test_the_trainer_restarts_up_to_max_restarts_and_fails_on_a_bug() -> None:
+    obj = jobset.trainer_jobset(_spec("staging"), jobset.TrainerRefs(image="img", bucket="b", service_account="t"))
+    assert obj["spec"]["failurePolicy"]["maxRestarts"] == 3
+    assert _run(obj, [[PREEMPTED], [NODE_LOST], [TRANSIENT]]) == ("Running", 3, 3)
+    assert _run(obj, [[PREEMPTED], [NODE_LOST], [TRANSIENT], [KILLED]]) == ("Failed", 3, 3)
+    assert _run(obj, [[PREEMPTED], [BUG]]) == ("Failed", 1, 1)
+
+
+def test_an_always_on_job_restarts_on_preemption_without_limit_and_still_fails_on_a_bug() -> None:
+    """Review 2026-11-28 #8: the service's engine (restart_without_limit) survives any number of Spot preemptions,
+    node losses, signals and transient exits, none of which counts toward maxRestarts; a bug's exit code fails it,
+    also when another Job was preempted in the same round (failOnBug comes first)."""
+    from dataclasses import replace
+
+    spec = _spec("staging")
+    refs = jobset.TrainerRefs(image="img", bucket="b", service_account="t")
+    job = replace(jobset.trainer_job(spec, refs), restart_without_limit=True)
+    obj = jobset.tpu_jobset(spec, job, refs)
+    assert obj["spec"]["failurePolicy"]["rules"] == [jobset.FAIL_ON_BUG, jobset.RESTART_UNLIMITED]
+    assert _run(obj, [[PREEMPTED], [NODE_LOST], [KILLED], [TRANSIENT]] * 250) == ("Running", 1000, 0)
+    assert _run(obj, [[PREEMPTED]] * 500 + [[BUG]]) == ("Failed", 500, 0)
+    assert _run(obj, [[PREEMPTED, BUG]]) == ("Failed", 0, 0)

@@ -167,6 +167,7 @@ def _masked_jobset(obj: dict[str, Any]) -> dict[str, Any]:
     out["metadata"]["name"] = out["spec"]["network"]["subdomain"] = "NAME"
     out["metadata"]["labels"][L.KUEUE_PRIORITY] = "PRIORITY"
     out["spec"]["failurePolicy"]["maxRestarts"] = 0
+    out["spec"]["failurePolicy"]["rules"] = "RULES"  # the engine's restart without limit; the trainer's do not
     job = out["spec"]["replicatedJobs"][0]["template"]["spec"]
     job["podFailurePolicy"]["rules"][0]["onExitCodes"]["containerName"] = "CONTAINER"
     job["template"]["spec"] = _masked_pod(job["template"]["spec"])
@@ -205,6 +206,25 @@ def test_engine_pods_are_the_trainers_pods_but_for_the_process(case: str) -> Non
     # 143 (its SIGTERM exit), 42 and every other death by a signal restart it; anything else is a bug.
     assert {42, 143, 137} <= set(rule["onExitCodes"]["values"]) and rule["onExitCodes"]["operator"] == "NotIn"
     assert engine["spec"]["replicatedJobs"][0]["replicas"] == 1
+    assert trainer["spec"]["failurePolicy"]["rules"] == [jobset.FAIL_ON_BUG]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_engine_restarts_on_preemption_without_limit_and_fails_on_a_bug(case: str) -> None:
+    """Review 2026-11-28 #8: an always-on engine on Spot would fail for good at its maxRestarts-th preemption
+    (RestartJobSet counts every one into status.restartsCountTowardsMax, which nothing resets), and `pulumi up` would
+    not bring it back (no input changed). RestartJobSetAndIgnoreMaxRestarts on BackoffLimitExceeded, after failOnBug:
+    preemptions, node loss, signals and transient exits restart it forever; a bug's exit code still fails it."""
+    from tests.workloads.test_jobset import BUG, KILLED, NODE_LOST, PREEMPTED, TRANSIENT, _run
+
+    engine = service.engine_jobset(CASES[case](), _refs(CASES[case]()))
+    assert engine["spec"]["failurePolicy"]["rules"] == [
+        {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]},
+        {"name": "restartOnPreemption", "action": "RestartJobSetAndIgnoreMaxRestarts",
+         "onJobFailureReasons": ["BackoffLimitExceeded"]}]
+    many = [[PREEMPTED], [NODE_LOST], [KILLED], [TRANSIENT]] * 100  # 400 restarts, service.maxRestarts is 100
+    assert _run(engine, many) == ("Running", 400, 0)
+    assert _run(engine, [*many, [BUG]]) == ("Failed", 400, 0)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
