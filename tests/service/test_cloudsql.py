@@ -424,3 +424,31 @@ def test_cloudsql_settings_refuse_half_set_variables(monkeypatch: pytest.MonkeyP
         cloudsql_settings()
     monkeypatch.setenv(CLOUDSQL_INSTANCE_ENV, INSTANCE)
     assert cloudsql_settings() == CloudSqlSettings(INSTANCE, USER, DATABASE, "PRIVATE", None)
+
+
+def test_the_cli_uses_cloud_sql_from_the_environment(
+    start_cloudsql: Callable[..., FakeCloudSql], iam_db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """review 2026-11-28 #1: `python -m trainer.service keys ...` as `kubectl exec deploy/tinker-api` runs it, with
+    the API pod's environment (the GKE_TPU_RL_CLOUDSQL_* variables, no --db, HOME on scratch), reaches the Cloud SQL
+    database every replica and the engine share, not a private sqlite file under HOME."""
+    from trainer.service import cli
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("XDG_DATA_HOME", "GKE_TPU_RL_SERVICE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    fake = start_cloudsql()
+    assert cli.main(["keys", "create", "alice"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("tml-")
+    assert cli.main(["keys", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [k["name"] for k in listed] == ["alice"]
+    with iam_db.connect() as conn:  # the PostgreSQL behind the stand-in has it, in the tables the owner role owns
+        assert conn.execute(text("SELECT id, name FROM api_keys")).all() == [(listed[0]["id"], "alice")]
+    assert [t for t in fake.tunnels if t.startup_params()["user"] == USER]
+    assert list(home.rglob("*")) == []  # no sqlite file (nor its folder) under HOME
+

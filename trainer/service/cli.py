@@ -6,11 +6,13 @@
   serve --base-model NAME [...]            the API alone; engines on the same database run the requests
   engine --config FILE                     an engine alone (the API runs elsewhere on the same database)
 
-The database: --db (a SQLAlchemy URL, or a plain path to a sqlite file), else $GKE_TPU_RL_SERVICE_DB, else the
-sqlite file service.db in $GKE_TPU_RL_SERVICE_HOME, else in $XDG_DATA_HOME/gke-tpu-rl/service
-(~/.local/share/gke-tpu-rl/service). `create` prints the key once (only its hash is stored); `list` shows ids,
-names and states, never a secret. `serve` runs the API only: it queues requests in the database, and an engine process
-on the same database runs them.
+The database: --db (a SQLAlchemy URL, or a plain path to a sqlite file), else Cloud SQL through the connector when
+$GKE_TPU_RL_CLOUDSQL_INSTANCE (with _USER and _DATABASE) is set (what the stack's pods get: every API replica and the
+engine share that one database), else $GKE_TPU_RL_SERVICE_DB, else the sqlite file service.db in
+$GKE_TPU_RL_SERVICE_HOME, else in $XDG_DATA_HOME/gke-tpu-rl/service (~/.local/share/gke-tpu-rl/service). `create`
+prints the key once (only its hash is stored); `list` shows ids, names and states, never a secret. `serve` runs the
+API only: it queues requests in the database, and an engine process on the same database runs them.
+
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ if TYPE_CHECKING:  # api.py pulls in fastapi and tinker, the engine JAX: only `s
 log = logging.getLogger(__name__)
 
 
+def open_store(args: argparse.Namespace) -> Store:
+    """--db, else what Store() resolves: Cloud SQL from the environment, $GKE_TPU_RL_SERVICE_DB, the sqlite file."""
+    return Store(args.db) if args.db else Store()
+
+
 def _db_option(parser: argparse.ArgumentParser, *, top: bool) -> None:
     # Accepted before or after the subcommand; the leaf's SUPPRESS default keeps a top-level --db from being reset.
     parser.add_argument(
         "--db", metavar="URL", default=None if top else argparse.SUPPRESS,
-        help=f"database URL or sqlite file path (default: $GKE_TPU_RL_SERVICE_DB or {default_db_url()})",
+        help="database URL or sqlite file path (default: Cloud SQL from $GKE_TPU_RL_CLOUDSQL_INSTANCE, _USER and "
+        f"_DATABASE, else $GKE_TPU_RL_SERVICE_DB, else {default_db_url()})",
     )
 
 
@@ -341,7 +349,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m trainer.servi
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     args.argv = argv
-    store = Store(args.db or default_db_url())
+    store = open_store(args)
     try:
         if args.command == "keys":
             return _keys(store, args)
