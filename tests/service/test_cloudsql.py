@@ -452,3 +452,23 @@ def test_the_cli_uses_cloud_sql_from_the_environment(
     assert [t for t in fake.tunnels if t.startup_params()["user"] == USER]
     assert list(home.rglob("*")) == []  # no sqlite file (nor its folder) under HOME
 
+
+def test_a_clone_of_a_cloud_sql_store_keeps_the_connector(
+    start_cloudsql: Callable[..., FakeCloudSql], iam_db: Engine
+) -> None:
+    """review 2026-11-28 #2: the engine's own Store is a clone of the one the CLI opened; on Cloud SQL its URL names
+    only the dialect and user, so a Store rebuilt from it dialled localhost:5432."""
+    fake = start_cloudsql()
+    store = Store()
+    clone = store.clone()
+    try:
+        assert clone.cloudsql == store.cloudsql and clone is not store
+        worker = clone.register_worker(base_model="tiny/base")
+        assert store.engine_up("tiny/base")
+        clone.retire_worker(worker)
+        with clone.engine.connect() as conn:
+            assert conn.execute(text("SELECT current_user, current_database()")).one() == (USER, DATABASE)
+    finally:
+        clone.close()
+        store.close()
+    assert fake.errors == []

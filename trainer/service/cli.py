@@ -214,11 +214,11 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
 
 def _start_engine(store: Store, cfg: TrainConfig, args: argparse.Namespace) -> tuple[Any, threading.Event]:
     """Settle what a previous engine left running (this is the only engine on the database), then run a new one in a
-    thread."""
+    thread on its own Store (a clone: on Cloud SQL it keeps the connector)."""
     from trainer.service.engine import Engine, recover
 
     recover(store)
-    engine = Engine(Store(store.url.render_as_string(hide_password=False)), cfg, storage_dir=args.storage)
+    engine = Engine(store.clone(), cfg, storage_dir=args.storage)
     stop = threading.Event()
     thread = threading.Thread(target=engine.run, args=(stop,), name="engine", daemon=True)
     thread.start()

@@ -482,6 +482,15 @@ class Store:
                 self.close()  # no pooled connection (nor the connector's thread) outlives a Store that failed to open
                 raise
 
+    def clone(self, *, create: bool = False) -> Store:
+        """Another Store on the same database, with its own pool (and on Cloud SQL its own connector). A Cloud SQL
+        store's `url` names only the dialect and user (the connection comes from the connector), so rebuilding a
+        Store from it would dial localhost:5432 instead."""
+        if self.cloudsql is not None:
+            return Store(cloudsql=self.cloudsql, poll_interval_s=self.poll_interval_s, create=create)
+        return Store(self.url.render_as_string(hide_password=False), poll_interval_s=self.poll_interval_s,
+                     create=create)
+
     # -- plumbing -----------------------------------------------------------------------------------------------
 
     def _make_engine(self, url: URL) -> Engine:
