@@ -367,12 +367,12 @@ class Cluster:
             "iam.gke.io/gcp-service-account")
         self.boundary.add_pod(pod.ip, pod.namespace, ksa, gsa, host_network=bool(pod.spec.get("hostNetwork")))
         hosts = {**self.boundary.hosts, **self._dns_names()}
-        if pod.hostname:
-            hosts[pod.hostname] = pod.ip
+        hosts[pod.hostname or pod.name] = pod.ip  # the kubelet's /etc/hosts line for the pod's own hostname
         S.write_hosts(pod.netns, hosts)
         volumes = self._volumes(pod, folder)
         pod.containers = [self._container(pod, c, volumes, folder) for c in pod.spec["containers"]]
         for c in pod.containers:
+            c.hostname = pod.hostname or pod.name
             c.start(pod.netns, folder)
         pod.phase, pod.started, pod.ran_since = "Running", time.monotonic(), time.monotonic()
         pod.ready = pod.started_probe_ok = False
@@ -396,8 +396,8 @@ class Cluster:
                 path.mkdir(parents=True, exist_ok=True)
                 opts = dict(o.partition("=")[::2] for o in attrs.get("mountOptions", "").split(",") if o)
                 uid, gid = int(opts.get("uid", 0)), int(opts.get("gid", 0))
-                for p in [path, *path.rglob("*")]:  # gcsfuse shows every object as the mount's uid/gid
-                    os.chown(p, uid, gid)
+                for p in [path, *path.rglob("*")] if os.geteuid() == 0 else []:
+                    os.chown(p, uid, gid)  # gcsfuse shows every object as the mount's uid/gid
                 out[name] = (str(path), vol["csi"].get("readOnly", False))
             elif "projected" in vol:
                 path = folder / "volumes" / name
@@ -409,7 +409,8 @@ class Cluster:
                     ksa = pod.spec.get("serviceAccountName", "default")
                     file = path / tok["path"]
                     file.write_text(self.boundary.projected_token(tok.get("audience", ""), pod.namespace, ksa))
-                    os.chown(file, int(sec.get("runAsUser", S.IMAGE_UID)), int(sec.get("fsGroup", 0)))
+                    if os.geteuid() == 0:
+                        os.chown(file, int(sec.get("runAsUser", S.IMAGE_UID)), int(sec.get("fsGroup", 0)))
                     os.chmod(file, 0o600)
                 out[name] = (str(path), True)
             elif "secret" in vol:

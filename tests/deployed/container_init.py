@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,8 @@ def main() -> None:
         spec = json.load(f)
     # ip netns exec made the mounts slave already; private keeps ours out of the parent namespace for certain.
     _mount("--make-rprivate", "/")
+    if spec.get("hostname"):
+        socket.sethostname(spec["hostname"])
     for path in spec.get("expose", []):
         _expose(path)
     for src, dst, read_only in spec["mounts"]:

@@ -108,12 +108,16 @@ class Container:
     exit_code: int | None = None
     restarts: int = 0
     extra: dict[str, str] = field(default_factory=dict)
+    hostname: str = ""
 
     def _init(self, namespace: str, spec: Path, argv: list[str]) -> list[str]:
         spec.write_text(json.dumps({"mounts": self.mounts, "read_only_root": self.read_only_root, "uid": self.uid,
                                     "gid": self.gid, "groups": self.groups, "workdir": self.workdir,
-                                    "argv": argv, "env": self.env, "expose": [sys.base_prefix]}))
-        return ["ip", "netns", "exec", namespace, sys.executable, "-m", "tests.deployed.container_init", str(spec)]
+                                    "argv": argv, "env": self.env, "expose": [sys.base_prefix],
+                                    "hostname": self.hostname}))
+        # Its own UTS namespace too: the pod's hostname, as the runtime sets it (gloo resolves gethostname()).
+        return ["ip", "netns", "exec", namespace, "unshare", "--uts", sys.executable, "-m",
+                "tests.deployed.container_init", str(spec)]
 
     def start(self, namespace: str, spec_dir: Path) -> None:
         out = self.log.open("ab")

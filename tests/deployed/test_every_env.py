@@ -1,8 +1,10 @@
-"""Every container of every workload of every shipped environment (and a user's copy of one), resolved as the
+"""Every container of every Job, JobSet and Deployment of every shipped environment (and a user's copy of one),
+resolved as the
 cluster would start it from the plan's objects: each env var (downward API fields as JobSet and the Job controller
 set them, secret refs from the rendered Secrets), each volume and mount, each host name a pod's env names. The
 scenarios (test_service.py) then run some of them; this covers the rest, prod's 80 TPU pods among them, without
-starting them."""
+starting them. Not covered: the Ray path's RayJob (dev), whose head and worker commands KubeRay builds from
+rayStartParams (tests/workloads/test_ray_upstream.py runs a real head from them)."""
 
 from __future__ import annotations
 
