@@ -33,20 +33,33 @@ class Storage(pulumi.ComponentResource):
         # A protected bucket outlives `pulumi destroy`: it leaves the state, its checkpoints stay.
         bucket_opts = pulumi.ResourceOptions(parent=self, retain_on_delete=s.protect)
 
-        def bucket(suffix: str, bucket_name: str, *, versioning: bool, soft_delete_days: int) -> gcp.storage.Bucket:
+        def bucket(suffix: str, bucket_name: str, *, versioning: bool, soft_delete_days: int,
+                   hierarchical: bool = False) -> gcp.storage.Bucket:
+            opts = bucket_opts
+            if hierarchical:
+                # GCS sets a hierarchical namespace only when it creates a bucket, and the provider forces a new
+                # bucket on any change to it (terraform-provider-google resource_storage_bucket.go
+                # hierarchical_namespace: ForceNew, v6.50 to v7.45). A bucket named explicitly is replaced delete
+                # first (pulumi-terraform-bridge nameRequiresDeleteBeforeReplace): retained when protected, the new
+                # one then fails on the taken name; otherwise deleted, with every object when forceDestroy. So a
+                # bucket created before this keeps its flat namespace: the setting applies on creation only.
+                opts = pulumi.ResourceOptions.merge(bucket_opts, pulumi.ResourceOptions(
+                    ignore_changes=["hierarchicalNamespace"]))
             return gcp.storage.Bucket(
                 f"{name}-{suffix}",
                 name=bucket_name,
                 project=spec.project,
                 location=(s.location or spec.region).upper(),
-                uniform_bucket_level_access=True,
+                uniform_bucket_level_access=True,  # a hierarchical namespace requires it
                 public_access_prevention="enforced",
                 force_destroy=s.force_destroy,
                 versioning=gcp.storage.BucketVersioningArgs(enabled=versioning),
                 soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(
                     retention_duration_seconds=soft_delete_days * 86400),
+                hierarchical_namespace=gcp.storage.BucketHierarchicalNamespaceArgs(enabled=True)
+                if hierarchical else None,
                 labels=spec.resource_labels(),
-                opts=bucket_opts,
+                opts=opts,
             )
 
         self.bucket = bucket("checkpoints", spec.bucket_name, versioning=s.versioning,
@@ -63,8 +76,11 @@ class Storage(pulumi.ComponentResource):
             # moments included) at every optim_step, and deletes the one before. On the checkpoint bucket, versioning
             # and soft delete would keep every replaced one (TBs a day per active user); here neither is on, so only
             # the latest of each model is stored. Protected as the checkpoint bucket is: it holds the users' state.
+            # A hierarchical namespace: the engine publishes each snapshot by renaming its folder
+            # (trainer/service/engine.py _write_dir), which gcsfuse does atomically with one RenameFolder call there,
+            # and object by object (a copy of every byte, a partial folder if killed) on a flat bucket.
             self.state_bucket = bucket("service-state", spec.service_state_bucket, versioning=False,
-                                       soft_delete_days=0)
+                                       soft_delete_days=0, hierarchical=True)
         if spec.runs_on_ray:
             head = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                       spec.ray_head_service_account)

@@ -115,6 +115,34 @@ def test_checkpoint_bucket_is_private_and_bound_to_the_trainer_only(plans: dict[
     assert not plan.of_type("gcp:serviceaccount/key:Key")
 
 
+@pytest.mark.parametrize("protect", [True, False], ids=["protected", "unprotected-force-destroy"])
+def test_the_state_bucket_has_a_hierarchical_namespace_from_creation_only(plans: dict[str, PlanResult],
+                                                                         protect: bool) -> None:
+    """Review 2026-11-28 #11: the engine publishes each state snapshot by a folder rename, atomic on a hierarchical
+    namespace (gcsfuse RenameFolder) and a full copy on a flat bucket, so the state bucket is created with one
+    (uniform access on, versioning off, as GCS requires). The setting forces a new bucket (the provider's ForceNew),
+    and an existing stack's bucket holds every user's state: the program ignores the setting after creation
+    (Pulumi keeps the old value of an ignoreChanges path before it diffs), so the next `pulumi up` of a stack made
+    before changes nothing there, protected or not, even with storage.forceDestroy."""
+    config = stack_config("tinker")
+    if not protect:
+        config = {**config, "gke-tpu-rl:storage": {"protect": False, "forceDestroy": True}}
+    plan = plans["tinker"] if protect else run_stack("tinker", config)
+    buckets = {r.name: r for r in plan.of_type("gcp:storage/bucket:Bucket")}
+    state, checkpoints = buckets["tinker-storage-service-state"], buckets["tinker-storage-checkpoints"]
+    assert state.inputs["hierarchicalNamespace"] == {"enabled": True}
+    assert state.inputs["uniformBucketLevelAccess"] is True and state.inputs["versioning"] == {"enabled": False}
+    assert "hierarchicalNamespace" not in checkpoints.inputs  # the trainer's bucket is as it was
+    # The one input a bucket deployed before this lacks is ignored after creation: no diff, no replacement.
+    assert state.options["ignoreChanges"] == ["hierarchicalNamespace"]
+    assert bool(state.options.get("retainOnDelete")) is protect
+    # The Terraform gcp stack the same (its golden is the synth's output, tests/infra/test_terraform.py).
+    golden = json.loads((ROOT / "tests/golden/terraform/tinker/gcp.cdk.tf.json").read_text())
+    tf = golden["resource"]["google_storage_bucket"]["tinker-storage-service-state"]
+    assert tf["hierarchical_namespace"] == {"enabled": True}
+    assert tf["lifecycle"] == {"ignore_changes": ["hierarchical_namespace"], "prevent_destroy": True}
+
+
 def test_prod_reservation_and_flex_start(plans: dict[str, PlanResult]) -> None:
     plan = plans["prod"]
     pools = _tpu_pools(plan)
