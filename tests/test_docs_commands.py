@@ -187,6 +187,13 @@ CHECKED: dict[str, tuple[str, str]] = {
     'staging/build-image.sh)"': ("test_terraform_commands", f"{_TF}; the variable is one it declares, and "
                                  "build-image.sh (run with a stand-in docker in tests/infra/test_terraform.py) prints "
                                  "the digest it takes"),
+    "terraform -chdir=terraform-out/staging/stacks/workloads destroy": ("test_terraform_commands", _TF),
+    "kubectl delete jobset grpo-stg -n rl --cascade=foreground --wait --timeout=900s": (
+        "test_terraform_commands", "needs the cluster: the JobSet, namespace and delete timeout are the staging "
+        "workloads stack's, the deletion foreground and waited for"),
+    "gcloud compute networks peerings delete servicenetworking-googleapis-com --network=tinker-network-vpc "
+    "--project=acme-rl-tinker": ("test_terraform_commands", "needs GCP: command tree; the VPC and project are the "
+                                 "ones the tinker gcp stack's peering connection uses"),
 }
 
 
@@ -1461,7 +1468,27 @@ def test_terraform_commands(clone: Path, capsys: pytest.CaptureFixture[str], mon
             assert "apply in order" in r.out
             ledger.ran(command)
             continue
-        assert argv[0] == "terraform" and argv[1].startswith("-chdir=") and argv[2] in ("init", "apply")
+        if argv[0] == "kubectl":  # the foreground drain before `destroy` (Terraform deletes in the background)
+            workloads = json.loads((clone / "terraform-out/staging/stacks/workloads/cdk.tf.json").read_text())
+            [body] = [b for b in workloads["resource"]["kubernetes_manifest"].values()
+                      if b["manifest"]["kind"].lower() == argv[2] and b["manifest"]["metadata"]["name"] == argv[3]]
+            assert argv[4:6] == ["-n", body["manifest"]["metadata"]["namespace"]]
+            assert argv[6:] == ["--cascade=foreground", "--wait", f"--timeout={body['timeouts']['delete']}"]
+            ledger.checked(command)
+            continue
+        if argv[0] == "gcloud":  # the peering ABANDON leaves behind
+            path, flags, positionals = gcloud_parse(argv)
+            assert path == ["compute", "networks", "peerings", "delete"]
+            assert positionals == ["servicenetworking-googleapis-com"]  # the service networking peering's name
+            gcp = json.loads((ROOT / "tests/golden/terraform/tinker/gcp.cdk.tf.json").read_text())
+            [connection] = gcp["resource"]["google_service_networking_connection"].values()
+            assert connection["deletion_policy"] == "ABANDON"
+            network = connection["network"].removeprefix("${").removesuffix(".id}").split(".")[1]
+            assert flags["--network"] == gcp["resource"]["google_compute_network"][network]["name"]
+            assert flags["--project"] == gcp["provider"]["google"][0]["project"]
+            ledger.checked(command)
+            continue
+        assert argv[0] == "terraform" and argv[1].startswith("-chdir=") and argv[2] in ("init", "apply", "destroy")
         stack = clone / argv[1].split("=", 1)[1]
         config = json.loads((stack / "cdk.tf.json").read_text())
         assert config["terraform"]["backend"]["gcs"]["prefix"].endswith(f"/staging/{stack.name}")
