@@ -9,6 +9,7 @@ provides the bfloat16 NumPy dtype.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from collections.abc import Iterator, Mapping
@@ -497,13 +498,25 @@ def _validated(root: Path, param_dtype: str | None) -> tuple[ModelConfig, LazyTe
     return cfg, tensors
 
 
+# Read errors that say the storage failed, not that the checkpoint is wrong: a bucket mount answers a failed GCS call
+# with EIO and a dead gcsfuse daemon with ENOTCONN. Worth a restart (the callers' exit 42), not a config error.
+TRANSIENT_IO_ERRNOS = frozenset({errno.EIO, errno.ENOTCONN, errno.ETIMEDOUT, errno.ESTALE, errno.ECONNRESET,
+                                 errno.ECONNABORTED, errno.EAGAIN, errno.EINTR, errno.ENETUNREACH,
+                                 errno.EHOSTUNREACH})
+
+
+def is_transient_io(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in TRANSIENT_IO_ERRNOS
+
+
 @contextmanager
 def init_path_errors(path: str | Path) -> Iterator[None]:
-    """A missing, empty, truncated or mismatched checkpoint as a ConfigError naming init.path (no traceback)."""
+    """A missing, empty, truncated or mismatched checkpoint as a ConfigError naming init.path (no traceback); a
+    storage failure (`is_transient_io`) propagates as it is."""
     try:
         yield
     except (OSError, ValueError, KeyError, TypeError) as err:
-        if isinstance(err, ConfigError):
+        if isinstance(err, ConfigError) or is_transient_io(err):
             raise
         msg = f"{path}: missing field {err}" if isinstance(err, KeyError) else str(err)
         raise ConfigError(f"init.path: {msg}") from None

@@ -36,6 +36,7 @@ def test_start_engine_runs_on_cloud_sql(
     finally:
         stop.set()
         thread.join(30)
+        started[2].store.close()  # the engine's own Store (and connector)
         store.close()
     assert not thread.is_alive()
     assert sum(1 for t in fake.tunnels if t.client_bytes and t.startup_params()["user"] == USER) >= 2

@@ -13,6 +13,17 @@ $GKE_TPU_RL_SERVICE_HOME, else in $XDG_DATA_HOME/gke-tpu-rl/service (~/.local/sh
 prints the key once (only its hash is stored); `list` shows ids, names and states, never a secret. `serve` runs the
 API only: it queues requests in the database, and an engine process on the same database runs them.
 
+`engine` exit codes (the engine JobSet's podFailurePolicy, workloads/jobset.py RESTART_EXIT_CODES, restarts the
+JobSet on 42 and 128-255 and fails it on any other; an always-on engine never exits 0, which would complete it):
+  143  SIGTERM (a preemption, a `pulumi up` replacing the JobSet): stopped cleanly, on every process of the group.
+  42   a failure a restart can outlast: the database unavailable at start-up for longer than
+       $GKE_TPU_RL_SERVICE_DB_RETRY_S seconds (default 300; recover, worker registration and schema creation are
+       retried with backoff until then), the process group not formed in time (TRAINER_INIT_TIMEOUT_SECONDS), a
+       transient JAX runtime error, a storage I/O error reading the base model (gcsfuse EIO), the engine thread ending
+       without a SIGTERM; on a follower (process > 0), process 0 stopping after an error or vanishing.
+  2    a configuration error (the config, the Cloud SQL variables, a checkpoint that is missing or wrong): a bug in
+       what was deployed, so the JobSet fails at once. Any other error (a traceback, exit 1) fails it too.
+Once running, the engine retries database errors itself (the loop backs off and goes on), so they never end it.
 """
 
 from __future__ import annotations
@@ -21,16 +32,17 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from trainer.cli import EXIT_STOPPED
+from trainer.cli import EXIT_CONFIG, EXIT_STOPPED, EXIT_TRANSIENT, is_transient
 from trainer.config import ConfigError
 from trainer.service import auth
-from trainer.service.store import NotFound, Store, default_db_url
+from trainer.service.store import DatabaseUnavailable, NotFound, Store, StoreError, default_db_url, retry_database
 
 if TYPE_CHECKING:  # api.py pulls in fastapi and tinker, the engine JAX: only `serve` and `engine` import them
     from trainer.config import TrainConfig
@@ -38,10 +50,48 @@ if TYPE_CHECKING:  # api.py pulls in fastapi and tinker, the engine JAX: only `s
 
 log = logging.getLogger(__name__)
 
+# How long the engine's start-up retries the database while it is unavailable (Cloud SQL's maintenance restart, IAM
+# bindings still propagating on a first deploy) before it exits EXIT_TRANSIENT for the JobSet to restart it.
+DB_RETRY_ENV = "GKE_TPU_RL_SERVICE_DB_RETRY_S"
+DEFAULT_DB_RETRY_S = 300.0
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+
+def db_retry_s() -> float:
+    raw = os.environ.get(DB_RETRY_ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_DB_RETRY_S
+    except ValueError:
+        raise ConfigError(f"{DB_RETRY_ENV}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise ConfigError(f"{DB_RETRY_ENV}={raw!r} must be >= 0")
+    return value
+
 
 def open_store(args: argparse.Namespace) -> Store:
     """--db, else what Store() resolves: Cloud SQL from the environment, $GKE_TPU_RL_SERVICE_DB, the sqlite file."""
     return Store(args.db) if args.db else Store()
+
+
+def _restart_code(err: BaseException) -> int | None:
+    """EXIT_TRANSIENT, after one line on stderr, for a failure a restart can outlast; None for anything else."""
+    from trainer.hf import is_transient_io
+
+    if isinstance(err, DatabaseUnavailable):
+        why = str(err)
+    elif is_transient(err):
+        why = f"transient runtime failure: {err}"
+    elif is_transient_io(err):
+        why = f"storage I/O error (a bucket mount?): {err}"
+    else:
+        return None
+    # One line: the pod's status and `kubectl logs` show it whole.
+    print(f"error: {' '.join(why.split())}; exiting {EXIT_TRANSIENT} to be restarted", file=sys.stderr, flush=True)
+    return EXIT_TRANSIENT
+
+
+def _exit_stopped(*_: Any) -> None:
+    raise SystemExit(EXIT_STOPPED)
 
 
 def _db_option(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -189,8 +239,9 @@ def _child_argv(argv: Sequence[str]) -> list[str]:
 
 def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
     """Multi-process set-up before any JAX use: spawn the local group (returns its exit code), or join the group this
-    process belongs to (the trainer's env contract) and, on a follower, follow process 0 until it stops (returns 0).
-    None: this is process 0 (or the only process); go on."""
+    process belongs to (the trainer's env contract) and, on a follower, follow process 0 until it stops (returns 143
+    when process 0 was asked to stop, 42 when it stopped after an error or vanished: never 0, which would complete
+    the engine's JobSet). None: this is process 0 (or the only process); go on."""
     if args.local_processes or args.devices_per_process:
         if args.local_processes < 1 or args.devices_per_process < 1:
             raise ConfigError("--local-processes and --devices-per-process go together, both >= 1")
@@ -200,29 +251,36 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
                          module="trainer.service")
     from trainer.distributed import initialize_from_env
 
-    initialize_from_env()
+    # A group that has not formed by the start-up timeout exits 42 from a watchdog (jax would abort natively).
+    initialize_from_env(exit_on_timeout=EXIT_TRANSIENT)
     import jax
 
     if jax.process_index() == 0:
         return None
+    from trainer.service import device
     from trainer.service.engine import run_follower
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_follower(cfg)
-    return 0
+    if run_follower(cfg) == device.STOPPED:
+        return EXIT_STOPPED
+    print(f"error: engine process {jax.process_index()}: process 0 stopped after an error or is gone (its log says "
+          f"why); exiting {EXIT_TRANSIENT} to be restarted", file=sys.stderr, flush=True)
+    return EXIT_TRANSIENT
 
 
-def _start_engine(store: Store, cfg: TrainConfig, args: argparse.Namespace) -> tuple[Any, threading.Event]:
+def _start_engine(store: Store, cfg: TrainConfig, args: argparse.Namespace, *, db_retry_s: float = 0.0
+                  ) -> tuple[Any, threading.Event, Any]:
     """Settle what a previous engine left running (this is the only engine on the database), then run a new one in a
-    thread on its own Store (a clone: on Cloud SQL it keeps the connector)."""
+    thread on its own Store (a clone: on Cloud SQL it keeps the connector). Database calls are retried for up to
+    db_retry_s while it is unavailable. Returns the thread, its stop event and the engine."""
     from trainer.service.engine import Engine, recover
 
-    recover(store)
-    engine = Engine(store.clone(), cfg, storage_dir=args.storage)
+    recover(store, db_retry_s=db_retry_s)
+    engine = Engine(store.clone(), cfg, storage_dir=args.storage, db_retry_s=db_retry_s)
     stop = threading.Event()
     thread = threading.Thread(target=engine.run, args=(stop,), name="engine", daemon=True)
     thread.start()
-    return thread, stop
+    return thread, stop, engine
 
 
 def _serve(store: Store, args: argparse.Namespace) -> int:
@@ -239,7 +297,7 @@ def _serve(store: Store, args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = _start_engine(store, engine_cfg, args) if engine_cfg is not None else None
+    engine = _start_engine(store, engine_cfg, args)[:2] if engine_cfg is not None else None
 
     def stop_engine() -> None:
         if engine is not None:
@@ -273,17 +331,41 @@ def _run_uvicorn(config: Any, on_exit: Any) -> None:
     Server(config).run()
 
 
-def _engine(store: Store, args: argparse.Namespace) -> int:
+def _engine(args: argparse.Namespace) -> int:
+    """The engine alone, as the stack's engine JobSet runs it: exit codes in the module docstring."""
     try:
+        retry_s = db_retry_s()
         cfg = _engine_config(args)
         assert cfg is not None
         if (rc := _group(args, cfg)) is not None:
             return rc
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except Exception as err:
+        if (rc := _restart_code(err)) is None:
+            raise
+        return rc
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    thread, stop = _start_engine(store, cfg, args)
+    # Until the engine thread runs, SIGTERM ends the start-up at once with 143 (a Python handler: with
+    # jax.distributed up, its preemption notifier would otherwise take the signal and nothing would act on it).
+    signal.signal(signal.SIGTERM, _exit_stopped)
+    store: Store | None = None
+    try:
+        # Only process 0 talks to the database; the followers wait in run_follower meanwhile.
+        store = retry_database(lambda: open_store(args), "open the store (and create its schema)", within_s=retry_s)
+        thread, stop, engine = _start_engine(store, cfg, args, db_retry_s=retry_s)
+    except BaseException as err:  # SystemExit(143) from a SIGTERM too: close the store on the way out
+        if store is not None:
+            store.close()
+        if not isinstance(err, Exception):
+            raise
+        if (rc := _restart_code(err)) is not None:
+            return rc
+        if isinstance(err, (ValueError, ConfigError, StoreError)):  # e.g. half-set Cloud SQL variables
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+            return EXIT_CONFIG
+        raise
     terminated = threading.Event()
 
     def on_sigterm(*_: Any) -> None:
@@ -297,9 +379,18 @@ def _engine(store: Store, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         stop.set()
         thread.join(30)
-    # 143 (128 + SIGTERM), the trainer's code for a preemption: the JobSet restarts the engine on it, where 0 would
-    # complete the JobSet and leave the service without one.
-    return EXIT_STOPPED if terminated.is_set() else 0
+        return EXIT_INTERRUPTED
+    finally:
+        engine.store.close()
+        store.close()
+    # 143 (128 + SIGTERM), the trainer's code for a preemption: the JobSet restarts the engine on it. The loop
+    # retries every error itself, so ending without a SIGTERM is a failure: 42, a restart. 0 would complete the
+    # JobSet and leave the service without an engine.
+    if terminated.is_set():
+        return EXIT_STOPPED
+    print(f"error: the engine stopped without a SIGTERM (its log says why); exiting {EXIT_TRANSIENT} to be "
+          "restarted", file=sys.stderr, flush=True)
+    return EXIT_TRANSIENT
 
 
 def _keys(store: Store, args: argparse.Namespace) -> int:
@@ -349,14 +440,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m trainer.servi
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     args.argv = argv
+    if args.command == "engine":
+        return _engine(args)  # opens its store once it is process 0, retrying while the database is unavailable
     store = open_store(args)
     try:
         if args.command == "keys":
             return _keys(store, args)
         if args.command == "serve":
             return _serve(store, args)
-        if args.command == "engine":
-            return _engine(store, args)
         raise AssertionError(args.command)
     finally:
         store.close()

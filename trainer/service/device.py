@@ -30,6 +30,10 @@ from trainer.service import programs as P
 log = logging.getLogger(__name__)
 PREFIX: Final = "gke-tpu-rl/service/engine/op"
 STOP: Final = "stop"
+# Why process 0 stops its followers (the STOP op's argument), so each exits as process 0 does: asked to (a SIGTERM,
+# exit 143) or after an error (exit 42); never 0, which would complete the engine's JobSet.
+STOPPED: Final = "stopped"
+FAILED: Final = "failed"
 STOP_TIMEOUT_MS: Final = 60_000
 
 
@@ -140,11 +144,12 @@ class Leader:
             return None
         return getattr(self.state, op)(*args)
 
-    def stop(self) -> None:
-        """Tell the followers to stop and wait until they have (so none sees the coordinator vanish mid-call)."""
+    def stop(self, reason: str = STOPPED) -> None:
+        """Tell the followers to stop (why: STOPPED or FAILED) and wait until they have (so none sees the
+        coordinator vanish mid-call)."""
         if self.multi:
-            log.info("engine: stopping the followers")
-            self(STOP)
+            log.info("engine: stopping the followers (%s)", reason)
+            self(STOP, reason)
             _client().wait_at_barrier(f"{PREFIX}/stopped", STOP_TIMEOUT_MS)
             # Every process leaves the coordination service together (its shutdown is a barrier too); a process
             # that outlived the service (on process 0) would abort polling it.
@@ -166,12 +171,14 @@ def _ops(poll_ms: int = 60_000) -> Iterator[tuple[str, tuple[Any, ...]]]:
         yield pickle.loads(raw)  # noqa: S301 - written by process 0 of this same job (the coordination service)
 
 
-def follow(state: DeviceState) -> None:
-    """A follower process: run process 0's ops until it says stop."""
+def follow(state: DeviceState) -> str:
+    """A follower process: run process 0's ops until it says stop; returns why it stopped (STOPPED or FAILED)."""
     for op, args in _ops():
         if op == STOP:
-            log.info("engine follower: stop")
+            reason = str(args[0]) if args else FAILED
+            log.info("engine follower: stop (%s)", reason)
             _client().wait_at_barrier(f"{PREFIX}/stopped", STOP_TIMEOUT_MS)
             jax.distributed.shutdown()
-            return
+            return reason
         getattr(state, op)(*args)
+    raise AssertionError("unreachable: _ops never ends")

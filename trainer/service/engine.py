@@ -17,7 +17,11 @@ What it adds:
 
 * Hosts. On a multi-host slice every process builds the same programs and state (`prepare`, the trainer's
   jax.distributed contract); process 0 runs the Engine (database, storage, decisions) and sends each device op to the
-  others, which run it in lock step (`run_follower`, service/device.py).
+  others, which run it in lock step (`run_follower`, service/device.py). When it stops it tells them why (asked to,
+  or after an error), so every process exits as process 0 does (143 or 42, trainer/service/cli.py).
+* Failures. The loop retries what fails (a step, restoring the live models, the database unreachable) and ends only
+  when asked to; at start-up `recover` and the worker registration retry while the database is unavailable
+  (`db_retry_s`, store.retry_database).
 
 * Durability. A model's training state lives in device memory and is persisted as it changes: every request that
   changes it other than forward_backward (create_model, load_weights, optim_step) writes a snapshot (PEFT adapter,
@@ -70,6 +74,7 @@ from trainer.service.store import (
     StateUpdate,
     Store,
     default_data_dir,
+    retry_database,
     sampling_session_id_for,
     tinker_path,
 )
@@ -163,18 +168,26 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, DeviceState, str | None]:
     return cfg, DeviceState(cfg, P.build(cfg, mesh), params_host), tok_dir
 
 
-def recover(store: Store) -> None:
+def recover(store: Store, *, db_retry_s: float = 0.0) -> None:
     """Settle what a dead engine left running, before a new one starts on the database: every kind runs again, as
-    nothing it did survived except through a committed completion (see Durability)."""
-    recovered = store.recover(rerunnable_kinds=set(protocol.KINDS))
+    nothing it did survived except through a committed completion (see Durability). Retried for up to db_retry_s
+    while the database is unavailable (store.retry_database)."""
+    recovered = retry_database(lambda: store.recover(rerunnable_kinds=set(protocol.KINDS)),
+                               "settle the previous engine's requests", within_s=db_retry_s)
     if recovered.requeued:
         log.warning("re-queued %d requests a previous engine was running", len(recovered.requeued))
 
 
-def run_follower(cfg: TrainConfig) -> None:
-    """A process other than 0 of a multi-host engine: build the same state, then run process 0's ops."""
+def run_follower(cfg: TrainConfig) -> str:
+    """A process other than 0 of a multi-host engine: build the same state, then run process 0's ops. Returns why
+    they ended: device.STOPPED (process 0 was asked to stop) or device.FAILED (process 0 stopped after an error, its
+    op stream broke, or an op failed here). Errors while building the state propagate."""
     _, state, _ = prepare(cfg)
-    device.follow(state)
+    try:
+        return device.follow(state)
+    except Exception:  # noqa: BLE001 - the op stream broke (process 0 gone) or an op failed here: not a clean stop
+        log.exception("engine follower: following process 0 failed")
+        return device.FAILED
 
 
 class Engine:
@@ -182,7 +195,9 @@ class Engine:
     with several processes every device op is also sent to the followers (service/device.py)."""
 
     def __init__(self, store: Store, cfg: TrainConfig, *, worker_name: str | None = None,
-                 storage_dir: str | Path | None = None) -> None:
+                 storage_dir: str | Path | None = None, db_retry_s: float = 0.0) -> None:
+        """db_retry_s: how long registering with the database is retried while it is unavailable
+        (store.retry_database; 0: once)."""
         if jax.process_index() != 0:
             raise ConfigError("the engine runs on process 0; the other processes run run_follower")
         self.store = store
@@ -206,7 +221,9 @@ class Engine:
         self.storage.mkdir(parents=True, exist_ok=True)
         self.state_root = Path(self.service.state_dir) if self.service.state_dir else self.storage / STATE_KIND
         self.state_root.mkdir(parents=True, exist_ok=True)
-        self.worker_id = store.register_worker(worker_name, base_model=self.service.base_model)
+        base_model = self.service.base_model
+        self.worker_id = retry_database(lambda: store.register_worker(worker_name, base_model=base_model),
+                                        "register the engine", within_s=db_retry_s)
         self._last_housekeeping = 0.0
         self._pinned: set[int] = set()  # slots a batch being assembled uses: never evicted for another model
         # Snapshots being written (slot -> model id; never evicted or unloaded meanwhile), one thread writing them in
@@ -264,26 +281,34 @@ class Engine:
                 log.exception("restoring %s failed; its next request will try again", model.id)
 
     def run(self, stop: threading.Event, *, idle_sleep_s: float = 0.01) -> None:
+        """Claim and run requests until `stop` is set. Errors (the database unreachable, a failed step) are logged
+        and retried, restoring the live models included: the loop ends only when asked to, or when something
+        escapes it (then the followers are told it FAILED; the CLI exits 42 either way, never 0)."""
         beat = threading.Thread(target=self._heartbeat, args=(stop,), name="engine-heartbeat", daemon=True)
         beat.start()
+        reason = device.FAILED
         try:
-            self.restore_live()
+            restored = False
             while not stop.is_set():
                 try:
+                    if not restored:  # before any claim: a restored model's state is what its next request runs on
+                        self.restore_live()
+                        restored = True
                     busy = self.step()
                 except Exception:  # noqa: BLE001 - e.g. the database briefly unreachable: log, back off, go on
-                    log.exception("engine step failed")
+                    log.exception("engine step failed" if restored else "restoring the live models failed")
                     busy = False
                     stop.wait(1.0)
                 if not busy:
                     stop.wait(idle_sleep_s)
+            reason = device.STOPPED
         finally:
             stop.set()
             # Snapshots in flight complete their requests; a failed one stays running for the next engine's recover.
             self._writer.shutdown(wait=True)
             with contextlib.suppress(Exception):
                 self.store.retire_worker(self.worker_id)
-            self.dev.stop()
+            self.dev.stop(reason)
 
     def step(self) -> bool:
         """Claim and run one batch; False when nothing was runnable."""

@@ -20,6 +20,10 @@ once every seq_id below N of that model is done or failed (`Model.next_seq_id` i
 creates a model is its seq_id 0 (the SDK numbers a TrainingClient's own requests from 1). Requests without a model
 or without a seq_id run in arrival order.
 
+Availability: `retry_database` retries a call while the database is unavailable (`is_database_unavailable`: a refused
+connection, a server restarting, a login refused, the Cloud SQL connector's API calls failing) for a bounded time;
+the engine's start-up uses it (trainer/service/cli.py), its loop retries on its own.
+
 Transactions: on PostgreSQL claiming uses SELECT ... FOR UPDATE SKIP LOCKED, so concurrent engines never take the
 same row and do not block each other; on sqlite every writing transaction starts with BEGIN IMMEDIATE (one writer
 at a time across processes, WAL so readers are not blocked), which makes read-then-update claims atomic.
@@ -30,13 +34,15 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
 import os
+import random
 import re
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,10 +69,13 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.sql import Select
+
+log = logging.getLogger(__name__)
 
 DB_ENV: Final = "GKE_TPU_RL_SERVICE_DB"
 # Bump with every schema change, and teach create_schema() to migrate from the previous version.
@@ -93,6 +102,18 @@ CLOUDSQL_OWNER_ROLE: Final = "cloudsqlsuperuser"
 # its own, so a long compile or device op does not silence it).
 ENGINE_HEARTBEAT_S: Final = 2.0
 ENGINE_GONE_AFTER_S: Final = 10.0
+# retry_database's backoff: the first wait, doubling up to the cap (jittered: restarted pods do not retry in step).
+DB_RETRY_FIRST_S: Final = 1.0
+DB_RETRY_MAX_S: Final = 30.0
+# SQLSTATE classes that say the server or the way to it is not available yet, not that the statement is wrong:
+# 08 connection exception, 28 invalid authorization (an IAM database user or its grant not propagated yet), 53
+# insufficient resources (too many connections), 57 operator intervention (57P01-03: shutting down, starting up:
+# Cloud SQL's maintenance restart), 58 system error (I/O on the server).
+_UNAVAILABLE_SQLSTATE_CLASSES: Final = ("08", "28", "53", "57", "58")
+# The Cloud SQL Python Connector's own errors of that kind (by name: the connector is imported only for Cloud SQL).
+_UNAVAILABLE_CONNECTOR_ERRORS: Final = frozenset({
+    "CloudSQLConnectionError", "ResourceExhaustedError", "RefreshNotValidError", "DnsResolutionError",
+    "DnsLoopError", "CacheClosedError"})
 
 # Request lifecycle.
 QUEUED: Final = "queued"
@@ -139,6 +160,10 @@ class SessionFinished(StoreError):
 
 class StaleClaim(StoreError):
     """The engine reported on a request it no longer holds (finished already, or recovered after a restart)."""
+
+
+class DatabaseUnavailable(StoreError):
+    """`retry_database` gave up: the database stayed unreachable for its whole window (the cause is chained)."""
 
 
 def utcnow() -> dt.datetime:
@@ -359,6 +384,64 @@ class Recovery:
 
     requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+
+
+def _sqlstate(err: BaseException) -> str | None:
+    """The SQLSTATE of a DBAPI error: psycopg's `sqlstate`; pg8000 passes the server's fields as a dict (C: code)."""
+    if (code := getattr(err, "sqlstate", None)) is not None:
+        return str(code)
+    if err.args and isinstance(err.args[0], dict):
+        return err.args[0].get("C")
+    return None
+
+
+def is_database_unavailable(err: BaseException) -> bool:
+    """Whether `err` says the database, or the way to it, is not available for now (what a retry can outlast): a
+    refused or dropped connection, a server starting up or shutting down, a login refused, a timeout; and on Cloud SQL
+    the connector's calls (SQL Admin API, OAuth/STS/IAM tokens) failing. A statement the server rejects for what it
+    says (a bug) is not."""
+    if isinstance(err, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError,
+                        sa_exc.DisconnectionError)):
+        return True
+    if isinstance(err, sa_exc.DBAPIError):
+        if err.connection_invalidated:
+            return True
+        code = _sqlstate(err.orig)
+        return code is not None and code[:2] in _UNAVAILABLE_SQLSTATE_CLASSES
+    if isinstance(err, OSError):  # ConnectionError, TimeoutError, ssl.SSLError, socket errors
+        return True
+    if type(err).__name__ in _UNAVAILABLE_CONNECTOR_ERRORS:
+        return True
+    module = type(err).__module__
+    # google-auth's RefreshError/TransportError (a token refused or unreachable: IAM not propagated yet) and
+    # aiohttp's ClientError (the SQL Admin API's answers, 403 while a role binding propagates, 5xx).
+    return module.startswith("google.auth") or module.startswith("aiohttp")
+
+
+def retry_database(call: Callable[[], T], what: str, *, within_s: float) -> T:
+    """`call()`, again with backoff while it fails with `is_database_unavailable` errors, for up to `within_s`
+    seconds from the first try (0: once); then DatabaseUnavailable naming `what`, the last error chained. Other
+    errors propagate at once."""
+    start = time.monotonic()
+    delay = DB_RETRY_FIRST_S
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except Exception as err:
+            if not is_database_unavailable(err):
+                raise
+            left = within_s - (time.monotonic() - start)
+            if left <= 0:
+                raise DatabaseUnavailable(
+                    f"the database stayed unavailable for {within_s:g} s ({attempt} tries) to {what}: "
+                    f"{' '.join(str(err).split())[:500]}") from err
+            wait = min(left, delay * random.uniform(0.5, 1.0))
+            log.warning("the database is unavailable to %s (try %d, again in %.1f s, for %.0f s more): %s",
+                        what, attempt, wait, left, " ".join(str(err).split())[:300])
+            time.sleep(wait)
+            delay = min(delay * 2, DB_RETRY_MAX_S)
 
 
 def default_db_url() -> str:
