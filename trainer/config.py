@@ -347,6 +347,9 @@ class ServiceConfig(_Strict):
                                   "step: written at every optim_step, load and create) goes, the latest one per model "
                                   "kept; unset: state/ in storage_dir. The stack puts it on a bucket of its own, "
                                   "without object versioning or soft delete, which would keep every replaced one")
+    db_retry_s: float = Field(300.0, ge=0, description="how long the engine's start-up retries the database while "
+                              "it is unavailable (Cloud SQL's maintenance restart, IAM bindings still propagating on a "
+                              "first deploy) before it exits 42 for its JobSet to restart it; 0: once")
 
 
 class CheckpointConfig(_Strict):

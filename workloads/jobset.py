@@ -35,7 +35,8 @@ MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
 # Exit codes the JobSet restarts on: the trainer's transient-failure code, and death by a signal (128 + n: SIGTERM
 # on preemption is the trainer's own 143, SIGKILL 137, a libtpu abort 134). Pods lost with their node fail without
 # an exit code, so they count against backoffLimit 0 and restart the JobSet too. trainer/cli.py owns the codes.
-RESTART_EXIT_CODES = (42, *range(128, 256))
+EXIT_TRANSIENT = 42
+RESTART_EXIT_CODES = (EXIT_TRANSIENT, *range(128, 256))
 
 # The JobSet's failurePolicy rules, judged by JobSet v0.12.0 pkg/controllers/failure_policy.go: executeFailurePolicy
 # takes the first rule, in order, that matches any failed Job (findFirstFailedPolicyRuleAndJob; ruleIsApplicable
@@ -52,6 +53,34 @@ FAIL_ON_BUG = {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons
 # always-on job survives any number of preemptions.
 RESTART_UNLIMITED = {"name": "restartOnPreemption", "action": "RestartJobSetAndIgnoreMaxRestarts",
                      "onJobFailureReasons": ["BackoffLimitExceeded"]}
+# An always-on job's own "restart me" (42: its database, its process group or its bucket unavailable at start) is
+# counted, so a permanent misconfiguration (a missing IAM binding, a wrong instance) ends in a Failed JobSet after
+# maxRestarts instead of holding the slice in a restart loop for ever. The Job's podFailurePolicy sends 42 to a
+# FailJob rule of its own, first (index 0), whose Job failure message the Job controller writes as "Container C for
+# pod NS/P failed with exit code 42 matching FailJob rule at index 0" (k8s pkg/controller/job/pod_failure_policy.go
+# matchPodFailurePolicy); JobSet (>= v0.10, onJobFailureMessagePatterns, RE2) matches that message before failOnBug.
+TRANSIENT_RULE_INDEX = 0
+RESTART_ON_TRANSIENT = {"name": "restartOnTransient", "action": "RestartJobSet",
+                        "onJobFailureReasons": ["PodFailurePolicy"],
+                        "onJobFailureMessagePatterns": [f"matching FailJob rule at index {TRANSIENT_RULE_INDEX}$"]}
+
+
+def pod_failure_rules(job: TpuJob) -> list[dict[str, Any]]:
+    """The Jobs' podFailurePolicy: a bug's exit code fails the Job (reason PodFailurePolicy); for an always-on job,
+    42 first, as a FailJob of its own (RESTART_ON_TRANSIENT counts it)."""
+    bug = {"action": "FailJob", "onExitCodes": {"containerName": job.container, "operator": "NotIn",
+                                                "values": list(RESTART_EXIT_CODES)}}
+    if not job.restart_without_limit:
+        return [bug]
+    transient = {"action": "FailJob", "onExitCodes": {"containerName": job.container, "operator": "In",
+                                                      "values": [EXIT_TRANSIENT]}}
+    return [transient, bug]
+
+
+def failure_rules(job: TpuJob) -> list[dict[str, Any]]:
+    if not job.restart_without_limit:
+        return [dict(FAIL_ON_BUG)]
+    return [dict(RESTART_ON_TRANSIENT), dict(FAIL_ON_BUG), dict(RESTART_UNLIMITED)]
 
 
 def _field(path: str) -> dict[str, Any]:
@@ -143,8 +172,8 @@ def tpu_jobset(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[st
             # checkpoint, up to maxRestarts (xpk's split: its workload template and get_restart_exit_codes), or
             # without limit for an always-on job. Immutable by CEL (the CRD's failurePolicy: self == oldSelf): a
             # change replaces the JobSet (infra/trainer_job.py, infra/service.py replace_on_changes).
-            "failurePolicy": {"maxRestarts": job.max_restarts, "restartStrategy": "Recreate", "rules": [
-                dict(FAIL_ON_BUG), *([dict(RESTART_UNLIMITED)] if job.restart_without_limit else [])]},
+            "failurePolicy": {"maxRestarts": job.max_restarts, "restartStrategy": "Recreate",
+                              "rules": failure_rules(job)},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": job.name},
             "replicatedJobs": [
@@ -157,9 +186,7 @@ def tpu_jobset(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[st
                             "completions": hosts,
                             "completionMode": "Indexed",
                             "backoffLimit": 0,
-                            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
-                                "containerName": job.container, "operator": "NotIn",
-                                "values": list(RESTART_EXIT_CODES)}}]},
+                            "podFailurePolicy": {"rules": pod_failure_rules(job)},
                             "template": {
                                 "metadata": {"annotations": pod_annotations()},
                                 "spec": _pod_spec(spec, job, refs),

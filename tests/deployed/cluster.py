@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -142,6 +143,7 @@ class Job:
     reason: str = ""
     message: str = ""
     waiting: dict[int, float] = field(default_factory=dict)  # index -> when its next pod may start
+    failed_at: float = 0.0
 
     @property
     def completions(self) -> int:
@@ -366,7 +368,12 @@ class Cluster:
         gsa = self.service_account(ksa, pod.namespace)["metadata"].get("annotations", {}).get(
             "iam.gke.io/gcp-service-account")
         self.boundary.add_pod(pod.ip, pod.namespace, ksa, gsa, host_network=bool(pod.spec.get("hostNetwork")))
-        hosts = {**self.boundary.hosts, **self._dns_names()}
+        # The cluster's DNS only under ClusterFirst on the pod network or ClusterFirstWithHostNet (a host-network pod
+        # with ClusterFirst falls back to the node's resolver, k8s pkg/kubelet/network/dns getPodDNSType).
+        policy = pod.spec.get("dnsPolicy", "ClusterFirst")
+        cluster_dns = policy == "ClusterFirstWithHostNet" or (policy == "ClusterFirst" and not pod.spec.get(
+            "hostNetwork"))
+        hosts = {**self.boundary.hosts, **(self._dns_names() if cluster_dns else {})}
         hosts[pod.hostname or pod.name] = pod.ip  # the kubelet's /etc/hosts line for the pod's own hostname
         S.write_hosts(pod.netns, hosts)
         volumes = self._volumes(pod, folder)
@@ -536,48 +543,38 @@ class Cluster:
         job.pods.append(self._pod(name, job.namespace, template, f"Job/{job.name}", labels, ann, hostname,
                                   job.subdomain))
 
-    def _pod_failure_action(self, job: Job, pod: Pod) -> str:
-        """podFailurePolicy's verdict on a failed pod: FailJob, Ignore or Count (no rule matched)."""
-        codes = pod.exit_codes()
-        for rule in job.spec.get("podFailurePolicy", {}).get("rules", []):
-            on = rule.get("onExitCodes")
-            if on is None:
-                continue  # onPodConditions (DisruptionTarget): a node-level eviction, which the scenarios do not make
-            names = [on["containerName"]] if on.get("containerName") else list(codes)
-            for name in names:
-                code = codes.get(name)
-                if not code:  # 0 never matches (pod_failure_policy.go); a container still running has no code
-                    continue
-                if (code in on["values"]) == (on["operator"] == "In"):
-                    return rule["action"]
-        return "Count"
+    def _pod_failure_action(self, job: Job, pod: Pod) -> tuple[str, str]:
+        return pod_failure_verdict(job.spec.get("podFailurePolicy", {}), pod.exit_codes(), pod.namespace, pod.name)
 
     def _tick_job(self, job: Job) -> None:
         if job.status != "Active":
             return
         now = time.monotonic()
-        for pod in list(job.pods):
-            if pod.phase != "Running" or any(c.running() for c in pod.containers):
-                continue
+        finished = [p for p in job.pods if p.phase == "Running" and not any(c.running() for c in p.containers)]
+        verdicts: list[tuple[Pod, str, str]] = []
+        for pod in finished:
             codes = pod.exit_codes()
-            index = int(pod.annotations.get(COMPLETION_INDEX, 0))
             if all(code == 0 for code in codes.values()):
                 pod.phase = "Succeeded"
-                job.succeeded.add(index)
+                job.succeeded.add(int(pod.annotations.get(COMPLETION_INDEX, 0)))
                 continue
             pod.phase = "Failed"
-            action = self._pod_failure_action(job, pod)
+            action, message = self._pod_failure_action(job, pod)
             self._event(f"pod {pod.name} failed {codes}: {action}")
+            verdicts.append((pod, action, message))
+        # syncJob: a FailJob verdict (getFailJobMessage) is acted on before the backoff limit is judged.
+        for _pod, action, message in verdicts:
             if action == "FailJob":
-                self._fail_job(job, "PodFailurePolicy", f"pod {pod.name} exited {codes}: podFailurePolicy FailJob")
+                self._fail_job(job, "PodFailurePolicy", message)
                 return
+        for pod, action, _ in verdicts:
+            index = int(pod.annotations.get(COMPLETION_INDEX, 0))
             if action == "Ignore":
                 job.waiting[index] = now
                 continue
             job.failed += 1
             if job.failed > int(job.spec.get("backoffLimit", 6)):
-                self._fail_job(job, "BackoffLimitExceeded", f"pod {pod.name} exited {codes}: "
-                               f"{job.failed} failures > backoffLimit {job.spec.get('backoffLimit', 6)}")
+                self._fail_job(job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
                 return
             base, cap = JOB_BACKOFF_S
             job.waiting[index] = now + min(base * 2 ** (job.failed - 1), cap) * self.time_scale
@@ -591,6 +588,7 @@ class Cluster:
 
     def _fail_job(self, job: Job, reason: str, message: str) -> None:
         job.status, job.reason, job.message = "Failed", reason, message
+        job.failed_at = time.monotonic()
         self._event(f"job {job.name} Failed: {reason}: {message}")
         for pod in job.pods:
             if any(c.running() for c in pod.containers):
@@ -633,15 +631,16 @@ class Cluster:
             return
         for job in js.jobs:
             self._tick_job(job)
-        failed = [j for j in js.jobs if j.status == "Failed"]
+        failed = sorted((j for j in js.jobs if j.status == "Failed"), key=lambda j: j.failed_at)
         if failed:
-            job = failed[0]
-            rj = job.labels[REPLICATED_JOB]
-            action = "RestartJobSet"
-            for rule in js.obj["spec"].get("failurePolicy", {}).get("rules", []):
-                reasons, targets = rule.get("onJobFailureReasons") or [], rule.get("targetReplicatedJobs") or []
-                if (not reasons or job.reason in reasons) and (not targets or rj in targets):
-                    action = rule["action"]
+            # findFirstFailedPolicyRuleAndJob: the rules in order, each against the failed Jobs by failure time; the
+            # first match decides; none: RestartJobSet for the earliest failure.
+            job, action = failed[0], "RestartJobSet"
+            rules = js.obj["spec"].get("failurePolicy", {}).get("rules", [])
+            for rule in rules:
+                hit = next((j for j in failed if _rule_applies(rule, j)), None)
+                if hit is not None:
+                    job, action = hit, rule["action"]
                     break
             js.history.append(f"{job.name}: {job.reason} ({job.message}) -> {action}")
             self._event(f"jobset {js.name}: job {job.name} failed ({job.reason}) -> {action}")
@@ -883,6 +882,43 @@ class Cluster:
             yield self
         finally:
             self.stop()
+
+
+def _rule_applies(rule: dict[str, Any], job: Job) -> bool:
+    return rule_applies(rule, job.reason, job.message, job.labels[REPLICATED_JOB])
+
+
+# ---------------------------------------------------------------------- the judges, as pure functions
+
+
+def pod_failure_verdict(policy: dict[str, Any], codes: Mapping[str, int | None], namespace: str,
+                        pod: str) -> tuple[str, str]:
+    """A Job's podFailurePolicy on a failed pod whose containers exited with `codes` (None: still running, or a pod
+    lost with its node, which has no terminated state): (FailJob, the Job's failure message), (Ignore, "") or
+    (Count, "") when no rule matches (k8s pkg/controller/job/pod_failure_policy.go matchPodFailurePolicy, its
+    message word for word)."""
+    for index, rule in enumerate(policy.get("rules", [])):
+        on = rule.get("onExitCodes")
+        if on is None:
+            continue  # onPodConditions (DisruptionTarget): a node-level eviction, which the scenarios do not make
+        names = [on["containerName"]] if on.get("containerName") else list(codes)
+        for name in names:
+            code = codes.get(name)
+            if not code:  # 0 never matches (pod_failure_policy.go)
+                continue
+            if (code in on["values"]) == (on["operator"] == "In"):
+                return rule["action"], (f"Container {name} for pod {namespace}/{pod} failed with exit code {code} "
+                                        f"matching {rule['action']} rule at index {index}")
+    return "Count", ""
+
+
+def rule_applies(rule: dict[str, Any], reason: str, message: str, replicated_job: str) -> bool:
+    """JobSet v0.12.0 failure_policy.go ruleIsApplicable: the failed Job's reason, its message against the patterns
+    (RE2; Python's re.search agrees on these) and its replicated Job, each list empty meaning any."""
+    reasons, patterns = rule.get("onJobFailureReasons") or [], rule.get("onJobFailureMessagePatterns") or []
+    targets = rule.get("targetReplicatedJobs") or []
+    return ((not reasons or reason in reasons) and (not patterns or any(re.search(p, message) for p in patterns))
+            and (not targets or replicated_job in targets))
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:

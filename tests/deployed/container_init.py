@@ -9,8 +9,10 @@ the image's working directory and exec the container's command with its env. Not
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +39,29 @@ def _expose(path: str) -> None:
         return
 
 
+CLONE_NEWPID = 0x20000000
+
+
+def _pid_one() -> None:
+    """The command becomes PID 1 of a PID namespace of its own, as in a container: a signal it has no handler for
+    (SIGTERM included) is then ignored, and only SIGKILL ends it. This process stays outside as its parent: it passes
+    the runtime's signals on and ends as the command ends (its exit code, or the same signal)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWPID) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID)")
+    child = os.fork()
+    if child == 0:
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda n, _f: os.kill(child, n))
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -54,6 +79,7 @@ def main() -> None:
             _mount("-o", "remount,bind,ro", dst)
     if spec["read_only_root"]:
         _mount("-o", "remount,bind,ro", "/")
+    _pid_one()
     os.setgroups(spec["groups"])
     os.setgid(spec["gid"])
     os.setuid(spec["uid"])

@@ -84,13 +84,13 @@ def test_a_storage_io_error_is_a_restart_and_a_bad_path_a_config_error(
     assert cli._restart_code(OSError(errno.ENOENT, "gone")) is None
 
 
-def test_the_retry_window_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cli.DB_RETRY_ENV == "GKE_TPU_RL_SERVICE_DB_RETRY_S"  # documented: docs/service.md, the harness sets it
-    monkeypatch.delenv(cli.DB_RETRY_ENV, raising=False)
-    assert cli.db_retry_s() == cli.DEFAULT_DB_RETRY_S == 300
-    monkeypatch.setenv(cli.DB_RETRY_ENV, "5")
-    assert cli.db_retry_s() == 5
+def test_the_retry_window_is_a_key_of_the_engine_config() -> None:
+    """service.db_retry_s (a user sets it through the stack's service.args): 300 s unless set, never negative."""
+    from trainer.config import load_config
+
+    base = "qwen3-8b-service-v6e-4x4.yaml"
+    assert load_config(base, []).service.db_retry_s == 300
+    assert load_config(base, ["service.db_retry_s=5"]).service.db_retry_s == 5
     for bad in ("soon", "-1"):
-        monkeypatch.setenv(cli.DB_RETRY_ENV, bad)
-        with pytest.raises(ConfigError, match=cli.DB_RETRY_ENV):
-            cli.db_retry_s()
+        with pytest.raises(ConfigError, match="db_retry_s"):
+            load_config(base, [f"service.db_retry_s={bad}"])

@@ -1,6 +1,6 @@
 """review 2026-11-28 #3: the always-on engine never ends its JobSet on a transient error. `python -m trainer.service
 engine` runs as a real process here, as its pods run it: the database unreachable at start is retried for
-$GKE_TPU_RL_SERVICE_DB_RETRY_S and then exits 42 (the podFailurePolicy restarts the JobSet on it), or goes on when
+service.db_retry_s and then exits 42 (the podFailurePolicy restarts the JobSet on it), or goes on when
 the database comes back; the engine thread ending without a SIGTERM exits 42, never 0 (which completed the JobSet);
 a SIGTERM exits 143, followers included; a process group that never forms exits 42."""
 
@@ -33,7 +33,6 @@ from workloads.jobset import RESTART_EXIT_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "tiny/random"
-DB_RETRY_ENV = "GKE_TPU_RL_SERVICE_DB_RETRY_S"  # the documented name (trainer/service/cli.py, docs/service.md)
 # The engine with its loop broken by something no retry catches (what reached the old `return 0`).
 BROKEN_ENGINE = """
 import sys
@@ -87,8 +86,8 @@ def test_the_database_unreachable_at_start_exits_42_after_the_retry_window(tmp_p
     nothing.mkdir()
     db = f"postgresql+psycopg://engine@/service?host={nothing}"
     start = time.monotonic()
-    proc = subprocess.run(_engine_cmd(_config(tmp_path), "--db", db), cwd=ROOT,
-                          env=_env(tmp_path, **{DB_RETRY_ENV: "4"}), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(_engine_cmd(_config(tmp_path), "--db", db, "--set", "service.db_retry_s=4"),
+                          cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     took = time.monotonic() - start
     assert proc.returncode == EXIT_TRANSIENT, proc.stderr[-4000:]
     assert EXIT_TRANSIENT in RESTART_EXIT_CODES
@@ -113,9 +112,9 @@ def test_the_engine_waits_for_cloud_sql_then_serves_and_stops_143(
     link.parent.mkdir()
     fake.pg_unix_socket = str(link)  # the instance is down: its port answers TLS but reaches no server
     log = tmp_path / "engine.log"
-    env = _env(tmp_path, **{DB_RETRY_ENV: "90", CLOUDSQL_USER_ENV: ENGINE_USER})
-    proc = subprocess.Popen(_engine_cmd(_config(tmp_path)), cwd=ROOT, env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+    env = _env(tmp_path, **{CLOUDSQL_USER_ENV: ENGINE_USER})
+    proc = subprocess.Popen(_engine_cmd(_config(tmp_path), "--set", "service.db_retry_s=90"), cwd=ROOT, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
     api = None
     try:
         _wait_for("a retry", lambda: "the database is unavailable to open the store" in log.read_text(), proc, log, 60)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from envspec.config import parse_spec
+from tests.deployed.cluster import pod_failure_verdict, rule_applies
 from tests.infra.test_config import _raw
 from trainer import distributed
 from trainer.config import bundled_configs
@@ -183,31 +184,33 @@ def test_bugs_fail_the_jobset_and_everything_else_restarts_it() -> None:
 # ---------------------------------------------------------------- what the controllers do with a failure
 
 
-def _job_failure_reason(job: dict[str, Any], exit_code: int | None) -> str:
-    """The reason of a Job's Failed condition when one of its pods fails (the batch/v1 Job controller): a FailJob
-    podFailurePolicy rule whose onExitCodes matches the container's exit code gives PodFailurePolicy; otherwise the
-    pod counts toward backoffLimit, and at 0 the Job fails with BackoffLimitExceeded. Exit code 0 is never matched,
-    and a pod lost with its node (None) has no terminated state to match."""
-    for rule in job["podFailurePolicy"]["rules"]:
-        codes = rule["onExitCodes"]
-        if exit_code and (exit_code in codes["values"]) == (codes["operator"] == "In") and rule["action"] == "FailJob":
-            return "PodFailurePolicy"
+def _job_failure(job: dict[str, Any], exit_code: int | None) -> tuple[str, str]:
+    """The reason and message of a Job's Failed condition when one of its pods fails (the batch/v1 Job controller, as
+    the as-deployed harness judges it: tests/deployed/cluster.py pod_failure_verdict): a FailJob podFailurePolicy
+    rule gives PodFailurePolicy; otherwise the pod counts toward backoffLimit, and at 0 the Job fails with
+    BackoffLimitExceeded. A pod lost with its node (None) has no terminated state to match."""
+    container = job["template"]["spec"]["containers"][0]["name"]
+    action, message = pod_failure_verdict(job["podFailurePolicy"], {container: exit_code}, "rl", "p-0")
+    if action == "FailJob":
+        return "PodFailurePolicy", message
     assert job["backoffLimit"] == 0
-    return "BackoffLimitExceeded"
+    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
 
 
 def _run(obj: dict[str, Any], failures: list[list[int | None]]) -> tuple[str, int, int]:
     """JobSet v0.12.0's executeFailurePolicy (pkg/controllers/failure_policy.go) on each round of failed Jobs in turn:
-    the first rule, in order, matching any failed Job's reason (findFirstFailedPolicyRuleAndJob), else the default
-    RestartJobSet; RestartJobSet fails the JobSet once restartsCountTowardsMax reaches maxRestarts and counts;
-    RestartJobSetAndIgnoreMaxRestarts counts into restarts only. Returns (state, restarts, restartsCountTowardsMax)."""
+    the first rule, in order, that applies to any failed Job (findFirstFailedPolicyRuleAndJob, ruleIsApplicable as
+    tests/deployed/cluster.py rule_applies), else the default RestartJobSet; RestartJobSet fails the JobSet once
+    restartsCountTowardsMax reaches maxRestarts and counts; RestartJobSetAndIgnoreMaxRestarts counts into restarts
+    only. Returns (state, restarts, restartsCountTowardsMax)."""
     policy = obj["spec"]["failurePolicy"]
-    job = obj["spec"]["replicatedJobs"][0]["template"]["spec"]
+    rj = obj["spec"]["replicatedJobs"][0]
+    job = rj["template"]["spec"]
     restarts = counted = 0
     for exit_codes in failures:
-        reasons = {_job_failure_reason(job, code) for code in exit_codes}
-        rule = next((r for r in policy["rules"] if not r.get("onJobFailureReasons")
-                     or reasons & set(r["onJobFailureReasons"])), None)
+        failed = [_job_failure(job, code) for code in exit_codes]
+        rule = next((r for r in policy["rules"] if any(rule_applies(r, reason, message, rj["name"])
+                                                        for reason, message in failed)), None)
         action = rule["action"] if rule else "RestartJobSet"
         if action == "FailJobSet":
             return "Failed", restarts, counted
@@ -242,7 +245,29 @@ def test_an_always_on_job_restarts_on_preemption_without_limit_and_still_fails_o
     refs = jobset.TrainerRefs(image="img", bucket="b", service_account="t")
     job = replace(jobset.trainer_job(spec, refs), restart_without_limit=True)
     obj = jobset.tpu_jobset(spec, job, refs)
-    assert obj["spec"]["failurePolicy"]["rules"] == [jobset.FAIL_ON_BUG, jobset.RESTART_UNLIMITED]
-    assert _run(obj, [[PREEMPTED], [NODE_LOST], [KILLED], [TRANSIENT]] * 250) == ("Running", 1000, 0)
+    assert obj["spec"]["failurePolicy"]["rules"] == [jobset.RESTART_ON_TRANSIENT, jobset.FAIL_ON_BUG,
+                                                     jobset.RESTART_UNLIMITED]
+    assert _run(obj, [[PREEMPTED], [NODE_LOST], [KILLED]] * 333) == ("Running", 999, 0)
     assert _run(obj, [[PREEMPTED]] * 500 + [[BUG]]) == ("Failed", 500, 0)
     assert _run(obj, [[PREEMPTED, BUG]]) == ("Failed", 0, 0)
+
+
+def test_an_always_on_jobs_own_restart_code_is_counted() -> None:
+    """Review F2 (2026-11-28 fresh-eyes review of #3 with #8): 42 is the engine's "restart me" when its database, its
+    process group or its bucket is unavailable at start; a permanent misconfiguration exits 42 every time, so 42 is
+    counted (restartOnTransient, before failOnBug: its own FailJob rule at index 0 and the Job controller's failure
+    message) and the JobSet fails after maxRestarts instead of holding its slice for ever; preemptions in between
+    still count nothing."""
+    from dataclasses import replace
+
+    spec = _spec("staging")
+    refs = jobset.TrainerRefs(image="img", bucket="b", service_account="t")
+    job = replace(jobset.trainer_job(spec, refs), restart_without_limit=True)
+    obj = jobset.tpu_jobset(spec, job, refs)
+    limit = obj["spec"]["failurePolicy"]["maxRestarts"]
+    assert _run(obj, [[TRANSIENT], [PREEMPTED]] * limit) == ("Running", 2 * limit, limit)
+    assert _run(obj, [[TRANSIENT]] * (limit + 1)) == ("Failed", limit, limit)
+    assert _run(obj, [[TRANSIENT], [BUG]]) == ("Failed", 1, 1)
+    # The trainer keeps its split: 42 is a counted restart by the default rule, no message pattern needed.
+    trainer = jobset.trainer_jobset(spec, refs)
+    assert len(trainer["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]) == 1

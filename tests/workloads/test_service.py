@@ -201,10 +201,12 @@ def test_engine_pods_are_the_trainers_pods_but_for_the_process(case: str) -> Non
     assert engine["spec"]["failurePolicy"]["maxRestarts"] == svc.max_restarts
     assert engine["metadata"]["labels"][L.KUEUE_PRIORITY] == svc.priority
     assert engine["metadata"]["labels"][L.KUEUE_QUEUE] == spec.queues.local_queue
-    [rule] = engine["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
+    transient, rule = engine["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
     assert rule["onExitCodes"]["containerName"] == pod["containers"][0]["name"] == "engine"
-    # 143 (its SIGTERM exit), 42 and every other death by a signal restart it; anything else is a bug.
+    # 143 (its SIGTERM exit), 42 and every other death by a signal restart it; anything else is a bug. 42 first, as
+    # a FailJob of its own that restartOnTransient counts.
     assert {42, 143, 137} <= set(rule["onExitCodes"]["values"]) and rule["onExitCodes"]["operator"] == "NotIn"
+    assert transient["onExitCodes"] == {"containerName": "engine", "operator": "In", "values": [42]}
     assert engine["spec"]["replicatedJobs"][0]["replicas"] == 1
     assert trainer["spec"]["failurePolicy"]["rules"] == [jobset.FAIL_ON_BUG]
 
@@ -219,12 +221,17 @@ def test_the_engine_restarts_on_preemption_without_limit_and_fails_on_a_bug(case
 
     engine = service.engine_jobset(CASES[case](), _refs(CASES[case]()))
     assert engine["spec"]["failurePolicy"]["rules"] == [
+        {"name": "restartOnTransient", "action": "RestartJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+         "onJobFailureMessagePatterns": ["matching FailJob rule at index 0$"]},
         {"name": "failOnBug", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]},
         {"name": "restartOnPreemption", "action": "RestartJobSetAndIgnoreMaxRestarts",
          "onJobFailureReasons": ["BackoffLimitExceeded"]}]
-    many = [[PREEMPTED], [NODE_LOST], [KILLED], [TRANSIENT]] * 100  # 400 restarts, service.maxRestarts is 100
-    assert _run(engine, many) == ("Running", 400, 0)
-    assert _run(engine, [*many, [BUG]]) == ("Failed", 400, 0)
+    many = [[PREEMPTED], [NODE_LOST], [KILLED]] * 150  # 450 restarts, service.maxRestarts is 100
+    assert _run(engine, many) == ("Running", 450, 0)
+    assert _run(engine, [*many, [BUG]]) == ("Failed", 450, 0)
+    # Its own "restart me" (42) is counted: a misconfiguration that exits 42 at every start ends after maxRestarts.
+    assert _run(engine, [*many, *[[TRANSIENT]] * 100]) == ("Running", 550, 100)
+    assert _run(engine, [*many, *[[TRANSIENT]] * 101]) == ("Failed", 550, 100)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

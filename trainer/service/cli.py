@@ -17,7 +17,7 @@ API only: it queues requests in the database, and an engine process on the same 
 JobSet on 42 and 128-255 and fails it on any other; an always-on engine never exits 0, which would complete it):
   143  SIGTERM (a preemption, a `pulumi up` replacing the JobSet): stopped cleanly, on every process of the group.
   42   a failure a restart can outlast: the database unavailable at start-up for longer than
-       $GKE_TPU_RL_SERVICE_DB_RETRY_S seconds (default 300; recover, worker registration and schema creation are
+       service.db_retry_s seconds (default 300; recover, worker registration and schema creation are
        retried with backoff until then), the process group not formed in time (TRAINER_INIT_TIMEOUT_SECONDS), a
        transient JAX runtime error, a storage I/O error reading the base model (gcsfuse EIO), the engine thread ending
        without a SIGTERM; on a follower (process > 0), process 0 stopping after an error or vanishing.
@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -50,22 +49,7 @@ if TYPE_CHECKING:  # api.py pulls in fastapi and tinker, the engine JAX: only `s
 
 log = logging.getLogger(__name__)
 
-# How long the engine's start-up retries the database while it is unavailable (Cloud SQL's maintenance restart, IAM
-# bindings still propagating on a first deploy) before it exits EXIT_TRANSIENT for the JobSet to restart it.
-DB_RETRY_ENV = "GKE_TPU_RL_SERVICE_DB_RETRY_S"
-DEFAULT_DB_RETRY_S = 300.0
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
-
-
-def db_retry_s() -> float:
-    raw = os.environ.get(DB_RETRY_ENV, "")
-    try:
-        value = float(raw) if raw else DEFAULT_DB_RETRY_S
-    except ValueError:
-        raise ConfigError(f"{DB_RETRY_ENV}={raw!r} is not a number of seconds") from None
-    if value < 0:
-        raise ConfigError(f"{DB_RETRY_ENV}={raw!r} must be >= 0")
-    return value
 
 
 def open_store(args: argparse.Namespace) -> Store:
@@ -334,9 +318,9 @@ def _run_uvicorn(config: Any, on_exit: Any) -> None:
 def _engine(args: argparse.Namespace) -> int:
     """The engine alone, as the stack's engine JobSet runs it: exit codes in the module docstring."""
     try:
-        retry_s = db_retry_s()
         cfg = _engine_config(args)
-        assert cfg is not None
+        assert cfg is not None and cfg.service is not None
+        retry_s = cfg.service.db_retry_s
         if (rc := _group(args, cfg)) is not None:
             return rc
     except (ValueError, ConfigError) as e:
