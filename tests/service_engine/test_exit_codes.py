@@ -152,26 +152,34 @@ def test_the_engine_thread_ending_without_sigterm_exits_42(tmp_path: Path) -> No
     assert "the engine stopped without a SIGTERM" in line, line
 
 
-@pytest.mark.parametrize("how", ["sigterm", "error"])
+@pytest.mark.parametrize("how", ["sigterm", "error", "no-database"])
 def test_followers_exit_as_process_0_does(tmp_path: Path, how: str) -> None:
     """A two-process engine (process 1 follows process 0's device ops): a SIGTERM stops both with 143; process 0's
-    loop breaking stops both with 42. The old follower exited 0 either way."""
+    loop breaking stops both with 42. The old follower exited 0 either way. The database unreachable at start: both
+    exit 42 at once (process 0 stops its follower, which waits for a first op; before, process 0 sat in
+    jax.distributed's shutdown barrier for minutes and the follower then died by a signal: the as-deployed harness)."""
     config = _config(tmp_path)
     db = tmp_path / "service.db"
+    nothing = tmp_path / "no-server"
+    nothing.mkdir()
+    url = f"postgresql+psycopg://engine@/service?host={nothing}" if how == "no-database" else str(db)
+    more = ("--set", "service.db_retry_s=2") if how == "no-database" else ()
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
     for i in range(2):
         env = {**_env(tmp_path), **child_env(os.environ, i, 2, 1, port)}
         script = BROKEN_ENGINE if (how == "error" and i == 0) else None
-        procs.append(subprocess.Popen(_engine_cmd(config, "--db", str(db), script=script), cwd=ROOT, env=env,
+        procs.append(subprocess.Popen(_engine_cmd(config, "--db", url, *more, script=script), cwd=ROOT, env=env,
                                       stdout=logs[i].open("w"), stderr=subprocess.STDOUT))
     try:
         if how == "sigterm":
             _wait_for("the engine up", lambda: db.exists() and _engine_up(db), procs[0], logs[0], 90)
             for proc in procs:  # as the JobSet's pods are all deleted
                 proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
         codes = [proc.wait(90) for proc in procs]
+        took = time.monotonic() - start
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -181,6 +189,7 @@ def test_followers_exit_as_process_0_does(tmp_path: Path, how: str) -> None:
     assert codes == [want, want], [log.read_text()[-3000:] for log in logs]
     follower = logs[1].read_text()
     assert f"engine follower: stop ({'stopped' if how == 'sigterm' else 'failed'})" in follower, follower[-3000:]
+    assert took < 60, took  # no process waits out a shutdown barrier
 
 
 def _engine_up(db: Path) -> bool:

@@ -78,6 +78,25 @@ def _exit_stopped(*_: Any) -> None:
     raise SystemExit(EXIT_STOPPED)
 
 
+def _stop_followers(err: BaseException) -> None:
+    """Process 0's start-up failed before its engine ran: tell the followers (waiting for its first op) to stop, as
+    stopped after a SIGTERM or failed, so every process exits at once with its code. Otherwise process 0 would sit in
+    jax.distributed's shutdown barrier at exit until it timed out (minutes), the followers would then die by a
+    signal, and the JobSet would see their signal instead of process 0's code (found by the as-deployed harness:
+    tests/deployed/test_service.py)."""
+    import jax
+
+    if jax.process_count() <= 1:
+        return
+    from trainer.service import device
+
+    stopped = isinstance(err, SystemExit) and err.code == EXIT_STOPPED
+    try:
+        device.Leader(None).stop(device.STOPPED if stopped else device.FAILED)  # no op was sent yet: n starts at 0
+    except Exception:  # noqa: BLE001 - the followers are gone or stuck: the JobSet restarts them with this pod
+        log.exception("engine: could not stop the followers")
+
+
 def _db_option(parser: argparse.ArgumentParser, *, top: bool) -> None:
     # Accepted before or after the subcommand; the leaf's SUPPRESS default keeps a top-level --db from being reset.
     parser.add_argument(
@@ -342,6 +361,7 @@ def _engine(args: argparse.Namespace) -> int:
     except BaseException as err:  # SystemExit(143) from a SIGTERM too: close the store on the way out
         if store is not None:
             store.close()
+        _stop_followers(err)
         if not isinstance(err, Exception):
             raise
         if (rc := _restart_code(err)) is not None:

@@ -128,7 +128,8 @@ def _client() -> Any:
 class Leader:
     """Process 0's side: each op is sent to the followers, then run here. With one process it only runs it."""
 
-    def __init__(self, state: DeviceState) -> None:
+    def __init__(self, state: DeviceState | None) -> None:
+        """state: None only to stop the followers before any op (process 0's start-up failed)."""
         self.state = state
         self.n = 0
         self.multi = jax.process_count() > 1
@@ -142,6 +143,7 @@ class Leader:
             self.n += 1
         if op == STOP:
             return None
+        assert self.state is not None
         return getattr(self.state, op)(*args)
 
     def stop(self, reason: str = STOPPED) -> None:
