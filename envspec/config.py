@@ -589,10 +589,11 @@ class ServiceSpec(_Model):
                           "accepting requests, which run when the engine is back; nothing is lost")
     priority: str = Field("default", description="the engine's Kueue priority class, a key of "
                           "queues.priorityClasses")
-    max_restarts: int = Field(100, ge=0, le=10000, description="the engine JobSet's failurePolicy.maxRestarts, for "
-                              "a Job failure no rule names (none the engine's Jobs give today): a preemption, node "
-                              "loss, a signal or a transient exit restarts the engine without limit, a bug's exit "
-                              "code fails it; every restart restores every model from the bucket")
+    max_restarts: int = Field(100, ge=0, le=10000, description="the engine JobSet's failurePolicy.maxRestarts: how "
+                              "many times over its life the engine's own restart code (42, its database or process "
+                              "group unavailable at start) restarts it before it fails; a preemption, node loss or a "
+                              "signal restarts it without limit, a bug's exit code fails it; every restart restores "
+                              "every model from the bucket")
     termination_grace_seconds: int = Field(120, ge=30, le=3600, description="the engine pods' grace period: the "
                                            "request in flight finishes or is re-run after the restart")
     api_replicas: int = Field(2, ge=1, le=20, description="API pods (stateless; spread over the system pool's nodes)")

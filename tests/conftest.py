@@ -17,6 +17,7 @@ PROCESSES = "processes"
 MULTI_PROCESS_FILES = frozenset({
     "tests/deployed/test_gcp.py",
     "tests/deployed/test_service.py",
+    "tests/deployed/test_trainer.py",
     "tests/service/test_crash.py",
     "tests/service_engine/test_crash.py",
     "tests/service_engine/test_multihost.py",

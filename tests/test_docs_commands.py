@@ -201,6 +201,10 @@ CHECKED: dict[str, tuple[str, str]] = {
 # MENTION names a command, or a template of one, whose concrete forms are covered above.
 MENTION = "mention"
 INLINE: dict[str, tuple[str, str]] = {
+    "kubectl -n rl get jobs -l jobset.sigs.k8s.io/jobset-name=tinker-engine -o "
+    "jsonpath='{..conditions[?(@.type==\"Failed\")].message}'": (
+        "test_service_commands", "needs the cluster: the label is the one JobSet v0.12 puts on its Jobs (the harness "
+        "tests/deployed/cluster.py labels them so), the JobSet is the tinker plan's engine"),
     "gke-tpu-rl service": (MENTION, "its subcommands in docs/service.md's blocks"),
     "pulumi up": (MENTION, "`pulumi up -s qa` above"),
     "kubectl port-forward": (MENTION, "its concrete form in docs/service.md's block"),
@@ -698,7 +702,15 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert (ROOT / "environments" / "Pulumi.tinker.yaml").is_file()
     ledger.checked("pulumi up -s tinker")
     ledger.checked("pulumi stack -s tinker --show-urns")
+    # Why a failed engine failed: its Jobs by the label JobSet v0.12 gives them, for the plan's engine JobSet.
+    [jobs] = [k for k in INLINE if k.startswith("kubectl -n rl get jobs ")]
+    assert f"jobset.sigs.k8s.io/jobset-name={plan_spec_engine()}" in jobs and '@.type=="Failed"' in jobs
+    ledger.checked(jobs)
     ledger.close()
+
+
+def plan_spec_engine() -> str:
+    return run_stack("tinker", stack_config("tinker")).spec.service_engine_name
 
 
 class _Compiled(Exception):  # noqa: N818 - the point where the real CLI would start libtpu

@@ -562,11 +562,18 @@ class Cluster:
             action, message = self._pod_failure_action(job, pod)
             self._event(f"pod {pod.name} failed {codes}: {action}")
             verdicts.append((pod, action, message))
-        # syncJob: a FailJob verdict (getFailJobMessage) is acted on before the backoff limit is judged.
-        for _pod, action, message in verdicts:
-            if action == "FailJob":
-                self._fail_job(job, "PodFailurePolicy", message)
-                return
+        # syncJob: a FailJob verdict (getFailJobMessage) is acted on before the backoff limit is judged. It takes the
+        # first matching pod in the lister's order, which nothing fixes: pods that failed together and match different
+        # rules would give a Job failure that depends on chance, which a JobSet rule then reads.
+        fail_job = [(pod, message) for pod, action, message in verdicts if action == "FailJob"]
+        rules = {message.rsplit(" rule at index ", 1)[-1] for _, message in fail_job}
+        if len(rules) > 1:
+            raise HarnessError(f"job {job.name}: pods that failed together match different FailJob rules "
+                               f"({[m for _, m in fail_job]}): the Job's failure would depend on which pod the Job "
+                               "controller lists first")
+        if fail_job:
+            self._fail_job(job, "PodFailurePolicy", fail_job[0][1])
+            return
         for pod, action, _ in verdicts:
             index = int(pod.annotations.get(COMPLETION_INDEX, 0))
             if action == "Ignore":
@@ -645,10 +652,13 @@ class Cluster:
             js.history.append(f"{job.name}: {job.reason} ({job.message}) -> {action}")
             self._event(f"jobset {js.name}: job {job.name} failed ({job.reason}) -> {action}")
             max_restarts = int(js.obj["spec"].get("failurePolicy", {}).get("maxRestarts", 0))
+            # The JobSet's Failed condition names the Job, not its reason (pkg/constants: FailJobSetActionReason and
+            # its message with the first failed job; ReachedMaxRestarts): `kubectl get jobs` shows the exit code.
             if action == "FailJobSet":
-                self._fail_jobset(js, "FailJobSetActionTaken", f"job {job.name} failed: {job.reason}: {job.message}")
+                self._fail_jobset(js, "FailJobSetFailurePolicyAction", "applying FailJobSet failure policy action "
+                                  f"(first failed job: {job.name})")
             elif action == "RestartJobSet" and js.restarts_toward_max >= max_restarts:
-                self._fail_jobset(js, "ReachedMaxRestarts", f"job {job.name} failed: {job.reason}: {job.message}")
+                self._fail_jobset(js, "ReachedMaxRestarts", "jobset failed due to reaching max number of restarts")
             elif action in ("RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"):
                 js.restarts += 1
                 js.restarts_toward_max += action == "RestartJobSet"

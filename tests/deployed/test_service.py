@@ -9,8 +9,8 @@ What a user relies on, in order:
   database (the review's defect 1 broke this: each replica kept its own sqlite file);
 - the real `tinker` SDK trains through the API's Service port, the engine doing the work (defect 2: the engine's
   own store dialled localhost:5432 and died);
-- the engine preempted (SIGTERM to one pod) and crashed (SIGKILL): the JobSet restarts it as its rendered policy
-  says and the request accepted meanwhile completes;
+- the engine preempted (SIGTERM to every pod: Spot takes the slice) and crashed (SIGKILL): the JobSet restarts it
+  as its rendered policy says and the request accepted meanwhile completes;
 - the database down while the engine starts: the engine exits with a code the rendered podFailurePolicy restarts
   (defect 3: exit 1 failed the JobSet for good), and serves once the database is back.
 """
@@ -148,12 +148,14 @@ def test_the_service_as_deployed(deployed: Deployed) -> None:
     first_loss = tc.forward_backward(data, "cross_entropy").result(timeout=300).metrics["loss:sum"]
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)
 
-    # A preemption: SIGTERM to one engine pod. Its Job fails (143 is a restart code), the JobSet restarts every pod.
+    # A Spot preemption takes the slice: SIGTERM to every engine pod at once (each node's shutdown). Their Job fails
+    # (143 is a restart code, counted by nothing), the JobSet restarts every pod.
     js = c.jobsets[engine]
-    c.kill(f"{engine}-slice-0-1", signal.SIGTERM)
+    for pod in sorted(p.name for j in js.jobs for p in j.pods):
+        c.kill(pod, signal.SIGTERM)
     pending = tc.forward_backward(data, "cross_entropy")  # accepted while the engine goes down
     c.wait("the engine JobSet restarts after SIGTERM", lambda: js.restarts == 1 and not js.recreating, 300)
-    assert js.status == "Active", js.history
+    assert js.status == "Active" and js.restarts_toward_max == 0, js.history
     assert np.isfinite(pending.result(timeout=600).metrics["loss:sum"])
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=300)
 

@@ -24,11 +24,11 @@ from sqlalchemy.exc import OperationalError
 from tests.service.cloudsql_fake import FakeCloudSql
 from tests.service.test_cloudsql import ENGINE_USER, iam_db, start_cloudsql  # noqa: F401 - fixtures
 from tests.service_engine.service import TINY_MODEL, tiny_config
-from trainer.cli import EXIT_STOPPED, EXIT_TRANSIENT
+from trainer.cli import EXIT_CONFIG, EXIT_STOPPED, EXIT_TRANSIENT
 from trainer.launch import child_env, free_port
 from trainer.service import auth
 from trainer.service.engine import Engine
-from trainer.service.store import CLOUDSQL_USER_ENV, DONE, FINISHED, Store
+from trainer.service.store import CLOUDSQL_INSTANCE_ENV, CLOUDSQL_USER_ENV, DONE, FINISHED, Store
 from workloads.jobset import RESTART_EXIT_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,25 +152,30 @@ def test_the_engine_thread_ending_without_sigterm_exits_42(tmp_path: Path) -> No
     assert "the engine stopped without a SIGTERM" in line, line
 
 
-@pytest.mark.parametrize("how", ["sigterm", "error", "no-database"])
+@pytest.mark.parametrize("how", ["sigterm", "error", "no-database", "config-error"])
 def test_followers_exit_as_process_0_does(tmp_path: Path, how: str) -> None:
     """A two-process engine (process 1 follows process 0's device ops): a SIGTERM stops both with 143; process 0's
     loop breaking stops both with 42. The old follower exited 0 either way. The database unreachable at start: both
     exit 42 at once (process 0 stops its follower, which waits for a first op; before, process 0 sat in
-    jax.distributed's shutdown barrier for minutes and the follower then died by a signal: the as-deployed harness)."""
+    jax.distributed's shutdown barrier for minutes and the follower then died by a signal: the as-deployed harness).
+    A configuration error on process 0 (half-set Cloud SQL variables): both exit 2, so the JobSet fails whichever pod
+    the Job controller judges first (the second fresh-eyes review: a follower's 42 would have made it a restart)."""
     config = _config(tmp_path)
     db = tmp_path / "service.db"
     nothing = tmp_path / "no-server"
     nothing.mkdir()
-    url = f"postgresql+psycopg://engine@/service?host={nothing}" if how == "no-database" else str(db)
-    more = ("--set", "service.db_retry_s=2") if how == "no-database" else ()
+    db_args = {"no-database": ("--db", f"postgresql+psycopg://engine@/service?host={nothing}", "--set",
+                               "service.db_retry_s=2"),
+               "config-error": ()}.get(how, ("--db", str(db)))
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
     for i in range(2):
         env = {**_env(tmp_path), **child_env(os.environ, i, 2, 1, port)}
+        if how == "config-error":
+            env[CLOUDSQL_INSTANCE_ENV] = "p:r:i"  # without its _USER and _DATABASE
         script = BROKEN_ENGINE if (how == "error" and i == 0) else None
-        procs.append(subprocess.Popen(_engine_cmd(config, "--db", url, *more, script=script), cwd=ROOT, env=env,
+        procs.append(subprocess.Popen(_engine_cmd(config, *db_args, script=script), cwd=ROOT, env=env,
                                       stdout=logs[i].open("w"), stderr=subprocess.STDOUT))
     try:
         if how == "sigterm":
@@ -185,10 +190,11 @@ def test_followers_exit_as_process_0_does(tmp_path: Path, how: str) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    want = EXIT_STOPPED if how == "sigterm" else EXIT_TRANSIENT
+    want, reason = {"sigterm": (EXIT_STOPPED, "stopped"), "config-error": (EXIT_CONFIG, "bug")}.get(
+        how, (EXIT_TRANSIENT, "failed"))
     assert codes == [want, want], [log.read_text()[-3000:] for log in logs]
     follower = logs[1].read_text()
-    assert f"engine follower: stop ({'stopped' if how == 'sigterm' else 'failed'})" in follower, follower[-3000:]
+    assert f"engine follower: stop ({reason})" in follower, follower[-3000:]
     assert took < 60, took  # no process waits out a shutdown barrier
 
 

@@ -78,21 +78,22 @@ def _exit_stopped(*_: Any) -> None:
     raise SystemExit(EXIT_STOPPED)
 
 
-def _stop_followers(err: BaseException) -> None:
-    """Process 0's start-up failed before its engine ran: tell the followers (waiting for its first op) to stop, as
-    stopped after a SIGTERM or failed, so every process exits at once with its code. Otherwise process 0 would sit in
-    jax.distributed's shutdown barrier at exit until it timed out (minutes), the followers would then die by a
-    signal, and the JobSet would see their signal instead of process 0's code (found by the as-deployed harness:
-    tests/deployed/test_service.py)."""
+def _stop_followers(code: int) -> None:
+    """Process 0's start-up failed before its engine ran, and it exits `code`: tell the followers (waiting for its
+    first op) to stop and exit with the same kind of code (143, 42, or a bug's), so every process exits at once and
+    the Job's failure says the same whichever pod the Job controller judges first (getFailJobMessage takes the first
+    matching pod in lister order). Otherwise process 0 would sit in jax.distributed's shutdown barrier at exit until
+    it timed out (minutes), the followers would then die by a signal, and the JobSet would see their signal instead of
+    process 0's code (found by the as-deployed harness: tests/deployed/test_service.py)."""
     import jax
 
     if jax.process_count() <= 1:
         return
     from trainer.service import device
 
-    stopped = isinstance(err, SystemExit) and err.code == EXIT_STOPPED
+    reason = {EXIT_STOPPED: device.STOPPED, EXIT_TRANSIENT: device.FAILED}.get(code, device.BUG)
     try:
-        device.Leader(None).stop(device.STOPPED if stopped else device.FAILED)  # no op was sent yet: n starts at 0
+        device.Leader(None).stop(reason)  # no op was sent yet: n starts at 0
     except Exception:  # noqa: BLE001 - the followers are gone or stuck: the JobSet restarts them with this pod
         log.exception("engine: could not stop the followers")
 
@@ -264,8 +265,13 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
     from trainer.service.engine import run_follower
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if run_follower(cfg) == device.STOPPED:
+    reason = run_follower(cfg)
+    if reason == device.STOPPED:
         return EXIT_STOPPED
+    if reason == device.BUG:
+        print(f"error: engine process {jax.process_index()}: process 0 failed with a configuration error or a bug (its "
+              f"log says which); exiting {EXIT_CONFIG}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     print(f"error: engine process {jax.process_index()}: process 0 stopped after an error or is gone (its log says "
           f"why); exiting {EXIT_TRANSIENT} to be restarted", file=sys.stderr, flush=True)
     return EXIT_TRANSIENT
@@ -361,11 +367,13 @@ def _engine(args: argparse.Namespace) -> int:
     except BaseException as err:  # SystemExit(143) from a SIGTERM too: close the store on the way out
         if store is not None:
             store.close()
-        _stop_followers(err)
         if not isinstance(err, Exception):
+            _stop_followers(EXIT_STOPPED if isinstance(err, SystemExit) and err.code == EXIT_STOPPED else EXIT_CONFIG)
             raise
         if (rc := _restart_code(err)) is not None:
+            _stop_followers(rc)
             return rc
+        _stop_followers(EXIT_CONFIG)  # a bug, on every process: the JobSet fails whichever pod it judges first
         if isinstance(err, (ValueError, ConfigError, StoreError)):  # e.g. half-set Cloud SQL variables
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
             return EXIT_CONFIG

@@ -34,6 +34,7 @@ STOP: Final = "stop"
 # exit 143) or after an error (exit 42); never 0, which would complete the engine's JobSet.
 STOPPED: Final = "stopped"
 FAILED: Final = "failed"
+BUG: Final = "bug"  # process 0's start-up failed on a configuration error or a bug: the followers exit 2 too
 STOP_TIMEOUT_MS: Final = 60_000
 
 
@@ -174,7 +175,8 @@ def _ops(poll_ms: int = 60_000) -> Iterator[tuple[str, tuple[Any, ...]]]:
 
 
 def follow(state: DeviceState) -> str:
-    """A follower process: run process 0's ops until it says stop; returns why it stopped (STOPPED or FAILED)."""
+    """A follower process: run process 0's ops until it says stop; returns why it stopped (STOPPED, FAILED or
+    BUG)."""
     for op, args in _ops():
         if op == STOP:
             reason = str(args[0]) if args else FAILED

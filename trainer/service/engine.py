@@ -180,8 +180,9 @@ def recover(store: Store, *, db_retry_s: float = 0.0) -> None:
 
 def run_follower(cfg: TrainConfig) -> str:
     """A process other than 0 of a multi-host engine: build the same state, then run process 0's ops. Returns why
-    they ended: device.STOPPED (process 0 was asked to stop) or device.FAILED (process 0 stopped after an error, its
-    op stream broke, or an op failed here). Errors while building the state propagate."""
+    they ended: device.STOPPED (process 0 was asked to stop), device.FAILED (process 0 stopped after an error, its
+    op stream broke, or an op failed here) or device.BUG (process 0's start-up failed on a configuration error).
+    Errors while building the state propagate."""
     _, state, _ = prepare(cfg)
     try:
         return device.follow(state)
