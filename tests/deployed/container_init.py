@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 
 
 def _mount(*args: str) -> None:
@@ -31,7 +30,8 @@ def _expose(path: str) -> None:
         ancestor = "/".join(parts[:i])
         if os.stat(ancestor).st_mode & 0o001:
             continue
-        stage = tempfile.mkdtemp(prefix="gtr-expose-", dir="/var/tmp")
+        stage = "/var/tmp/gtr-expose"  # one empty folder on the host; each namespace mounts over it on its own
+        os.makedirs(stage, exist_ok=True)
         _mount("--bind", path, stage)
         _mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", ancestor)
         os.makedirs(path, exist_ok=True)

@@ -70,6 +70,7 @@ class Network:
         addr = f"{POD_NET}.{i // 250 + 1}.{i % 250 + 2}"
         ns, veth = f"gtr-{name}", f"gtrv{i}"
         _ip("netns", "del", ns, check=False)
+        _ip("link", "del", veth, check=False)  # a namespace still held by a dying process keeps its pair alive
         _ip("netns", "add", ns)
         self.namespaces.append(ns)
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -86,6 +87,11 @@ class Network:
             if ns.startswith("gtr-"):
                 _ip("netns", "del", ns, check=False)
                 shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        # Deleting the root end of each veth destroys the pair now, whatever still holds the pod's namespace.
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+            link = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+            if link.startswith("gtrv"):
+                _ip("link", "del", link, check=False)
         _ip("link", "del", BRIDGE, check=False)
         self.namespaces.clear()
 

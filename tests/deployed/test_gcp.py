@@ -217,14 +217,19 @@ def test_the_api_pod_creates_the_schema_as_its_gsa_through_the_metadata_server(
     mine = [c for c in boundary.metadata_calls if c.source_ip == ip]
     assert {c.status for c in mine} == {200}
     assert [c.query.get("scopes") for c in mine if c.path.endswith("/token")] == [ADMIN_SCOPE, LOGIN_SCOPE]
-    assert [(t.account, t.scope, t.via, t.caller) for t in fake.tokens.values() if t.via == "metadata"] == [
+    assert sorted((t.account, t.scope, t.via, t.caller) for t in fake.tokens.values() if t.via == "metadata") == [
         (gsa, ADMIN_SCOPE, "metadata", principal), (gsa, LOGIN_SCOPE, "metadata", principal)]
-    # The Google APIs over HTTPS: only the SQL Admin API (no STS, no key file), with those tokens.
+    # The Google APIs over HTTPS: only the SQL Admin API (no STS, no key file), with those tokens. The connector makes
+    # the two calls concurrently, so in either order.
     calls = fake.calls[seen:]
-    assert [(c.path.rsplit("/", 1)[-1], c.status) for c in calls] == [
-        ("connectSettings", 200), ("inst:generateEphemeralCert".replace("inst", fake.instance), 200)]
-    admin, login = (t for t in fake.tokens.values() if t.account == gsa)
-    assert calls[0].authorization == f"Bearer {admin.token}" and calls[1].body["access_token"] == login.token
+    cert_call = f"{fake.instance}:generateEphemeralCert"
+    assert sorted((c.path.rsplit("/", 1)[-1], c.status) for c in calls) == sorted(
+        [("connectSettings", 200), (cert_call, 200)])
+    [admin] = [t for t in fake.tokens.values() if t.account == gsa and t.scope == ADMIN_SCOPE]
+    [login] = [t for t in fake.tokens.values() if t.account == gsa and t.scope == LOGIN_SCOPE]
+    [settings] = [c for c in calls if c.path.endswith("/connectSettings")]
+    [cert] = [c for c in calls if c.path.endswith(cert_call)]
+    assert settings.authorization == f"Bearer {admin.token}" and cert.body["access_token"] == login.token
     # The instance at HOST_IP (connectSettings' PRIVATE address), logged in as the API's IAM user.
     assert fake.tunnels and {t.local_ip for t in fake.tunnels} == {boundary.host_ip}
     assert {t.startup_params()["user"] for t in fake.tunnels} == {_env(rendered.api_pod, "api")[

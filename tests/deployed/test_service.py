@@ -17,6 +17,7 @@ What a user relies on, in order:
 
 from __future__ import annotations
 
+import shutil
 import signal
 import urllib.request
 from collections.abc import Iterator
@@ -95,8 +96,11 @@ def deployed(harness_lock: None, rendered: Rendered, pg_server_url: str,  # noqa
             cluster = Cluster(rendered.objects, work / "cluster", boundary=boundary, cpu_devices=1,
                               depends_on=rendered.depends_on, mounts={HUB_MOUNT: str(hub_mirror(work))},
                               network=network)
-            with cluster:
-                yield Deployed(cluster, boundary, rendered)
+            try:
+                with cluster:
+                    yield Deployed(cluster, boundary, rendered)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
 
 
 def provision_database_cm(pg: str, rendered: Rendered):  # type: ignore[no-untyped-def]

@@ -169,6 +169,8 @@ def _masked_jobset(obj: dict[str, Any]) -> dict[str, Any]:
     out["spec"]["failurePolicy"]["maxRestarts"] = 0
     out["spec"]["failurePolicy"]["rules"] = "RULES"  # the engine's restart without limit; the trainer's do not
     job = out["spec"]["replicatedJobs"][0]["template"]["spec"]
+    # The engine's own counted restart code is a FailJob rule of its own before the bug rule (checked below).
+    job["podFailurePolicy"]["rules"] = job["podFailurePolicy"]["rules"][-1:]
     job["podFailurePolicy"]["rules"][0]["onExitCodes"]["containerName"] = "CONTAINER"
     job["template"]["spec"] = _masked_pod(job["template"]["spec"])
     return out
