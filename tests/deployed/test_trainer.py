@@ -76,5 +76,7 @@ def test_the_trainer_as_deployed(harness_lock: None, work: Path, tmp_path: Path)
         failed = c.jobs[js.message.rsplit("first failed job: ", 1)[-1].rstrip(")")]
         assert failed.reason == "PodFailurePolicy" and "failed with exit code 2 matching FailJob rule" in failed.message
         assert js.restarts == 3 and js.restarts_toward_max == 3, js.history
-        assert not any(cont.running() for j in js.jobs for p in j.pods for cont in p.containers)
+        # Every pod is being deleted (SIGTERM, SIGKILL after the grace period): none is left to run on.
+        assert all(p.deleting is not None or not any(cont.running() for cont in p.containers)
+                   for j in js.jobs for p in j.pods)
 
