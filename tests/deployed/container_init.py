@@ -22,21 +22,30 @@ def _mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True)
 
 
-def _expose(path: str) -> None:
-    """Make `path` (the interpreter's install) reachable for the pod's user where an ancestor is closed to others
-    (pyenv under /root, 0700): in this namespace only, a tmpfs over that ancestor holding `path` alone."""
-    parts = os.path.realpath(path).split("/")
-    for i in range(2, len(parts)):
-        ancestor = "/".join(parts[:i])
-        if os.stat(ancestor).st_mode & 0o001:
-            continue
-        stage = "/var/tmp/gtr-expose"  # one empty folder on the host; each namespace mounts over it on its own
-        os.makedirs(stage, exist_ok=True)
-        _mount("--bind", path, stage)
+def _expose(paths: list[str]) -> None:
+    """Make each of `paths` (the interpreter's install, the virtual environment, this checkout: what the image holds
+    for the pod's user) reachable where an ancestor is closed to others (pyenv under /root, a clone in a 0700
+    folder): in this namespace only, a tmpfs over that ancestor holding those paths alone."""
+    by_ancestor: dict[str, list[str]] = {}
+    for path in sorted({os.path.realpath(p) for p in paths}, key=len):
+        parts = path.split("/")
+        for i in range(2, len(parts) + 1):
+            ancestor = "/".join(parts[:i])
+            if not os.stat(ancestor).st_mode & 0o001:
+                if ancestor != path:
+                    by_ancestor.setdefault(ancestor, []).append(path)
+                break
+    for n, (ancestor, inside) in enumerate(sorted(by_ancestor.items())):
+        staged = []
+        for k, path in enumerate(inside):
+            stage = f"/var/tmp/gtr-expose/{n}-{k}"  # empty folders on the host; each namespace mounts over them
+            os.makedirs(stage, exist_ok=True)
+            _mount("--bind", path, stage)
+            staged.append((stage, path))
         _mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", ancestor)
-        os.makedirs(path, exist_ok=True)
-        _mount("--bind", stage, path)
-        return
+        for stage, path in staged:
+            os.makedirs(path, exist_ok=True)
+            _mount("--bind", stage, path)
 
 
 CLONE_NEWPID = 0x20000000
@@ -69,8 +78,7 @@ def main() -> None:
     _mount("--make-rprivate", "/")
     if spec.get("hostname"):
         socket.sethostname(spec["hostname"])
-    for path in spec.get("expose", []):
-        _expose(path)
+    _expose(spec.get("expose", []))
     for src, dst, read_only in spec["mounts"]:
         # The mount point is created on the host's file system (an empty folder: the mount itself stays here).
         os.makedirs(dst, exist_ok=True)

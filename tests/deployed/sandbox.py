@@ -119,7 +119,7 @@ class Container:
     def _init(self, namespace: str, spec: Path, argv: list[str]) -> list[str]:
         spec.write_text(json.dumps({"mounts": self.mounts, "read_only_root": self.read_only_root, "uid": self.uid,
                                     "gid": self.gid, "groups": self.groups, "workdir": self.workdir,
-                                    "argv": argv, "env": self.env, "expose": [sys.base_prefix],
+                                    "argv": argv, "env": self.env, "expose": [sys.base_prefix, sys.prefix, str(ROOT)],
                                     "hostname": self.hostname}))
         # Its own UTS namespace too: the pod's hostname, as the runtime sets it (gloo resolves gethostname()).
         return ["ip", "netns", "exec", namespace, "unshare", "--uts", sys.executable, "-m",
