@@ -49,7 +49,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -870,10 +870,6 @@ class Cluster:
             pod = self.pods[pod_name]
         return pod.containers[0].exec(pod.netns, self.work / "pods" / pod.name, argv, timeout)
 
-    def pods_of(self, owner_prefix: str) -> list[Pod]:
-        with self._lock:
-            return [p for p in self.pods.values() if p.name.startswith(owner_prefix)]
-
     def kill(self, pod_name: str, sig: int) -> None:
         """A preemption (SIGTERM: the node's shutdown with the grace period), a crash (SIGKILL)."""
         with self._lock:
@@ -884,15 +880,6 @@ class Cluster:
                 for c in pod.containers:
                     c.signal(sig)
             self._event(f"scenario: signal {sig} to {pod_name}")
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Cluster]:
-        self.start()
-        try:
-            yield self
-        finally:
-            self.stop()
-
 
 def _rule_applies(rule: dict[str, Any], job: Job) -> bool:
     return rule_applies(rule, job.reason, job.message, job.labels[REPLICATED_JOB])
