@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ HUB_MOUNT = "/hub-mirror"
 HUB_ENV = {"HF_HUB_CACHE": HUB_MOUNT, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
+@contextmanager
 def provision_database(pg_server: str, rendered: Rendered) -> Iterator[None]:
     """What the stack declares on Cloud SQL (infra/database.py, read from the plan): the database and each IAM
     database user with its database_roles (the owner role, here a plain role)."""

@@ -20,8 +20,10 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from infra.plan import kubernetes_objects, plan
+from tests.deployed import render as deployed_render
+from tests.deployed.conftest import provision_database
 from tests.deployed.gcp import GcpBoundary
+from tests.deployed.render import render
 from tests.service.cloudsql_fake import (
     ACCESS_TOKEN_TYPE,
     ADMIN_SCOPE,
@@ -46,6 +48,7 @@ class Rendered:
     """The tinker plan's objects the pods come from."""
 
     objects: list[dict[str, Any]]
+    plan: deployed_render.Rendered  # the plan itself (its database resources)
 
     def get(self, kind: str, name: str) -> dict[str, Any]:
         [obj] = [o for o in self.objects if o["kind"] == kind and o["metadata"]["name"] == name]
@@ -71,33 +74,21 @@ def _env(pod: dict[str, Any], container: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def rendered() -> Rendered:
-    return Rendered(kubernetes_objects(plan("tinker")))
+    full = render("tinker")
+    return Rendered(full.objects, full)
 
 
 @pytest.fixture(scope="module")
 def database(pg_server_url: str, rendered: Rendered) -> Iterator[Engine]:  # noqa: F811
-    """What infra/database.py makes on Cloud SQL: the database owned by cloudsqlsuperuser, the API's and the engine's
-    IAM users members of it. Yields a superuser engine on the database."""
-    api, engine = _env(rendered.api_pod, "api"), _env(rendered.engine_pod, "engine")
-    name, users = api["GKE_TPU_RL_CLOUDSQL_DATABASE"], [api["GKE_TPU_RL_CLOUDSQL_USER"],
-                                                        engine["GKE_TPU_RL_CLOUDSQL_USER"]]
-    server = normalize_url(pg_server_url)
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE ROLE "{CLOUDSQL_OWNER_ROLE}" NOLOGIN'))
-        for user in users:
-            conn.execute(text(f'CREATE ROLE "{user}" LOGIN IN ROLE "{CLOUDSQL_OWNER_ROLE}"'))
-        conn.execute(text(f'CREATE DATABASE "{name}" OWNER "{CLOUDSQL_OWNER_ROLE}"'))
-    db = create_engine(server.set(database=name), isolation_level="AUTOCOMMIT")
-    try:
-        yield db
-    finally:
-        db.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            for role in (*users, CLOUDSQL_OWNER_ROLE):
-                conn.execute(text(f'DROP ROLE IF EXISTS "{role}"'))
-        admin.dispose()
+    """What infra/database.py makes on Cloud SQL (tests/deployed/conftest.py provision_database, from the plan's
+    sql.User and sql.Database). Yields a superuser engine on the database."""
+    name = _env(rendered.api_pod, "api")["GKE_TPU_RL_CLOUDSQL_DATABASE"]
+    with provision_database(pg_server_url, rendered.plan):
+        db = create_engine(normalize_url(pg_server_url).set(database=name), isolation_level="AUTOCOMMIT")
+        try:
+            yield db
+        finally:
+            db.dispose()
 
 
 @dataclass

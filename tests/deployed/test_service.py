@@ -84,7 +84,7 @@ def deployed(harness_lock: None, rendered: Rendered, pg_server_url: str,  # noqa
     socket_dir = pg_server_url.split("host=")[-1].split("&")[0]
     issuer = engine_credentials(spec)["audience"].split(":", 2)[2]  # identitynamespace:<pool>:<issuer>
     network = S.Network()  # the boundary listens on the bridge's address
-    with provision_database_cm(pg_server_url, rendered):
+    with provision_database(pg_server_url, rendered):
         boundary = GcpBoundary(host_ip=S.HOST_IP, project=spec.project,
                                instance_connection_name=instance_name(rendered),
                                pg_unix_socket=f"{socket_dir}/.s.PGSQL.5432", workdir=work / "gcp",
@@ -101,12 +101,6 @@ def deployed(harness_lock: None, rendered: Rendered, pg_server_url: str,  # noqa
                     yield Deployed(cluster, boundary, rendered)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-
-
-def provision_database_cm(pg: str, rendered: Rendered):  # type: ignore[no-untyped-def]
-    import contextlib
-
-    return contextlib.contextmanager(provision_database)(pg, rendered)
 
 
 def _data() -> list[types.Datum]:
