@@ -11,7 +11,7 @@ CDKTF_VENV := $(VENV)/cdktf
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 
-.PHONY: install demo plan train-demo test lint golden bench bench-ray bench-tinker bench-tunix clean
+.PHONY: install demo plan train-demo test deployed lint golden bench bench-ray bench-tinker bench-tunix clean
 
 $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt tools/cdktf-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,11 @@ lint: install
 PYTEST_WORKERS ?= 2
 test: install lint
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS)
+
+# The as-deployed harness alone (docs/as-deployed.md): every environment's rendered workloads run on this machine.
+# Needs root (network namespaces); part of `make test`.
+deployed: install
+	$(BIN)/pytest -q tests/deployed
 
 # Rewrites tests/golden/ from the current program; review the diff like any other change.
 golden: install

@@ -16,6 +16,7 @@ import pytest
 PROCESSES = "processes"
 MULTI_PROCESS_FILES = frozenset({
     "tests/deployed/test_gcp.py",
+    "tests/deployed/test_ray.py",
     "tests/deployed/test_service.py",
     "tests/deployed/test_trainer.py",
     "tests/service/test_crash.py",

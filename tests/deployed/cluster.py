@@ -27,6 +27,10 @@ each exit code is judged by the rendered policies, as the upstream controllers j
   Job of targetReplicatedJobs Complete completes the JobSet.
 - Deployment: `replicas` pods that restart in place; Service: a TCP proxy on 127.0.0.1 per port to the Ready pods
   its selector matches.
+- RayJob (KubeRay 1.7, tests/deployed/kuberay.py): the head pod with the submitter sidecar and the worker pods KubeRay
+  makes, the head Services' DNS names to the head pod, KubeRay's token Secret; once the submitter has exited, the
+  Ray job's status from the dashboard (as the RayJob controller reads it) completes or fails the RayJob, and
+  shutdownAfterJobFinishes deletes its pods. Init containers run in order before a pod's containers.
 - pulumi up: objects created in the plan's order, each once the resources it dependsOn are ready (a Job: Complete,
   as pulumi-kubernetes' Job await; a Deployment: its replicas Ready).
 
@@ -54,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.deployed import kuberay as K
 from tests.deployed import sandbox as S
 
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
@@ -118,6 +123,7 @@ class Pod:
     next_probe: dict[str, float] = field(default_factory=dict)
     ran_since: float = 0.0
     removing: bool = False  # deleted (not a liveness kill): gone once its containers have exited
+    init: list[S.Container] = field(default_factory=list)  # init containers not yet succeeded, in order
 
     @property
     def restart_always(self) -> bool:
@@ -125,6 +131,10 @@ class Pod:
 
     def exit_codes(self) -> dict[str, int | None]:
         return {c.name: c.poll() for c in self.containers}
+
+    def processes(self) -> list[S.Container]:
+        """The containers that run or ran: the init container in progress, else the pod's containers."""
+        return self.init[:1] or self.containers
 
 
 @dataclass
@@ -195,6 +205,9 @@ class Cluster:
         self.jobs: dict[str, Job] = {}
         self.jobsets: dict[str, JobSet] = {}
         self.deployments: dict[str, dict[str, Any]] = {}
+        self.rayjobs: dict[str, K.RayJobRun] = {}
+        self.generated: list[dict[str, Any]] = []  # what controllers make (KubeRay's token Secret)
+        self.service_hosts: dict[str, str] = {}  # a Service's DNS name -> the pod behind it (headless, one pod)
         self.created: set[str] = set()
         self.events: list[str] = []
         self._lock = threading.RLock()
@@ -225,10 +238,10 @@ class Cluster:
             self._thread.join(10)
         with self._lock:
             for pod in self.pods.values():
-                for c in pod.containers:
+                for c in [*pod.init, *pod.containers]:
                     c.signal(signal.SIGKILL)
             for pod in self.pods.values():
-                for c in pod.containers:
+                for c in [*pod.init, *pod.containers]:
                     if c.proc is not None:
                         with contextlib.suppress(Exception):
                             c.proc.wait(10)
@@ -281,9 +294,11 @@ class Cluster:
                 self._scale_deployment(obj)
             elif kind == "Service":
                 self._serve(obj)
+            elif kind == "RayJob":
+                self._create_rayjob(obj)
 
     def secret_value(self, name: str, key: str) -> str:
-        for obj in self.objects:
+        for obj in [*self.objects, *self.generated]:
             if obj["kind"] == "Secret" and obj["metadata"]["name"] == name:
                 if (v := obj.get("stringData", {}).get(key)) is not None:
                     return self.secrets.get(f"{name}/{key}", v) if v == "[secret]" else v
@@ -334,6 +349,8 @@ class Cluster:
                 self._create_jobset(obj)
             elif obj["kind"] == "Deployment":
                 self._scale_deployment(obj)
+            elif obj["kind"] == "RayJob":
+                self._create_rayjob(obj)
         names = self._dns_names()
         out = {}
         for pod in self.pods.values():
@@ -341,7 +358,8 @@ class Cluster:
             folder.mkdir(parents=True, exist_ok=True)
             self.service_account(pod.spec.get("serviceAccountName", "default"), pod.namespace)
             volumes = self._volumes(pod, folder)
-            out[pod.name] = [self._container(pod, c, volumes, folder) for c in pod.spec["containers"]]
+            out[pod.name] = [self._container(pod, c, volumes, folder) for c in [*pod.spec.get("initContainers", []),
+                                                                                 *pod.spec["containers"]]]
             for c in out[pod.name]:
                 for var in HOST_VARS:
                     if var in c.env:
@@ -357,6 +375,11 @@ class Cluster:
             if pod.hostname and pod.subdomain:
                 for suffix in ("", f".{pod.namespace}", f".{pod.namespace}.svc", f".{pod.namespace}.svc.cluster.local"):
                     names[f"{pod.hostname}.{pod.subdomain}{suffix}"] = pod.ip
+        for service, pod_name in self.service_hosts.items():
+            if (pod := self.pods.get(pod_name)) is not None:
+                name, _, namespace = service.partition(".")
+                for suffix in ("", f".{namespace}", f".{namespace}.svc", f".{namespace}.svc.cluster.local"):
+                    names[f"{name}{suffix}"] = pod.ip
         return names
 
     def _start_pod(self, pod: Pod) -> None:
@@ -377,13 +400,43 @@ class Cluster:
         hosts[pod.hostname or pod.name] = pod.ip  # the kubelet's /etc/hosts line for the pod's own hostname
         S.write_hosts(pod.netns, hosts)
         volumes = self._volumes(pod, folder)
+        pod.init = [self._container(pod, c, volumes, folder) for c in pod.spec.get("initContainers", [])]
         pod.containers = [self._container(pod, c, volumes, folder) for c in pod.spec["containers"]]
-        for c in pod.containers:
+        for c in [*pod.init, *pod.containers]:
             c.hostname = pod.hostname or pod.name
-            c.start(pod.netns, folder)
+        self._event(f"start pod {pod.name} ({pod.ip})")
+        if pod.init:
+            pod.init[0].start(pod.netns, folder)  # Pending until every init container has succeeded, in order
+        else:
+            self._run_containers(pod)
+
+    def _run_containers(self, pod: Pod) -> None:
+        for c in pod.containers:
+            c.start(pod.netns, self.work / "pods" / pod.name)
         pod.phase, pod.started, pod.ran_since = "Running", time.monotonic(), time.monotonic()
         pod.ready = pod.started_probe_ok = False
-        self._event(f"start pod {pod.name} ({pod.ip})")
+
+    def _tick_init(self, pod: Pod) -> None:
+        """kubelet: the next init container once one exits 0; a failed one restarts (back-off) unless the pod's
+        restartPolicy is Never, which fails the pod."""
+        c = pod.init[0]
+        code = c.poll()
+        if code is None or pod.deleting is not None:
+            return
+        if code == 0:
+            pod.init.pop(0)
+            if pod.init:
+                pod.init[0].start(pod.netns, self.work / "pods" / pod.name)
+            else:
+                self._run_containers(pod)
+            return
+        if pod.spec.get("restartPolicy", "Always") == "Never":
+            pod.phase = "Failed"
+            pod.init.clear()
+            self._event(f"pod {pod.name}: init container {c.name} exited {code}: pod Failed")
+            return
+        c.restarts += 1
+        c.start(pod.netns, self.work / "pods" / pod.name)
 
     def _volumes(self, pod: Pod, folder: Path) -> dict[str, tuple[str, bool]]:
         """volume name -> (local folder, read-only)."""
@@ -470,9 +523,15 @@ class Cluster:
         if clash:
             raise HarnessError(f"pod {pod.name}: the boundary's env would override the rendered {clash}")
         venv_bin = str(Path(os.environ.get("VIRTUAL_ENV", "") or Path(os.sys.executable).parent.parent) / "bin")
-        env = {**S.IMAGE_ENV, "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin", **rendered, **self.boundary.env}
+        env = {**S.IMAGE_ENV, **S.NAME_MAPPING_ENV, "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin", **rendered,
+               **self.boundary.env}
         requests = c.get("resources", {}).get("limits", {})
-        if TPU_RESOURCE in requests:
+        if TPU_RESOURCE in requests and pod.labels.get(K.NODE_TYPE) == "worker":
+            # A Ray TPU worker: Ray Train's JAX backend runs jax.distributed.initialize itself, on the platform
+            # JAX_PLATFORMS names (ray/train/v2/jax/config.py); JAX's own variables put it on CPU devices.
+            env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(self.cpu_devices),
+                        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"})
+        elif TPU_RESOURCE in requests:
             env["TRAINER_CPU_DEVICES"] = str(self.cpu_devices)  # CPU devices in place of the pod's chips
         mounts: list[tuple[str, str, bool]] = []
         layer = folder / f"layer-{c['name']}"
@@ -682,6 +741,63 @@ class Cluster:
             for pod in j.pods:
                 self.delete_pod(pod)
 
+    # ------------------------------------------------------------------ RayJobs (KubeRay)
+
+    def _create_rayjob(self, obj: dict[str, Any]) -> None:
+        run = K.new_run(obj)
+        self.rayjobs[run.name] = run
+        self.generated.append(run.secret())
+        owner = f"RayJob/{run.name}"
+        name, template = K.head_pod(run)
+        # The RayCluster's head Service and the RayJob's (BuildHeadServiceForRayJob) both select the head pod.
+        for service in (f"{run.cluster}-head-svc", f"{run.name}-head-svc"):
+            self.service_hosts[f"{service}.{run.namespace}"] = name
+        pods = [(name, template), *K.worker_pods(run)]
+        for pod_name, t in pods:
+            meta = t.get("metadata", {})
+            self._pod(pod_name, run.namespace, t, owner, dict(meta.get("labels", {})),
+                      dict(meta.get("annotations", {})), t["spec"].get("hostname"), t["spec"].get("subdomain"))
+            run.pods.append(pod_name)
+
+    def ray_job_info(self, run: K.RayJobRun) -> dict[str, Any]:
+        """GET /api/jobs/<submission id> on the head's dashboard with the cluster's token, as KubeRay's dashboard
+        client asks it (utils/dashboardclient); {} while the dashboard does not answer."""
+        head = self.pods.get(run.pods[0])
+        if head is None:
+            return {}
+        request = urllib.request.Request(f"http://{head.ip}:{K.DASHBOARD_PORT}/api/jobs/{run.job_id}")
+        request.add_header("x-ray-authorization", f"Bearer {run.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as r:
+                return dict(json.loads(r.read()))
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+
+    def _tick_rayjob(self, run: K.RayJobRun) -> None:
+        """rayjob_controller.go in SidecarMode: Running once the head is ready; terminal once the submitter container
+        has exited, SUCCEEDED -> Complete, else Failed; shutdownAfterJobFinishes (TTL 0) deletes the cluster."""
+        if run.status in ("Complete", "Failed"):
+            return
+        head = self.pods.get(run.pods[0])
+        if head is None:
+            return
+        if run.status == "Initializing" and head.ready:
+            run.status = "Running"
+            self._event(f"rayjob {run.name} Running (cluster {run.cluster})")
+        submitter = next((c for c in head.containers if c.name == K.SUBMITTER), None)
+        if submitter is None or submitter.poll() is None:
+            return
+        info = self.ray_job_info(run)
+        run.job_status, run.message = str(info.get("status", "")), str(info.get("message", ""))
+        run.status = "Complete" if run.job_status == "SUCCEEDED" else "Failed"
+        if run.status == "Failed" and not run.message:
+            run.message = f"the submitter exited {submitter.poll()} and the dashboard reports no job status"
+        self._event(f"rayjob {run.name} {run.status}: {run.job_status} {run.message}")
+        if run.obj["spec"].get("shutdownAfterJobFinishes"):
+            for pod_name in run.pods:
+                if (pod := self.pods.get(pod_name)) is not None:
+                    self.delete_pod(pod)
+
     # ------------------------------------------------------------------ Deployments and probes
 
     def _scale_deployment(self, obj: dict[str, Any]) -> None:
@@ -737,14 +853,19 @@ class Cluster:
     def _tick_pod(self, pod: Pod) -> None:
         now = time.monotonic()
         if pod.deleting is not None and now >= pod.deleting:
-            for c in pod.containers:
+            for c in pod.processes():
                 if c.running():
                     if now - pod.deleting >= self._grace(pod):
                         c.signal(signal.SIGKILL)
                     elif not c.extra.get("sigterm"):
                         c.signal(signal.SIGTERM)
                         c.extra["sigterm"] = "1"
+        if pod.init:
+            self._tick_init(pod)
+            return
         if not pod.restart_always:
+            if pod.phase == "Running" and pod.deleting is None and any(c.running() for c in pod.containers):
+                self._tick_probes(pod)
             return
         if pod.deleting is not None and pod.removing:
             if not any(c.running() for c in pod.containers):
@@ -836,6 +957,8 @@ class Cluster:
                     for job in list(self.jobs.values()):
                         if job.name not in owned:
                             self._tick_job(job)
+                    for run in list(self.rayjobs.values()):
+                        self._tick_rayjob(run)
                     for pod in list(self.pods.values()):
                         self._tick_pod(pod)
                 except Exception as e:  # a harness bug: visible in the events, and the scenario's wait fails

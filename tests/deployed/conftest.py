@@ -29,8 +29,10 @@ TINY_REPO = "test-org/tiny-qwen"
 LOCK = Path("/var/tmp/gke-tpu-rl-harness.lock")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def harness_lock() -> Iterator[None]:
+    """Held for one scenario's module (its bridge and addresses are fixed), not a worker's whole session: another
+    pytest on this machine then waits for one scenario, not for every later test of that worker."""
     if (why := S.can_run()) is not None:
         # Our CI runs as root (the harness runs there); a hosted runner without root says so in the skip reason.
         pytest.skip(f"NOT RUN: {why}")

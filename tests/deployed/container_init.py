@@ -60,6 +60,9 @@ def _pid_one() -> None:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID)")
     child = os.fork()
     if child == 0:
+        # The namespace's own /proc, as a runtime mounts it: with the host's, /proc/<getpid()> is another process or
+        # none (psutil.Process(os.getpid()) raises NoSuchProcess: Ray's dashboard modules die of it).
+        _mount("-t", "proc", "-o", "nosuid,nodev,noexec", "proc", "/proc")
         return
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda n, _f: os.kill(child, n))

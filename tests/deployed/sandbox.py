@@ -163,6 +163,12 @@ class Container:
         return self.proc is not None and self.proc.poll() is None
 
 
+# The name mapping (write_hosts) is /etc/hosts, which the system resolver reads. gRPC's default c-ares resolver goes
+# to the DNS server first and waits out the host's unreachable one; the cluster's DNS would answer it at once. gRPC's
+# own switch to the system resolver (GRPC_DNS_RESOLVER) makes Ray's GCS client read the same mapping.
+NAME_MAPPING_ENV = {"GRPC_DNS_RESOLVER": "native"}
+
+
 def write_hosts(namespace: str, hosts: dict[str, str]) -> None:
     """/etc/netns/<ns>/hosts, which `ip netns exec` binds over /etc/hosts."""
     folder = Path("/etc/netns") / namespace

@@ -1,10 +1,8 @@
-"""Every container of every Job, JobSet and Deployment of every shipped environment (and a user's copy of one),
-resolved as the
-cluster would start it from the plan's objects: each env var (downward API fields as JobSet and the Job controller
-set them, secret refs from the rendered Secrets), each volume and mount, each host name a pod's env names. The
-scenarios (test_service.py) then run some of them; this covers the rest, prod's 80 TPU pods among them, without
-starting them. Not covered: the Ray path's RayJob (dev), whose head and worker commands KubeRay builds from
-rayStartParams (tests/workloads/test_ray_upstream.py runs a real head from them)."""
+"""Every container of every Job, JobSet, Deployment and RayJob of every shipped environment (and a user's copy of
+one), resolved as the cluster would start it from the plan's objects: each env var (downward API fields as JobSet, the
+Job controller and KubeRay set them, secret refs from the rendered Secrets and KubeRay's), each volume and mount, each
+host name a pod's env names. The scenarios (test_service.py, test_trainer.py, test_ray.py) then run some of them; this
+covers the rest, prod's 80 TPU pods among them, without starting them."""
 
 from __future__ import annotations
 
@@ -30,6 +28,10 @@ def test_every_container_resolves(env: str, tmp_path: Path) -> None:
     assert pods, f"{env}: no pod"
     for name, containers in pods.items():
         for c in containers:
+            if c.name.startswith("ray-") or c.name == "wait-gcs-ready":  # KubeRay's commands (kuberay.py)
+                assert c.argv[:2] == ["/bin/bash", "-c"] or c.argv[:2] == ["/bin/bash", "-ce"], (name, c.argv)
+                assert "ray start" in c.argv[-1] or "ray job submit" in c.argv[-1] or "health-check" in c.argv[-1]
+                continue
             assert c.argv[:2] == ["python", "-m"], (name, c.argv)
             if "COORDINATOR_ADDRESS" in c.env:
                 assert c.env["COORDINATOR_ADDRESS"].endswith(f":{COORDINATOR_PORT}")
