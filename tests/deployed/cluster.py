@@ -417,8 +417,9 @@ class Cluster:
         pod.ready = pod.started_probe_ok = False
 
     def _tick_init(self, pod: Pod) -> None:
-        """kubelet: the next init container once one exits 0; a failed one restarts (back-off) unless the pod's
-        restartPolicy is Never, which fails the pod."""
+        """kubelet (pkg/kubelet/kuberuntime/kuberuntime_container.go computeInitContainerActions): the next init
+        container once one exits 0; a failed one restarts after the back-off unless the pod's restartPolicy is Never,
+        which fails the pod."""
         c = pod.init[0]
         code = c.poll()
         if code is None or pod.deleting is not None:
@@ -435,8 +436,13 @@ class Cluster:
             pod.init.clear()
             self._event(f"pod {pod.name}: init container {c.name} exited {code}: pod Failed")
             return
-        c.restarts += 1
-        c.start(pod.netns, self.work / "pods" / pod.name)
+        if pod.restart_at is None:  # CrashLoopBackOff, as for any container
+            base, cap = CRASH_BACKOFF_S
+            pod.restart_at = time.monotonic() + min(base * 2 ** c.restarts, cap) * self.time_scale
+        elif time.monotonic() >= pod.restart_at:
+            pod.restart_at = None
+            c.restarts += 1
+            c.start(pod.netns, self.work / "pods" / pod.name)
 
     def _volumes(self, pod: Pod, folder: Path) -> dict[str, tuple[str, bool]]:
         """volume name -> (local folder, read-only)."""
@@ -774,24 +780,42 @@ class Cluster:
             return {}
 
     def _tick_rayjob(self, run: K.RayJobRun) -> None:
-        """rayjob_controller.go in SidecarMode: Running once the head is ready; terminal once the submitter container
-        has exited, SUCCEEDED -> Complete, else Failed; shutdownAfterJobFinishes (TTL 0) deletes the cluster."""
+        """rayjob_controller.go in SidecarMode: Running once every pod of the cluster is ready; a submitter that exits
+        non-zero fails the RayJob (checkSidecarContainerStatus); once it exited 0, the Ray job's terminal status
+        decides (FAILED: Failed; SUCCEEDED or STOPPED: Complete), asked of the dashboard until it answers
+        (recordJobStatusCheckFailure gives up after DEFAULT_RAYJOB_STATUS_CHECK_TIMEOUT_SECONDS, 300 s).
+        shutdownAfterJobFinishes with ttlSecondsAfterFinished 0 then deletes the cluster's pods."""
         if run.status in ("Complete", "Failed"):
             return
-        head = self.pods.get(run.pods[0])
+        pods = [self.pods.get(name) for name in run.pods]
+        head = pods[0]
         if head is None:
             return
-        if run.status == "Initializing" and head.ready:
+        if run.status == "Initializing" and all(p is not None and p.ready for p in pods):
             run.status = "Running"
             self._event(f"rayjob {run.name} Running (cluster {run.cluster})")
         submitter = next((c for c in head.containers if c.name == K.SUBMITTER), None)
-        if submitter is None or submitter.poll() is None:
+        code = None if submitter is None else submitter.poll()
+        if code is None:
             return
-        info = self.ray_job_info(run)
-        run.job_status, run.message = str(info.get("status", "")), str(info.get("message", ""))
-        run.status = "Complete" if run.job_status == "SUCCEEDED" else "Failed"
-        if run.status == "Failed" and not run.message:
-            run.message = f"the submitter exited {submitter.poll()} and the dashboard reports no job status"
+        now = time.monotonic()
+        if code != 0:
+            run.status, run.message = "Failed", f"the submitter container exited with code {code}"
+        else:
+            run.submitter_done = run.submitter_done or now
+            if now < run.next_check:
+                return
+            run.next_check = now + 3.0  # the controller's requeue, not every tick of this loop
+            info = self.ray_job_info(run)
+            run.job_status, run.message = str(info.get("status", "")), str(info.get("message", ""))
+            if run.job_status in ("SUCCEEDED", "STOPPED"):
+                run.status = "Complete"
+            elif run.job_status == "FAILED":
+                run.status = "Failed"
+            elif now - run.submitter_done > 300:
+                run.status, run.message = "Failed", "the dashboard gave no terminal job status for 300 s"
+            else:
+                return
         self._event(f"rayjob {run.name} {run.status}: {run.job_status} {run.message}")
         if run.obj["spec"].get("shutdownAfterJobFinishes"):
             for pod_name in run.pods:

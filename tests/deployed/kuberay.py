@@ -24,7 +24,8 @@ TPU device plugin's TPU_ACCELERATOR_TYPE and TPU_TOPOLOGY, which Ray reads to ad
 (ray/_private/accelerators/tpu.py: TPU-<pod type>-head, the ray.io/tpu-* labels Ray Train reserves slices by).
 
 Not emulated: the autoscaler container (it watches and patches the RayCluster through the API server), so the
-worker groups start at `replicas`; the RayJob's backoffLimit retries; TPU_DEVICE_PLUGIN_ADDR (status.hostIP).
+worker groups start at `replicas` and nothing scales them; the RayJob's backoffLimit retries; KubeRay replacing a
+failed worker pod; TPU_DEVICE_PLUGIN_ADDR (status.hostIP).
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ class RayJobRun:
     job_id: str
     token: str
     status: str = "Initializing"  # Initializing, Running, Complete, Failed
+    submitter_done: float | None = None  # when the submitter container exited 0 (then the job's status decides)
+    next_check: float = 0.0  # the next time the controller asks the dashboard
     job_status: str = ""  # the Ray job's, as the dashboard reports it
     message: str = ""
     pods: list[str] = field(default_factory=list)
@@ -201,10 +204,6 @@ class RayJobRun:
     @property
     def fqdn(self) -> str:
         return f"{self.cluster}-head-svc.{self.namespace}.svc.cluster.local"
-
-    @property
-    def dashboard_url(self) -> str:
-        return f"{self.name}-head-svc.{self.namespace}.svc.cluster.local:{DASHBOARD_PORT}"
 
     def secret(self) -> dict[str, Any]:
         """The token Secret KubeRay makes for the cluster."""
@@ -251,10 +250,18 @@ def head_pod(run: RayJobRun) -> tuple[str, dict[str, Any]]:
     template = copy.deepcopy(group["template"])
     pod = template["spec"]
     ray = pod["containers"][0]
+    params = dict(group.get("rayStartParams", {}))
     if cluster.get("enableInTreeAutoscaling"):
-        _empty_dir(pod, ray, "ray-logs", "/tmp/ray")  # shared with the autoscaler (not run here)
+        # DefaultHeadPodTemplate: the autoscaler container (not run here) replaces Ray's monitor; the driver and Ray
+        # inherit which autoscaler serves their resource requests.
+        params["no-monitor"] = "true"
+        v2 = cluster.get("autoscalerOptions", {}).get("version") == "v2"
+        _add_env(ray, [{"name": "RAY_enable_autoscaler_v2", "value": "true" if v2 else "false"}])
+        _empty_dir(pod, ray, "ray-logs", "/tmp/ray")  # shared with the autoscaler
+    if not any(p.get("name") == "metrics" for p in ray.get("ports", [])):
+        ray.setdefault("ports", []).append({"name": "metrics", "containerPort": METRICS_PORT})
     _empty_dir(pod, ray, "shared-mem", "/dev/shm")
-    start = ray_start(True, group.get("rayStartParams", {}), ray.get("resources", {}), run.fqdn)
+    start = ray_start(True, params, ray.get("resources", {}), run.fqdn)
     user = " ".join([*ray.get("command", []), *ray.get("args", [])])
     if "ray start" not in user:
         ray["command"] = bash()
@@ -266,8 +273,9 @@ def head_pod(run: RayJobRun) -> tuple[str, dict[str, Any]]:
         _add_env(ray, token_env(run.cluster))
     if spec.get("submissionMode") == "SidecarMode":
         submitter = {"name": SUBMITTER, "image": ray["image"], "command": bash("e"), "args": [submit_command(run)],
+                     # status.dashboardURL is still empty when the RayCluster (and so this container) is built.
                      "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
-                             {"name": "RAY_DASHBOARD_ADDRESS", "value": run.dashboard_url},
+                             {"name": "RAY_DASHBOARD_ADDRESS", "value": ""},
                              {"name": "RAY_JOB_SUBMISSION_ID", "value": run.job_id}],
                      "resources": {"limits": {"cpu": "1", "memory": "1Gi"},
                                    "requests": {"cpu": "500m", "memory": "200Mi"}}}
