@@ -12,8 +12,10 @@ import pytest
 from sqlalchemy import text
 
 from trainer.service.store import (
+    CRASHED_ENGINE,
     DONE,
     FAILED,
+    MAX_RUNS,
     QUEUED,
     RUNNING,
     SCHEMA_VERSION,
@@ -250,6 +252,41 @@ def test_recover_requeues_pure_reads_and_fails_the_rest(store: Store, owners: tu
             store.complete(r.request_id, b"ok", worker_id=worker)
     assert got == [fwd.request_id, opt.request_id, sample.request_id]  # ordering resumes after the failure
     assert store.get_request(alice, sample.request_id).attempts == 2
+
+
+def test_a_pure_read_that_stopped_the_engine_three_times_fails_instead_of_running_again(
+        store: Store, owners: tuple[str, str]) -> None:
+    """Issue 40: a sample or forward that kills the engine (memory, a crash in device code) was queued again at every
+    start, so the engine never served anyone again. After MAX_RUNS claims it fails; the model's order moves on."""
+    alice, _ = owners
+    model = _model(store, alice, first_seq_id=1)
+    fwd = store.submit(alice, "forward", b"poison", model_id=model.id, seq_id=1)
+    after = store.submit(alice, "forward", b"fine", model_id=model.id, seq_id=2)
+    for run in range(1, MAX_RUNS + 1):
+        [claimed] = store.claim(store.register_worker(f"engine-{run}"))  # the engine dies running it
+        assert claimed.request_id == fwd.request_id and claimed.attempts == run
+        report = Store(store.url.render_as_string(hide_password=False)).recover()
+        assert report.requeued == ([fwd.request_id] if run < MAX_RUNS else []), run
+    row = store.get_request(alice, fwd.request_id)
+    assert row.status == FAILED and row.error_category == "server"
+    assert row.error_message == CRASHED_ENGINE.format(n=MAX_RUNS)
+    [next_one] = store.claim(store.register_worker("engine-4"))
+    assert next_one.request_id == after.request_id
+
+
+def test_a_refused_number_fails_in_its_place_and_the_order_goes_on(store: Store, owners: tuple[str, str]) -> None:
+    """Issue 40: the API's 4xx at submit writes the refused number as a failed request (Store.refuse), so the
+    client's next number runs; never over a number that holds a request, never on another owner's model."""
+    alice, bob = owners
+    model = _model(store, alice, first_seq_id=1)
+    assert store.refuse(alice, "save_weights", model.id, 1, "checkpoint name 'a b': use letters, ...")
+    after = store.submit(alice, "forward", b"next", model_id=model.id, seq_id=2)
+    [claimed] = store.claim(store.register_worker())
+    assert claimed.request_id == after.request_id
+    assert not store.refuse(alice, "optim_step", model.id, 2, "taken")  # the request there answers for it
+    assert not store.refuse(bob, "optim_step", model.id, 3, "not bob's")
+    with pytest.raises(Conflict):  # a different body at a refused number
+        store.submit(alice, "save_weights", b"{}", model_id=model.id, seq_id=1)
 
 
 def test_recover_with_heartbeats_leaves_live_workers_alone(store: Store, owners: tuple[str, str]) -> None:

@@ -5,6 +5,7 @@ tests/service_engine/test_seed_script.py runs the issue's script on a tiny Qwen3
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -244,6 +245,77 @@ def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:
     with pytest.raises(tinker.RequestFailedError, match="loss_fn"):
         tc.forward_backward(_data(6), "stable_reinforce").result()
     assert tc.forward_backward(_data(6), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_malformed_tensor_fails_its_request_alone_and_its_batch_mates_train(live: LiveService) -> None:
+    """Issue 40: a sparse weights tensor with a column index out of range (IndexError) or a [2^20, 2^20] shape (a 4
+    TiB allocation) escaped the per-request validation, and every request claimed in the same batch, another user's
+    included, stayed `running` forever. Now the bad requests fail as user errors naming the field; user A's request,
+    claimed in the same batch, trains; user B's next request runs (its order moved on)."""
+    import httpx
+    from tinker.proto import tinker_public_pb2 as pb
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from trainer.service.protocol import PROTOBUF
+
+    sc_a, sc_b = live.client("a"), live.client("b")
+    tc_a = sc_a.create_lora_training_client(base_model=BASE, rank=2).result()
+    tc_b = sc_b.create_lora_training_client(base_model=BASE, rank=2).result()
+    key_b = next(k for c, k in live._clients if c is sc_b)
+
+    seq_b = iter(range(1, 100))  # B's model's order, as the SDK numbers it (this test sends B's requests itself)
+
+    def post(shape: list[int] | None = None, crow: list[int] | None = None, cols: list[int] | None = None) -> str:
+        msg = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=_data(9, (4,)), loss_fn="cross_entropy"),
+            model_id=tc_b.model_id, seq_id=next(seq_b)))
+        if shape is not None and crow is not None and cols is not None:
+            weights = pb.Tensor(dtype=pb.DTYPE_FLOAT32)
+            weights.shape.extend(shape)
+            weights.sparse_csr.values = np.ones(len(cols), np.float32).tobytes()
+            weights.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
+            weights.sparse_csr.col_indices = np.asarray(cols, np.int64).tobytes()
+            msg.data[0].loss_fn_inputs["weights"].CopyFrom(weights)
+        r = httpx.post(f"{live.url}/api/v1/forward_backward", content=msg.SerializeToString(),
+                       headers={"X-API-Key": key_b, "content-type": PROTOBUF}, timeout=30)
+        assert r.status_code == 200, r.text
+        return str(r.json()["request_id"])
+
+    expected = tc_a.forward_backward(_data(8), "cross_entropy").result().metrics["loss:sum"]
+    live.stop_engine()
+    try:
+        bad_ids = [post([1, 4], [0, 1], [7]), post([2**20, 2**20], [0] * (2**20 + 1), [])]
+        fut_a = tc_a.forward_backward(_data(8), "cross_entropy")
+        owner_b, owner_a = _owner(live, tc_b), _owner(live, tc_a)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and live.store.pending_count() < 3:
+            time.sleep(0.1)
+        assert live.store.pending_count() == 3  # all three wait for one claim
+    finally:
+        live.restart_engine()  # a stopped Engine does not start again (its writer is shut down): a new one
+    # No optim_step between the two: the same loss.
+    assert fut_a.result(timeout=120).metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    for rid, says in zip(bad_ids, (r"col_indices must be in \[0, 4\)", "has 1099511627776 elements"), strict=True):
+        row = live.store.wait(owner_b, rid, 30)
+        assert row.status == "failed" and row.error_category == "user", (row.status, row.error_message)
+        assert row.error_message is not None
+        assert re.search(rf"datum 0: loss_fn_inputs\['weights'\]: .*{says}", row.error_message), row.error_message
+    assert owner_a != owner_b
+    assert live.store.wait(owner_b, post(), 60).status == "done"  # B's order moved past the failed ones
+
+
+def test_a_request_refused_at_submit_does_not_stop_its_training_client(live: LiveService) -> None:
+    """Issue 40: the SDK numbers a request before sending it; a request the API refused (a checkpoint name with a
+    space, AdamParams with a NaN) left its number out of the database, and every later request of that training
+    client waited behind the gap for good. Now the refusal fails its own future and the client goes on."""
+    tc = live.client().create_lora_training_client(base_model=BASE, rank=2).result()
+    with pytest.raises(tinker.BadRequestError, match="checkpoint name 'my checkpoint'"):
+        tc.save_state("my checkpoint").result(timeout=30)
+    assert tc.forward_backward(_data(11), "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+    with pytest.raises(tinker.APIStatusError):
+        tc.optim_step(types.AdamParams(learning_rate=float("nan"))).result(timeout=30)
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+    assert tc.save_state("my-checkpoint").result(timeout=60).path.endswith("/my-checkpoint")
 
 
 def _train_twice(tc: Any, first: list[types.Datum], second: list[types.Datum]) -> None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
@@ -27,6 +28,8 @@ import pydantic
 import zstandard
 from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi import Request as HttpRequest
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from google.protobuf.message import DecodeError
 from sqlalchemy import select
@@ -268,6 +271,15 @@ def _decode_forward_backward(raw: bytes, encoding: str | None, limit: int) -> tu
     return msg, protocol.canonical_forward_backward(msg)
 
 
+# The routes of requests that run in their model's seq_id order, and their kinds (for `refusing` and the 422 handler).
+ORDERED_ROUTES: Final = {
+    "/api/v1/optim_step": protocol.OPTIM_STEP,
+    "/api/v1/save_weights": protocol.SAVE_WEIGHTS,
+    "/api/v1/save_weights_for_sampler": protocol.SAVE_WEIGHTS_FOR_SAMPLER,
+    "/api/v1/load_weights": protocol.LOAD_WEIGHTS,
+}
+
+
 def _owner(request: HttpRequest) -> str:
     return auth.authenticate(request.app.state.store, request.headers.get("X-API-Key"))
 
@@ -307,6 +319,37 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
     async def _store_error(_: HttpRequest, e: StoreError) -> JSONResponse:
         log.error("store error: %s", e)
         return JSONResponse({"detail": f"store error: {e}"}, status_code=500)
+
+    @contextmanager
+    def refusing(owner: str, kind: str, model_id: str | None, seq_id: int | None) -> Iterator[None]:
+        """An ordered request refused here (a 4xx) still takes its number in its model's order, failed with the
+        refusal's message (Store.refuse): the SDK has numbered it already, and would hold every later request of the
+        training client behind the gap."""
+        try:
+            yield
+        except HTTPException as e:
+            if 400 <= e.status_code < 500:
+                store.refuse(owner, kind, model_id, seq_id, str(e.detail))
+            raise
+        except NotFound as e:  # e.g. the checkpoint a load names (the model's own absence refuses nothing)
+            store.refuse(owner, kind, model_id, seq_id, str(e))
+            raise
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HttpRequest, e: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422 answer, after the same bookkeeping as `refusing` for a body that names its model and seq.
+        kind = ORDERED_ROUTES.get(request.url.path)
+        body = e.body if isinstance(e.body, dict) else {}
+        model_id, seq_id = body.get("model_id"), body.get("seq_id")
+        if kind is not None and isinstance(model_id, str) and isinstance(seq_id, int):
+            try:
+                owner = auth.authenticate(store, request.headers.get("X-API-Key"))
+            except auth.AuthError:
+                owner = None
+            if owner is not None:
+                message = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+                await run_in_threadpool(store.refuse, owner, kind, model_id, seq_id, message)
+        return JSONResponse({"detail": jsonable_encoder(e.errors())}, status_code=422)
 
     def live_session(owner: str, session_id: str) -> None:
         # "Further operations against it will be rejected" (ServiceClient.close docstring): no new models/samplers.
@@ -461,46 +504,54 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
             _decode_forward_backward, raw, request.headers.get("content-encoding"), config.max_body_bytes
         )
         kind = protocol.FORWARD if msg.forward_only else protocol.FORWARD_BACKWARD
-        seq_id = _seq_id(msg.seq_id)
+        with refusing(owner, kind, msg.model_id, msg.seq_id):
+            seq_id = _seq_id(msg.seq_id)
         row = await run_in_threadpool(store.submit, owner, kind, body, model_id=msg.model_id, seq_id=seq_id)
         return _promise(row)
 
     @app.post("/api/v1/optim_step")
     def optim_step(req: types.OptimStepRequest, owner: Owner) -> dict[str, Any]:
-        seq_id = _seq_id(req.seq_id)
+        with refusing(owner, protocol.OPTIM_STEP, req.model_id, req.seq_id):
+            seq_id = _seq_id(req.seq_id)
         row = store.submit(owner, protocol.OPTIM_STEP, protocol.canonical_json(req), model_id=req.model_id,
                            seq_id=seq_id)
         return _promise(row)
 
     @app.post("/api/v1/save_weights")
     def save_weights(req: types.SaveWeightsRequest, owner: Owner) -> dict[str, Any]:
-        seq_id = _seq_id(req.seq_id)
-        _checkpoint_name(req.model_id, "training", req.path)
+        with refusing(owner, protocol.SAVE_WEIGHTS, req.model_id, req.seq_id):
+            seq_id = _seq_id(req.seq_id)
+            _checkpoint_name(req.model_id, "training", req.path)
         row = store.submit(owner, protocol.SAVE_WEIGHTS, protocol.canonical_json(req), model_id=req.model_id,
                            seq_id=seq_id)
         return _promise(row)
 
     @app.post("/api/v1/save_weights_for_sampler")
     def save_weights_for_sampler(req: types.SaveWeightsForSamplerRequest, owner: Owner) -> dict[str, Any]:
-        seq_id = _seq_id(req.seq_id)
-        if req.path is not None:
-            _checkpoint_name(req.model_id, "sampler", req.path)
-        elif req.sampling_session_seq_id is None:
-            raise HTTPException(400, "save_weights_for_sampler needs a path (a name) or a sampling_session_seq_id")
+        with refusing(owner, protocol.SAVE_WEIGHTS_FOR_SAMPLER, req.model_id, req.seq_id):
+            seq_id = _seq_id(req.seq_id)
+            if req.path is not None:
+                _checkpoint_name(req.model_id, "sampler", req.path)
+            elif req.sampling_session_seq_id is None:
+                raise HTTPException(400, "save_weights_for_sampler needs a path (a name) or a sampling_session_seq_id")
         row = store.submit(owner, protocol.SAVE_WEIGHTS_FOR_SAMPLER, protocol.canonical_json(req),
                            model_id=req.model_id, seq_id=seq_id)
         return _promise(row)
 
     @app.post("/api/v1/load_weights")
     def load_weights(req: types.LoadWeightsRequest, owner: Owner) -> dict[str, Any]:
-        checkpoint = store.get_checkpoint(owner, req.path)  # 404 now rather than a failed future later
+        into_model = req.session_id is None and req.model_seq_id is None
+        with refusing(owner, protocol.LOAD_WEIGHTS, req.model_id, req.seq_id) if into_model else nullcontext():
+            checkpoint = store.get_checkpoint(owner, req.path)  # 404 now rather than a failed future later
         # Cross-account loading is not offered, and the token has no business in the database.
         body = protocol.canonical_json(req.model_copy(update={"weights_access_token": None}))
         if req.session_id is None and req.model_seq_id is None:
             # Into an existing model (TrainingClient.load_state*, lib/public_interfaces/training_client.py:962-971).
             if req.model_id is None:
                 raise HTTPException(400, "load_weights needs model_id and seq_id, or session_id and model_seq_id")
-            row = store.submit(owner, protocol.LOAD_WEIGHTS, body, model_id=req.model_id, seq_id=_seq_id(req.seq_id))
+            with refusing(owner, protocol.LOAD_WEIGHTS, req.model_id, req.seq_id):
+                seq_id = _seq_id(req.seq_id)
+            row = store.submit(owner, protocol.LOAD_WEIGHTS, body, model_id=req.model_id, seq_id=seq_id)
             return _promise(row)
         # Creates the model (ServiceClient.create_training_client_from_state*, lib/public_interfaces/
         # service_client.py:397-418; the SDK expects the id <session>:train:<n>, :400): the load is its seq 0, the

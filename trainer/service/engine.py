@@ -628,6 +628,9 @@ class Engine:
                 accepted.append((row, body, slot.index))
             except (UserError, NotFound, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
                 self._fail(row, str(e), "user")
+            except Exception as e:  # noqa: BLE001 - whatever one request's input does, its batch-mates still run
+                log.exception("request %s (%s): validation failed", row.request_id, row.kind)
+                self._fail(row, f"engine error while reading the request: {e!r}", "server")
 
     def _fused(self, accepted: list[tuple[Request, protocol.FwdBwdBody, int]]
                ) -> list[tuple[list[np.ndarray], np.ndarray]]:

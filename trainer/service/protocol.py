@@ -159,26 +159,56 @@ _NP_DTYPE: Final[Mapping[int, np.dtype[Any]]] = {
 }
 
 
-def tensor_to_numpy(t: pb.Tensor) -> np.ndarray:
-    """A request Tensor as a dense array (a sparse CSR one filled with 0, as the SDK's `to_numpy()` does)."""
+# The most elements one loss_fn_inputs tensor may declare. Checked before anything is allocated: a sparse tensor's
+# shape, not its bytes, sets what densifying it costs (a [2^20, 2^20] one would be 4 TiB). 4M float32 is 16 MiB, far
+# above any datum the engine takes (its context times a few values per position).
+MAX_TENSOR_ELEMENTS: Final = 1 << 22
+
+
+def tensor_to_numpy(t: pb.Tensor, *, max_elements: int = MAX_TENSOR_ELEMENTS) -> np.ndarray:
+    """A request Tensor as a dense array (a sparse CSR one filled with 0, as the SDK's `to_numpy()` does). Every
+    length, index and shape is checked before allocating: ValueError (the request's fault) says what is wrong."""
+    shape = [int(d) for d in t.shape]
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shape {shape} has a negative dimension")
+    declared = int(np.prod(shape, dtype=object)) if shape else None
+    if declared is not None and declared > max_elements:
+        raise ValueError(f"shape {shape} has {declared} elements; a tensor may have at most {max_elements}")
+    sparse = t.WhichOneof("encoding") == "sparse_csr"
     if t.dtype == pb.DTYPE_BFLOAT16:
-        raw = np.frombuffer(t.dense, dtype=np.uint16)
-        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(list(t.shape) or [-1])
+        if sparse:
+            raise ValueError("a bfloat16 tensor must be dense")
+        raw = _elements(t.dense, np.dtype(np.uint16), declared, max_elements)
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape or [-1])
     dtype = _NP_DTYPE.get(t.dtype)
     if dtype is None:
         raise ValueError(f"unsupported tensor dtype {t.dtype}")
-    shape = list(t.shape)
-    if t.WhichOneof("encoding") != "sparse_csr":
-        return np.frombuffer(t.dense, dtype=dtype).reshape(shape or [-1]).copy()
+    if not sparse:
+        return _elements(t.dense, dtype, declared, max_elements).reshape(shape or [-1]).copy()
     if len(shape) != 2:
         raise ValueError(f"a sparse CSR tensor must be 2-D, not shape {shape}")
-    values = np.frombuffer(t.sparse_csr.values, dtype=dtype)
-    crow = np.frombuffer(t.sparse_csr.crow_indices, dtype=np.int64)
-    cols = np.frombuffer(t.sparse_csr.col_indices, dtype=np.int64)
+    csr = t.sparse_csr
+    values = _elements(csr.values, dtype, None, max_elements)
+    crow = _elements(csr.crow_indices, np.dtype(np.int64), shape[0] + 1, max_elements)
+    cols = _elements(csr.col_indices, np.dtype(np.int64), len(values), max_elements)
+    if crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0):
+        raise ValueError(f"sparse CSR crow_indices must rise from 0 to the {len(values)} values")
+    if len(cols) and (cols.min() < 0 or cols.max() >= shape[1]):
+        raise ValueError(f"sparse CSR col_indices must be in [0, {shape[1]}) for shape {shape}")
     dense = np.zeros(shape, dtype=dtype)
-    rows = np.repeat(np.arange(shape[0]), np.diff(crow))
-    dense[rows, cols] = values
+    dense[np.repeat(np.arange(shape[0]), np.diff(crow)), cols] = values
     return dense
+
+
+def _elements(raw: bytes, dtype: np.dtype[Any], count: int | None, max_elements: int) -> np.ndarray:
+    """`raw` as `count` elements of `dtype` (any count when None), within the limit."""
+    if len(raw) % dtype.itemsize:
+        raise ValueError(f"{len(raw)} bytes are not whole {dtype.name} elements")
+    n = len(raw) // dtype.itemsize
+    if (count is not None and n != count) or n > max_elements:
+        want = f"{count}" if count is not None else f"at most {max_elements}"
+        raise ValueError(f"{n} {dtype.name} elements where the shape needs {want}")
+    return np.frombuffer(raw, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -215,9 +245,17 @@ def decode_forward_backward(body: bytes) -> FwdBwdBody:
         for chunk in datum.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise ValueError(f"datum {i}: only text model inputs are supported, not {chunk.WhichOneof('chunk')}")
-            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+            raw = chunk.encoded_text.tokens
+            if len(raw) % 4:
+                raise ValueError(f"datum {i}: model_input tokens are {len(raw)} bytes, not whole int32 ids")
+            parts.append(np.frombuffer(raw, dtype=np.int32))
         tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        inputs = {name: tensor_to_numpy(t) for name, t in datum.loss_fn_inputs.items()}
+        inputs = {}
+        for name, t in datum.loss_fn_inputs.items():
+            try:
+                inputs[name] = tensor_to_numpy(t)
+            except ValueError as e:
+                raise ValueError(f"datum {i}: loss_fn_inputs[{name!r}]: {e}") from None
         data.append(FwdBwdDatum(tokens=tokens, loss_fn_inputs=inputs, raw=datum))
     return FwdBwdBody(
         model_id=msg.model_id, seq_id=msg.seq_id, forward_only=msg.forward_only, loss_fn=msg.loss_fn,

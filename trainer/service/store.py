@@ -134,6 +134,14 @@ SERVER_RESTARTED: Final = (
     "may already have changed the model (a forward_backward or optim_step must not be applied twice). Check the "
     "model's state (or restore a checkpoint) and resubmit it."
 )
+# A rerunnable request that was running when the engine died this many times is failed instead of queued again: it is
+# likely what killed it (memory, a crash in the device code), and running it forever would keep every other request
+# of the engine from being served.
+MAX_RUNS: Final = 3
+CRASHED_ENGINE: Final = (
+    "the server stopped while running this request {n} times, so it is not run again (it may be what stops the "
+    "server); check its size and inputs and resubmit it."
+)
 
 # Checkpoint names become file names on the engine's side: keep them to one safe path component.
 _CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
@@ -860,6 +868,34 @@ class Store:
                     raise
         raise AssertionError("unreachable")
 
+    def refuse(self, owner_id: str, kind: str, model_id: str | None, seq_id: int | None, message: str) -> bool:
+        """Record a request the API refused at submit (a 4xx) as failed, in its place in the model's order.
+
+        The SDK numbers a training client's requests before sending them and runs them in that order; a number the
+        API refused would otherwise never reach the database, and every later request of the client would wait
+        behind the gap for good. Only for the caller's own model and a number nothing holds yet (a request already
+        there answers for that number). True when a row was written.
+        """
+        if model_id is None or seq_id is None or seq_id < 1:
+            return False
+        try:
+            with self._write() as s:
+                self._owned(s, Model, owner_id, model_id, "model")
+                if self._find_duplicate(s, owner_id, model_id, seq_id, None) is not None:
+                    return False
+                now = utcnow()
+                row = Request(
+                    request_id=_new_id(), owner_id=owner_id, kind=kind, model_id=model_id, seq_id=seq_id, body=b"",
+                    body_hash=body_hash(kind, b""), status=FAILED, finished_at=now, error_message=message,
+                    error_category="user",
+                )
+                s.add(row)
+                self._advance(s, row)
+        except (NotFound, IntegrityError):  # not the caller's model, or a concurrent submit took the number
+            return False
+        self._notify()
+        return True
+
     @staticmethod
     def _describe(model_id: str | None, seq_id: int | None, dedup_key: str | None) -> str:
         return f"seq_id {seq_id} of model {model_id!r}" if model_id is not None and seq_id is not None else repr(
@@ -1155,7 +1191,8 @@ class Store:
         """Settle the requests that a dead engine left running. Call it at start-up.
 
         Decision: a request of a kind in `rerunnable_kinds` (pure reads: forward, sample) is queued again, in its
-        place in its model's order; every other one fails with SERVER_RESTARTED (category server). The database
+        place in its model's order, unless it has been claimed MAX_RUNS times (then it fails with CRASHED_ENGINE);
+        every other one fails with SERVER_RESTARTED (category server). The database
         cannot tell whether a killed forward_backward/optim_step/save had already taken effect (weights updated in
         memory, a file written) and running it again could apply it twice, so the client is told instead and
         decides. Queued requests stay queued: nothing has run them.
@@ -1173,7 +1210,11 @@ class Store:
             report = Recovery()
             now = utcnow()
             for row in rows:
-                if row.kind in rerunnable_kinds:
+                if row.kind in rerunnable_kinds and row.attempts >= MAX_RUNS:
+                    row.status, row.finished_at = FAILED, now
+                    row.error_message, row.error_category = CRASHED_ENGINE.format(n=row.attempts), "server"
+                    report.failed.append(row.request_id)
+                elif row.kind in rerunnable_kinds:
                     row.status, row.worker_id, row.started_at = QUEUED, None, None
                     report.requeued.append(row.request_id)
                 else:
