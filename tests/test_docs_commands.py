@@ -241,6 +241,10 @@ INLINE: dict[str, tuple[str, str]] = {
     "python -m trainer --ray --ray-slices MIN:MAX --ray-tpu TPU-V6E:4x4 --ray-max-failures N --config … --run-dir "
     "/checkpoints/<name>/run --set mesh.fsdp=-1": ("test_readme_inline_commands",
                                                    "needs a Ray cluster: it is the RayJob's entrypoint in the plan"),
+    "make deployed": (MENTION, "docs/as-deployed.md: `pytest -q tests/deployed`, which `make test` runs (root)"),
+    "ray start": (MENTION, "KubeRay generates it; tests/deployed/test_ray.py runs it as kuberay.py generates it"),
+    "ray start --head": (MENTION, "KubeRay generates it; tests/deployed/test_ray.py runs it as generated"),
+    "ray job submit": (MENTION, "its concrete form below; test_ray.py runs the submitter KubeRay builds"),
     "ray job submit --address http://<head>:8265 -- python -m trainer --ray …": (
         "test_readme_inline_commands", "needs a Ray cluster: 8265 is the head's dashboard port in the plan"),
     "kubectl logs -n rl job/grpo-stage -f": ("test_walkthrough", "run against the stand-in API server"),
