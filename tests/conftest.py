@@ -2,11 +2,9 @@
 
 Each test file is one group, so a file's module fixtures (compiles, servers) are built once, on one worker. The
 files whose tests start several processes each (local multi-host trainer runs, Ray clusters, servers killed
-mid-request) share one group, and the as-deployed harness's scenarios (tests/deployed/) another; both go first, one
-per worker, each running its files one after another. Together they bound the run (about 20 and 15 minutes on 2
-cores): in one group they took one worker for over half of it while the other finished the in-process files and
-waited. The harness mostly waits on its emulated controllers (back-offs, probes), which is where the other group's
-processes get the cores. Without xdist (a plain `pytest`) only the order changes.
+mid-request) share one group and go first: they run one after another on one worker, never two of them against
+each other for the machine's 2 cores, while the other worker takes the in-process files. Without xdist (a plain
+`pytest`) only the order changes.
 """
 
 from __future__ import annotations
@@ -16,14 +14,11 @@ from typing import Any
 import pytest
 
 PROCESSES = "processes"
-HARNESS = "harness"
-HARNESS_FILES = frozenset({
+MULTI_PROCESS_FILES = frozenset({
     "tests/deployed/test_gcp.py",
     "tests/deployed/test_ray.py",
     "tests/deployed/test_service.py",
     "tests/deployed/test_trainer.py",
-})
-MULTI_PROCESS_FILES = frozenset({
     "tests/service/test_crash.py",
     "tests/service_engine/test_crash.py",
     "tests/service_engine/test_multihost.py",
@@ -43,7 +38,7 @@ MULTI_PROCESS_FILES = frozenset({
 
 def _group(nodeid: str) -> str:
     path = nodeid.split("::")[0]
-    return HARNESS if path in HARNESS_FILES else PROCESSES if path in MULTI_PROCESS_FILES else path
+    return PROCESSES if path in MULTI_PROCESS_FILES else path
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -59,5 +54,5 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The two long groups first: they bound the run, so they should not start last.
-    items.sort(key=lambda item: _group(item.nodeid) not in (PROCESSES, HARNESS))
+    # The longest group first: it bounds the run, so it should not start last.
+    items.sort(key=lambda item: _group(item.nodeid) != PROCESSES)
