@@ -18,7 +18,8 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.deployed import sandbox as S
-from tests.deployed.render import Rendered
+from tests.deployed.cluster import Boundary, Cluster
+from tests.deployed.render import Rendered, render, user_copy
 from tests.service.conftest import pg_server_url  # noqa: F401  (the embedded PostgreSQL, a fixture)
 from tests.trainer.test_stage import GSM8K_ROWS, PARQUET, _parquet, _tokenizer_json, add_snapshot
 from trainer.service.store import normalize_url
@@ -70,6 +71,19 @@ def hub_mirror(folder: Path) -> Path:
 # The Hub stand-in: every container sees the mirror at this path, in offline mode (huggingface_hub's own switches).
 HUB_MOUNT = "/hub-mirror"
 HUB_ENV = {"HF_HUB_CACHE": HUB_MOUNT, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def trainer_on_cpu(env: str, work: Path, folder: Path, args: list[str]) -> tuple[Rendered, Cluster]:
+    """A user's copy of `env` whose only changes are what a team could set itself (trainer.stage: a tiny model on
+    the Hub; trainer.args: `args`), rendered, and the harness cluster to run it on one CPU device per pod, with the
+    Hub mirror."""
+    path = user_copy(env, folder, f"{env}-local", {"trainer": {
+        "stage": {"model": TINY_REPO, "dataset": "openai/gsm8k", "datasetFile": "main/train-00000-of-00001.parquet"},
+        "args": args}})
+    rendered = render(f"{env}-local", path)
+    cluster = Cluster(rendered.objects, work / "cluster", boundary=Boundary(env=dict(HUB_ENV)), cpu_devices=1,
+                      depends_on=rendered.depends_on, mounts={HUB_MOUNT: str(hub_mirror(work))})
+    return rendered, cluster
 
 
 @contextmanager

@@ -175,6 +175,27 @@ def _probe(initial: int, timeout: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": timeout, "periodSeconds": 5, "successThreshold": 1, "failureThreshold": failures}
 
 
+def _ray_container(ray: dict[str, Any], start: str) -> None:
+    """BuildPod's command (unless the user's own runs `ray start`) and the metrics port KubeRay adds if absent."""
+    user = " ".join([*ray.get("command", []), *ray.get("args", [])])
+    if "ray start" not in user:
+        ray["command"] = bash()
+        ray["args"] = [f"{user} && {ULIMIT}; {start}" if user else f"{ULIMIT}; {start}"]
+    if not any(p.get("name") == "metrics" for p in ray.get("ports", [])):
+        ray.setdefault("ports", []).append({"name": "metrics", "containerPort": METRICS_PORT})
+
+
+def _labels(template: dict[str, Any], cluster: str, node_type: str, group: str) -> None:
+    """labelPod: the template's labels and KubeRay's."""
+    meta = template.setdefault("metadata", {})
+    meta["labels"] = {**meta.get("labels", {}), RAY_CLUSTER: cluster, NODE_TYPE: node_type, GROUP: group,
+                      IDENTIFIER: f"{cluster}-{node_type}", "ray.io/is-ray-node": "yes"}
+
+
+def _token_auth(cluster: dict[str, Any]) -> bool:
+    return bool(cluster.get("authOptions", {}).get("mode") == "token")
+
+
 def _empty_dir(pod: dict[str, Any], container: dict[str, Any], name: str, path: str) -> None:
     """pod.go addEmptyDir: only where nothing is mounted at the path yet."""
     if any(m["mountPath"] == path for m in container.get("volumeMounts", [])):
@@ -258,18 +279,13 @@ def head_pod(run: RayJobRun) -> tuple[str, dict[str, Any]]:
         v2 = cluster.get("autoscalerOptions", {}).get("version") == "v2"
         _add_env(ray, [{"name": "RAY_enable_autoscaler_v2", "value": "true" if v2 else "false"}])
         _empty_dir(pod, ray, "ray-logs", "/tmp/ray")  # shared with the autoscaler
-    if not any(p.get("name") == "metrics" for p in ray.get("ports", [])):
-        ray.setdefault("ports", []).append({"name": "metrics", "containerPort": METRICS_PORT})
     _empty_dir(pod, ray, "shared-mem", "/dev/shm")
     start = ray_start(True, params, ray.get("resources", {}), run.fqdn)
-    user = " ".join([*ray.get("command", []), *ray.get("args", [])])
-    if "ray start" not in user:
-        ray["command"] = bash()
-        ray["args"] = [f"{user} && {ULIMIT}; {start}" if user else f"{ULIMIT}; {start}"]
+    _ray_container(ray, start)
     _add_env(ray, _ray_env(True, run.fqdn, start))
     ray.setdefault("livenessProbe", _probe(30, 5, 120))
     ray.setdefault("readinessProbe", _probe(10, 5, 10))
-    if cluster.get("authOptions", {}).get("mode") == "token":
+    if _token_auth(cluster):
         _add_env(ray, token_env(run.cluster))
     if spec.get("submissionMode") == "SidecarMode":
         submitter = {"name": SUBMITTER, "image": ray["image"], "command": bash("e"), "args": [submit_command(run)],
@@ -279,13 +295,11 @@ def head_pod(run: RayJobRun) -> tuple[str, dict[str, Any]]:
                              {"name": "RAY_JOB_SUBMISSION_ID", "value": run.job_id}],
                      "resources": {"limits": {"cpu": "1", "memory": "1Gi"},
                                    "requests": {"cpu": "500m", "memory": "200Mi"}}}
-        if cluster.get("authOptions", {}).get("mode") == "token":
+        if _token_auth(cluster):
             _add_env(submitter, token_env(run.cluster))
         pod["containers"].append(submitter)
         pod["restartPolicy"] = "Never"
-    template.setdefault("metadata", {})["labels"] = {
-        **template.get("metadata", {}).get("labels", {}), RAY_CLUSTER: run.cluster, NODE_TYPE: "head",
-        GROUP: HEAD_GROUP, IDENTIFIER: f"{run.cluster}-head", "ray.io/is-ray-node": "yes"}
+    _labels(template, run.cluster, "head", HEAD_GROUP)
     return f"{run.cluster}-head-{_suffix(random.Random(run.cluster))}", template
 
 
@@ -321,18 +335,14 @@ def worker_pods(run: RayJobRun) -> list[tuple[str, dict[str, Any]]]:
                                 {"name": "RAY_IP", "value": run.fqdn.split(".")[0]}])
                 _empty_dir(pod, ray, "shared-mem", "/dev/shm")
                 start = ray_start(False, group.get("rayStartParams", {}), ray.get("resources", {}), run.fqdn)
-                user = " ".join([*ray.get("command", []), *ray.get("args", [])])
-                if "ray start" not in user:
-                    ray["command"] = bash()
-                    ray["args"] = [f"{user} && {ULIMIT}; {start}" if user else f"{ULIMIT}; {start}"]
+                _ray_container(ray, start)
                 _add_env(ray, _ray_env(False, run.fqdn, start))
-                ray.setdefault("ports", []).append({"name": "metrics", "containerPort": METRICS_PORT})
                 ray.setdefault("livenessProbe", _probe(30, 2, 120))
                 ray.setdefault("readinessProbe", _probe(10, 2, 10))
                 if cluster.get("enableInTreeAutoscaling") and cluster.get("autoscalerOptions", {}).get(
                         "version") == "v2":
                     pod["restartPolicy"] = "Never"
-                if cluster.get("authOptions", {}).get("mode") == "token":
+                if _token_auth(cluster):
                     _add_env(ray, token_env(run.cluster))
                     _add_env(wait, token_env(run.cluster))
                 pod["initContainers"] = [*pod.get("initContainers", []), wait]
@@ -347,9 +357,6 @@ def worker_pods(run: RayJobRun) -> list[tuple[str, dict[str, Any]]]:
                             f"{group['groupName']}-{replica}-{h}.{service}" for h in range(hosts))})
                         pod["hostname"], pod["subdomain"] = f"{group['groupName']}-{replica}-{host}", service
                     _add_env(ray, gke)
-                template.setdefault("metadata", {})["labels"] = {
-                    **template.get("metadata", {}).get("labels", {}), RAY_CLUSTER: run.cluster,
-                    NODE_TYPE: "worker", GROUP: group["groupName"], IDENTIFIER: f"{run.cluster}-worker",
-                    "ray.io/is-ray-node": "yes"}
+                _labels(template, run.cluster, "worker", group["groupName"])
                 out.append((f"{run.cluster}-{group['groupName']}-worker-{_suffix(rng)}", template))
     return out

@@ -15,9 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.deployed.cluster import Boundary, Cluster
-from tests.deployed.conftest import HUB_ENV, HUB_MOUNT, TINY_REPO, hub_mirror
-from tests.deployed.render import render, user_copy
+from tests.deployed.conftest import trainer_on_cpu
 from tests.deployed.test_trainer import TRAINER_ARGS, _checkpoints
 
 STEPS = 3
@@ -25,14 +23,9 @@ ARGS = [*TRAINER_ARGS, "--set", f"steps={STEPS}"]  # the later --set wins
 
 
 def test_the_ray_path_as_deployed(harness_lock: None, work: Path, tmp_path: Path) -> None:
-    path = user_copy("dev", tmp_path, "dev-local", {"trainer": {
-        "stage": {"model": TINY_REPO, "dataset": "openai/gsm8k", "datasetFile": "main/train-00000-of-00001.parquet"},
-        "args": ARGS}})
-    rendered = render("dev-local", path)
+    rendered, cluster = trainer_on_cpu("dev", work, tmp_path, ARGS)
     spec = rendered.result.spec
     name = spec.trainer.name
-    cluster = Cluster(rendered.objects, work / "cluster", boundary=Boundary(env=dict(HUB_ENV)), cpu_devices=1,
-                      depends_on=rendered.depends_on, mounts={HUB_MOUNT: str(hub_mirror(work))})
     ckpt = work / "cluster" / "buckets" / spec.bucket_name / name
     with cluster as c:
         c.wait("the staging Job completes", lambda: c.jobs.get(f"{name}-stage") is not None

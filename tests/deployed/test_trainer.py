@@ -15,9 +15,7 @@ import json
 import signal
 from pathlib import Path
 
-from tests.deployed.cluster import Boundary, Cluster
-from tests.deployed.conftest import HUB_ENV, HUB_MOUNT, TINY_REPO, hub_mirror
-from tests.deployed.render import render, user_copy
+from tests.deployed.conftest import trainer_on_cpu
 
 # What a team sets to try the 70B staging config on CPUs (one device per pod: 2 slices x fsdp 4).
 TRAINER_ARGS = [a for kv in ("mesh.tensor=1", "compute.param_dtype=float32", "compute.dtype=float32",
@@ -38,14 +36,9 @@ def _checkpoints(folder: Path) -> list[int]:
 
 
 def test_the_trainer_as_deployed(harness_lock: None, work: Path, tmp_path: Path) -> None:
-    path = user_copy("staging", tmp_path, "staging-local", {"trainer": {
-        "stage": {"model": TINY_REPO, "dataset": "openai/gsm8k", "datasetFile": "main/train-00000-of-00001.parquet"},
-        "args": TRAINER_ARGS}})
-    rendered = render("staging-local", path)
+    rendered, cluster = trainer_on_cpu("staging", work, tmp_path, TRAINER_ARGS)
     spec = rendered.result.spec
     name = spec.trainer.name
-    cluster = Cluster(rendered.objects, work / "cluster", boundary=Boundary(env=dict(HUB_ENV)), cpu_devices=1,
-                      depends_on=rendered.depends_on, mounts={HUB_MOUNT: str(hub_mirror(work))})
     bucket = work / "cluster" / "buckets" / spec.bucket_name
     ckpt = bucket / name  # CHECKPOINT_DIR=/checkpoints/<trainer> (workloads/trainer_pod.py)
     metrics = ckpt / "run" / "metrics.jsonl"
