@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from trainer.config import ConfigError, TrainConfig, load_config
 from trainer.ray_train import add_arguments as add_ray_arguments  # imports Ray only once --ray is used
@@ -138,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             if not is_transient(err):
                 raise
             return _restart_me(err)
+        if cfg.checkpoint.compile_cache:
+            from trainer import compile_cache
+            from trainer.train import checkpoint_dir
+
+            compile_cache.enable(checkpoint_dir(cfg, Path(cfg.run_dir)) / compile_cache.DIR_NAME)
         if not info.multi_process:
             check_cpu_mesh(checked)
         if info.multi_process and info.cpu_devices:

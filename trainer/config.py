@@ -339,6 +339,9 @@ class ServiceConfig(_Strict):
                             "power of two (one compiled program per bucket)")
     sample_max_sequences: int = Field(64, gt=0, description="sequences decoded at once; a request for more samples "
                                       "runs in chunks")
+    max_num_samples: int = Field(128, gt=0, description="the most samples one sample request may ask for (a larger "
+                                 "num_samples is refused, naming this key): one request holds the engine while it "
+                                 "decodes")
     idle_unload_s: float = Field(900.0, gt=0, description="a model whose session sent no heartbeat for this long "
                                  "gives its adapter slot back (its state is saved: it comes back on its next request)")
     storage_dir: str | None = Field(None, description="where checkpoints are written; unset: checkpoints/ beside "
@@ -347,6 +350,12 @@ class ServiceConfig(_Strict):
                                   "step: written at every optim_step, load and create) goes, the latest one per model "
                                   "kept; unset: state/ in storage_dir. The stack puts it on a bucket of its own, "
                                   "without object versioning or soft delete, which would keep every replaced one")
+    compile_cache: bool = Field(True, description="keep every compiled program in _jax-compile-cache/ under "
+                                "state_dir (the state bucket), so a restarted engine reads them back instead of "
+                                "compiling (the `engine` and `serve --config` commands)")
+    warmup: bool = Field(True, description="before taking requests, run the programs of the smallest shapes (a "
+                         "one-sample sample, a forward and a forward_backward of one short datum, an optim_step), so "
+                         "the first users do not wait for those compiles")
     db_retry_s: float = Field(300.0, ge=0, description="how long the engine's start-up retries the database while "
                               "it is unavailable (Cloud SQL's maintenance restart, IAM bindings still propagating on a "
                               "first deploy) before it exits 42 for its JobSet to restart it; 0: once")
@@ -358,6 +367,9 @@ class CheckpointConfig(_Strict):
     dir: str | None = Field(None, description="checkpoint directory; unset: $CHECKPOINT_DIR, else "
                             "<run_dir>/checkpoints")
     async_save: bool = Field(True, description="write checkpoints in the background while training goes on")
+    compile_cache: bool = Field(True, description="keep the compiled programs in _jax-compile-cache/ beside the "
+                                "checkpoints, so a restarted run (a preemption, a crash) reads them back instead of "
+                                "compiling them again (`python -m trainer`; $JAX_COMPILATION_CACHE_DIR wins if set)")
 
 
 class TrainConfig(_Strict):

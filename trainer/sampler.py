@@ -11,6 +11,9 @@ same tokens.
 The returned log-probs are log softmax(logits / temperature) of the sampled tokens, before top-k/top-p
 truncation (temperature 0 = greedy, log-probs at temperature 1). That is exactly what
 `model.completion_logprobs` computes at the same temperature, so the first RL iteration has ratio 1.
+
+The settings are static (Python values: one program per value, what the trainer's fixed config wants) or, as
+`RowSettings`, per-row arrays that one program serves whatever their values (the service's many users).
 """
 
 from __future__ import annotations
@@ -44,6 +47,21 @@ class Samples(NamedTuple):
     logprobs_BN: jax.Array  # 0 where mask is 0
     mask_BN: jax.Array  # 1 for generated tokens up to and including EOS
     steps: jax.Array  # decode steps run, summed over chunks (int32 scalar): slot efficiency = tokens / (steps x slots)
+
+
+class RowSettings(NamedTuple):
+    """Per-row sampling settings as traced data, so one compiled program serves any values: temperature (0 =
+    greedy), top-k (0 = off) and top-p (1 = off) as `pick` takes them, the row's stop ids (-1 = unused) and its own
+    token limit (at most the program's max_new_tokens)."""
+
+    temperature_B: jax.Array  # float32
+    top_k_B: jax.Array  # int32
+    top_p_B: jax.Array  # float32
+    stop_BS: jax.Array  # int32
+    max_new_B: jax.Array  # int32
+
+    def take(self, rows: jax.Array) -> RowSettings:
+        return RowSettings(*(x[rows] for x in self))
 
 
 class _Carry(NamedTuple):
@@ -80,6 +98,41 @@ def filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits_BV
 
 
+def filter_logits_rows(logits_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """`filter_logits` with each row's own top_k and top_p as traced values: the k-th largest is read off one sort
+    (the same value lax.top_k gives, ties kept alike) and the nucleus is cut on that sort with the top-k mask
+    applied, which is the sort of the top-k-masked logits that `filter_logits` makes."""
+    neg = jnp.finfo(logits_BV.dtype).min
+    V = logits_BV.shape[-1]
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    k_on_B1 = ((top_k_B > 0) & (top_k_B < V))[:, None]
+    kth_B1 = jnp.take_along_axis(sorted_BV, jnp.clip(top_k_B - 1, 0, V - 1)[:, None], axis=1)
+    kth_B1 = jnp.where(k_on_B1, kth_B1, -jnp.inf)
+    logits_BV = jnp.where(logits_BV < kth_B1, neg, logits_BV)
+    sorted_BV = jnp.where(sorted_BV < kth_B1, neg, sorted_BV)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    p_B1 = top_p_B[:, None].astype(before_BV.dtype)
+    cutoff_B1 = jnp.min(jnp.where(before_BV < p_B1, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    cutoff_B1 = jnp.where(p_B1 < 1.0, cutoff_B1, -jnp.inf)
+    return jnp.where(logits_BV < cutoff_B1, neg, logits_BV)
+
+
+def pick_rows(row_keys_B: jax.Array, i_B: jax.Array, logits_BV: jax.Array, s: RowSettings
+              ) -> tuple[jax.Array, jax.Array]:
+    """`pick` with each row's settings as traced values. A greedy row (temperature <= 0) takes the argmax (the first
+    on ties) and its log-prob at temperature 1; the vocab is sorted only when some sampled row filters (lax.cond)."""
+    logits_BV = constrain(logits_BV, ("batch", "vocab"))
+    V = logits_BV.shape[-1]
+    greedy_B = s.temperature_B <= 0
+    x_BV = logits_BV / jnp.where(greedy_B, 1.0, s.temperature_B)[:, None].astype(logits_BV.dtype)
+    filters = jnp.any(~greedy_B & (((s.top_k_B > 0) & (s.top_k_B < V)) | (s.top_p_B < 1.0)))
+    filtered = jax.lax.cond(filters, lambda x: filter_logits_rows(x, s.top_k_B, s.top_p_B), lambda x: x, x_BV)
+    keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, i_B)
+    noise_BV = jax.vmap(lambda k: jax.random.gumbel(k, filtered.shape[1:], filtered.dtype))(keys_B)
+    return _draw(x_BV, jnp.where(greedy_B[:, None], x_BV, filtered + noise_BV))
+
+
 def sample(
     params: Params,
     cfg: ModelConfig,
@@ -98,6 +151,7 @@ def sample(
     adapter: Adapter | None = None,
     continuous: bool = True,
     refill_rows: int = 1,
+    per_row: RowSettings | None = None,
 ) -> Samples:
     """Sample `max_new_tokens` per row (stopping a row at EOS, or any of several stop ids given as a tuple, and the
     loop once every row stopped).
@@ -109,7 +163,8 @@ def sample(
     decoding until its longest row ends. Either way rows enter in the order k, k + n, k + 2n, ... (n = B / c,
     trainer.sharding.split_strided): with the batch sharded in contiguous blocks over the data devices, the first c
     are spread over all of them. With an adapter, each row decodes with its own LoRA slot (its gate row travels with
-    it).
+    it). `per_row`: each row's settings as traced data (temperature, top_k, top_p and eos_id are then unused) and
+    its own token limit, at most `max_new_tokens`.
     """
     B, P = prompt_BP.shape
     kw = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k,
@@ -118,21 +173,25 @@ def sample(
     c = min(max_num_sequences or B, B)
     gate_BS = None if adapter is None else adapter.gate_BS
     if c == B:
-        return _sample_rows(params, cfg, prompt_BP, prompt_valid_BP, rows_B, key, adapter, **kw)  # type: ignore[arg-type]
+        return _sample_rows(params, cfg, prompt_BP, prompt_valid_BP, rows_B, key, adapter, per_row,
+                            **kw)  # type: ignore[arg-type]
     if B % c:
         raise ValueError(f"max_num_sequences={c} must divide the batch of {B} rows")
     n = B // c
     if continuous:
-        return _sample_continuous(params, cfg, prompt_BP, prompt_valid_BP, key, adapter, slots=c,
+        return _sample_continuous(params, cfg, prompt_BP, prompt_valid_BP, key, adapter, per_row, slots=c,
                                   refill_rows=refill_rows, **kw)  # type: ignore[arg-type]
 
-    def one(xs: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]) -> Samples:
-        prompt, valid, rows, gate = xs
+    def one(xs: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, RowSettings | None]) -> Samples:
+        prompt, valid, rows, gate, settings = xs
         chunk_adapter = None if adapter is None else Adapter(adapter.weights, gate)  # type: ignore[arg-type]
-        return _sample_rows(params, cfg, prompt, valid, rows, key, chunk_adapter, **kw)  # type: ignore[arg-type]
+        return _sample_rows(params, cfg, prompt, valid, rows, key, chunk_adapter, settings,
+                            **kw)  # type: ignore[arg-type]
 
     gate_n = None if gate_BS is None else split_strided(gate_BS, n)
-    out = jax.lax.map(one, (*(split_strided(x, n) for x in (prompt_BP, prompt_valid_BP, rows_B)), gate_n))
+    per_row_n = None if per_row is None else RowSettings(*(split_strided(x, n) for x in per_row))
+    out = jax.lax.map(one, (*(split_strided(x, n) for x in (prompt_BP, prompt_valid_BP, rows_B)), gate_n,
+                            per_row_n))
     return Samples(*(join_strided(x) for x in out[:3]), jnp.sum(out.steps))
 
 
@@ -227,6 +286,17 @@ def _stop(tok_B: jax.Array, eos_id: int | tuple[int, ...]) -> jax.Array:
     return jnp.isin(tok_B, jnp.asarray(eos_id, jnp.int32))
 
 
+def _choose(keys_B: jax.Array, i_B: jax.Array, logits_BV: jax.Array, per_row: RowSettings | None, temperature: float,
+            top_k: int, top_p: float, eos_id: int | tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's token i_B, its log-prob, and whether the row ends with it (a stop id, or its own limit reached)."""
+    if per_row is None:
+        tok_B, logp_B = pick(keys_B, i_B, logits_BV, temperature, top_k, top_p)
+        return tok_B, logp_B, _stop(tok_B, eos_id)
+    tok_B, logp_B = pick_rows(keys_B, i_B, logits_BV, per_row)
+    ends_B = jnp.any(tok_B[:, None] == per_row.stop_BS, axis=1) | (i_B + 1 >= per_row.max_new_B)
+    return tok_B, logp_B, ends_B
+
+
 def _sample_rows(
     params: Params,
     cfg: ModelConfig,
@@ -235,6 +305,7 @@ def _sample_rows(
     rows_B: jax.Array,
     key: jax.Array,
     adapter: Adapter | None,
+    per_row: RowSettings | None,
     *,
     max_new_tokens: int,
     eos_id: int | tuple[int, ...],
@@ -256,13 +327,14 @@ def _sample_rows(
         return (c.i < N) & ~jnp.all(c.done_B)
 
     def body(c: _Carry) -> _Carry:
-        tok_B, logp_B = pick(keys_B, jnp.full((B,), c.i), c.logits_BV, temperature, top_k, top_p)
+        tok_B, logp_B, ends_B = _choose(keys_B, jnp.full((B,), c.i), c.logits_BV, per_row, temperature, top_k, top_p,
+                                        eos_id)
         live_B = ~c.done_B
         tok_B = jnp.where(live_B, tok_B, pad_id)
         tokens_BN = c.tokens_BN.at[:, c.i].set(tok_B)
         logprobs_BN = c.logprobs_BN.at[:, c.i].set(jnp.where(live_B, logp_B, 0.0))
         mask_BN = c.mask_BN.at[:, c.i].set(live_B.astype(jnp.int32))
-        done_B = c.done_B | _stop(tok_B, eos_id)
+        done_B = c.done_B | ends_B
         # Feed the token back; a finished row's pad is marked invalid so nothing attends to it.
         next_logits, cache = decode_step(params, cfg, tok_B, live_B, n_prompt_B + c.i, P + c.i, c.cache, cc, adapter)
         return _Carry(c.i + 1, next_logits, cache, done_B, tokens_BN, logprobs_BN, mask_BN)
@@ -304,6 +376,7 @@ def _sample_continuous(
     prompt_valid_BP: jax.Array,
     key: jax.Array,
     adapter: Adapter | None,
+    per_row: RowSettings | None,
     *,
     slots: int,
     refill_rows: int,
@@ -365,13 +438,16 @@ def _sample_continuous(
     def body(s: _Slots) -> _Slots:
         s = jax.lax.while_loop(pending, refill, s)
         live_C = s.row_C < B
-        tok_C, logp_C = pick(keys_B[jnp.minimum(s.row_C, B - 1)], s.i_C, s.logits_CV, temperature, top_k, top_p)
+        row_C = jnp.minimum(s.row_C, B - 1)
+        tok_C, logp_C, ends_C = _choose(keys_B[row_C], s.i_C, s.logits_CV,
+                                        None if per_row is None else per_row.take(row_C), temperature, top_k, top_p,
+                                        eos_id)
         tok_C = jnp.where(live_C, tok_C, pad_id)
         at = (s.row_C, s.i_C)  # a free slot's row B is out of range: its writes are dropped
         tokens_BN = s.tokens_BN.at[at].set(tok_C, mode="drop")
         logprobs_BN = s.logprobs_BN.at[at].set(logp_C, mode="drop")
         mask_BN = s.mask_BN.at[at].set(1, mode="drop")
-        ended_C = _stop(tok_C, eos_id) | (s.i_C + 1 >= N)
+        ended_C = ends_C | (s.i_C + 1 >= N)
         logits_CV, cache = decode_step(params, cfg, tok_C, live_C, s.n_prompt_C + s.i_C, P + s.i_C, s.cache, cc,
                                        adapter_for(s.row_C))
         return s._replace(row_C=jnp.where(live_C & ended_C, B, s.row_C), i_C=s.i_C + 1, logits_CV=logits_CV,

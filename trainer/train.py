@@ -60,7 +60,8 @@ def _host_params(hf_params: M.Params, param_sh: Any) -> M.Params:
     )
 
 
-def _checkpoint_dir(cfg: TrainConfig, run_dir: Path) -> Path:
+def checkpoint_dir(cfg: TrainConfig, run_dir: Path) -> Path:
+    """checkpoint.dir, else $CHECKPOINT_DIR (the pod's bucket), else checkpoints/ in the run directory."""
     import os
 
     if cfg.checkpoint.dir:
@@ -126,7 +127,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 and lcfg is None else None
         opt_state = programs.init_opt(params)
 
-    ckpt = Checkpointer(_checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+    ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     start = 0
     key_data = np.asarray(jax.random.key_data(base_key), np.uint32)

@@ -17,6 +17,7 @@ What a user relies on, in order:
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import urllib.request
@@ -163,6 +164,15 @@ def test_the_service_as_deployed(deployed: Deployed) -> None:
     c.wait("the engine JobSet restarts after SIGKILL", lambda: js.restarts == 2 and not js.recreating, 300)
     after = tc.forward_backward(data, "cross_entropy").result(timeout=600).metrics["loss:sum"]
     assert after != first_loss  # the two optimizer steps were kept across both restarts
+
+    # Each start warmed the smallest shapes before taking requests (service.warmup); the first compiled them into the
+    # state bucket (service.compile_cache), and each restart read every one back instead of compiling it.
+    log = c.log(f"{engine}-slice-0-0")
+    warm = [tuple(map(int, m)) for m in re.findall(r"warm-up ran (\d+) programs in [\d.]+ s \((\d+) read from the "
+                                                     r"compile cache\)", log)]
+    assert len(warm) >= 3 and warm[0][1] == 0 and all(n > 0 and hits == n for n, hits in warm[1:]), (warm, log[-3000:])
+    cache = c.work / "buckets" / deployed.rendered.result.spec.service_state_bucket / "_jax-compile-cache"
+    assert len(list(cache.iterdir())) >= warm[0][0], sorted(p.name for p in cache.iterdir())
 
 
 def test_the_engine_survives_the_database_down_at_start(deployed: Deployed) -> None:

@@ -4,6 +4,7 @@ tests/service_engine/test_seed_script.py runs the issue's script on a tiny Qwen3
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -232,6 +233,62 @@ def test_sampling_is_seeded_stops_and_agrees_with_forward(live: LiveService) -> 
                                                     loss_fn_inputs={"target_tokens": full[1:],
                                                                     "weights": [1.0] * (len(full) - 1)})])
     np.testing.assert_allclose(base_lp[1:], per[0], atol=2e-5)
+
+
+def test_another_users_sampling_settings_compile_nothing_and_bad_ones_are_refused_by_name(live: LiveService) -> None:
+    """Issue 40: temperature, top_p, top_k, the stop ids and max_tokens were static arguments of the sample program,
+    so each new value compiled (11.7-14.1 s on the tiny model) while every other user waited. Now they are data:
+    once a shape has run, no setting within its buckets compiles anything. Settings out of range are refused at
+    submit with a 400 naming the field (temperature NaN returned token ids outside the vocabulary)."""
+    import jax.monitoring
+
+    sc = live.client()
+    base = sc.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints([5, 9, 33, 17])
+    first = base.sample(prompt, 4, types.SamplingParams(max_tokens=5, seed=1)).result()
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, _secs, **_kw: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+    other = live.client("other").create_sampling_client(base_model=BASE).result()
+    settings = [types.SamplingParams(max_tokens=3, temperature=0.3, top_p=0.9, seed=2),
+                types.SamplingParams(max_tokens=7, temperature=1.7, top_k=5, stop=[3, 4, 5], seed=3),
+                types.SamplingParams(max_tokens=1, temperature=0.0),
+                types.SamplingParams(max_tokens=6, temperature=0.8, top_k=2, top_p=0.5, stop=[], seed=4)]
+    # 3 and 4 samples share a row bucket (4), and max_tokens 1-7 the token bucket (service.min_bucket 16).
+    results = [other.sample(prompt, n, params).result() for n, params in zip((3, 4, 4, 3), settings, strict=True)]
+    assert compiles == [], compiles
+    for params, res in zip(settings, results, strict=True):
+        assert all(1 <= len(s.tokens) <= params.max_tokens for s in res.sequences)
+        assert all(0 <= t < live.engine.mcfg.vocab_size for s in res.sequences for t in s.tokens)
+        assert all(np.isfinite(s.logprobs).all() for s in res.sequences)  # type: ignore[arg-type]
+    greedy = base.sample(prompt, 4, settings[2]).result().sequences
+    assert [s.tokens for s in results[2].sequences] == [s.tokens for s in greedy] == [greedy[0].tokens] * 4
+    # The same request asks the same program for the same tokens as before the others came.
+    again = base.sample(prompt, 4, types.SamplingParams(max_tokens=5, seed=1)).result().sequences
+    assert [(s.tokens, s.logprobs) for s in again] == [(s.tokens, s.logprobs) for s in first.sequences]
+
+    # The SDK cannot send NaN or infinity (its JSON refuses them); a raw body can, as Python's JSON reads both.
+    import httpx
+
+    key = live._clients[-1][1]  # the "other" client's key
+    for value in ("NaN", "Infinity"):
+        body = json.dumps({"sampling_session_id": other._sampling_session_id, "seq_id": 99, "num_samples": 1,
+                           "prompt": {"chunks": [{"tokens": [5, 9], "type": "encoded_text"}]},
+                           "sampling_params": {"max_tokens": 2, "temperature": float(value)}})  # NaN, Infinity
+        r = httpx.post(f"{live.url}/api/v1/asample", content=body, timeout=30,
+                       headers={"X-API-Key": key, "content-type": "application/json"})
+        assert r.status_code == 400 and "sampling_params.temperature must be a finite number" in r.text, r.text
+    for params, field in ((dict(temperature=-1.0), "temperature"),
+                          (dict(top_p=-1.0), "top_p"), (dict(top_p=5.0), "top_p"), (dict(top_k=-2), "top_k"),
+                          (dict(max_tokens=0), "max_tokens")):
+        bad = types.SamplingParams(**{"max_tokens": 4, **params})  # type: ignore[arg-type]
+        with pytest.raises(tinker.BadRequestError, match=f"sampling_params.{field} must"):
+            other.sample(prompt, 1, bad).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"top_k must be at most this model's vocabulary \(128\)"):
+        other.sample(prompt, 1, types.SamplingParams(max_tokens=2, top_k=10**9)).result()
+    limit = live.engine.service.max_num_samples
+    with pytest.raises(tinker.RequestFailedError, match=rf"num_samples must be in \[1, {limit}\]"):
+        other.sample(prompt, limit + 1, types.SamplingParams(max_tokens=2)).result()
 
 
 def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:

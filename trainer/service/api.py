@@ -39,7 +39,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.try_again_response import TryAgainResponse
 
-from trainer.service import auth, protocol
+from trainer.service import auth, protocol, sampling
 from trainer.service.protocol import PROTOBUF
 from trainer.service.store import (
     FAILED,
@@ -599,8 +599,8 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
         # sampling_client.py:347-349); the base_model/model_path-only form is not offered.
         if req.sampling_session_id is None or req.seq_id is None:
             raise HTTPException(400, "asample needs a sampling_session_id and a seq_id (use create_sampling_session)")
-        if req.num_samples < 1:
-            raise HTTPException(400, f"num_samples must be >= 1, not {req.num_samples}")
+        if wrong := sampling.problems(req.sampling_params, req.num_samples, None):
+            raise HTTPException(400, "; ".join(wrong))
         row = store.submit(
             owner, protocol.SAMPLE, protocol.canonical_json(req), sampling_session_id=req.sampling_session_id,
             seq_id=req.seq_id, dedup_key=f"sample:{req.sampling_session_id}:{req.seq_id}",

@@ -259,6 +259,13 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
     initialize_from_env(exit_on_timeout=EXIT_TRANSIENT)
     import jax
 
+    assert cfg.service is not None
+    if cfg.service.compile_cache:  # every process: each compiles, and reads back, the same programs
+        from trainer import compile_cache
+        from trainer.service.engine import state_root
+
+        compile_cache.enable(state_root(cfg.service, args.storage) / compile_cache.DIR_NAME)
+
     if jax.process_index() == 0:
         return None
     from trainer.service import device

@@ -24,6 +24,7 @@ import numpy as np
 
 from trainer import model as M
 from trainer.config import LoraConfig, TrainConfig
+from trainer.sampler import RowSettings
 from trainer.service import losses
 from trainer.service import programs as P
 
@@ -101,10 +102,13 @@ class DeviceState:
         return np.asarray(lp), np.asarray(row_loss)
 
     def sample(self, prompt_BP: np.ndarray, valid_BP: np.ndarray, slot_B: np.ndarray, key_data: np.ndarray,
-               static: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               per_row: tuple[np.ndarray, ...], static: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """per_row: a RowSettings of NumPy arrays (each row's temperature, top-k, top-p, stop ids, token limit);
+        static: (the token bucket, the pad id, the chunk), the only values that pick a program."""
         put = self.progs.put
+        settings = RowSettings(*(put(np.asarray(x), batch=True) for x in per_row))
         out = self.progs.sample(self.params, self.lora, put(self.scale_S), put(prompt_BP, batch=True),
-                                put(valid_BP, batch=True), put(slot_B, batch=True), put(key_data), *static)
+                                put(valid_BP, batch=True), put(slot_B, batch=True), put(key_data), settings, *static)
         tokens, logprobs, mask = (np.asarray(x) for x in out[:3])
         return tokens, logprobs, mask
 

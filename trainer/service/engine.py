@@ -57,11 +57,11 @@ import jax
 import numpy as np
 from tinker import types
 
-from trainer import hf
+from trainer import compile_cache, hf
 from trainer import lora as L
-from trainer.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
+from trainer.config import ConfigError, LoraConfig, ServiceConfig, TrainConfig, resolve_mesh, with_model
 from trainer.fit_estimate import service_longest_datum
-from trainer.service import device, losses, protocol
+from trainer.service import device, losses, protocol, sampling
 from trainer.service import programs as P
 from trainer.service.device import DeviceState
 from trainer.service.shapes import bucket, tinker_targets
@@ -148,6 +148,13 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def state_root(service: ServiceConfig, storage_dir: str | Path | None = None) -> Path:
+    """Where the models' state snapshots go (service.state_dir, else state/ in the checkpoint storage), and the
+    persistent compilation cache with them."""
+    storage = Path(storage_dir or service.storage_dir or default_data_dir() / "checkpoints")
+    return Path(service.state_dir) if service.state_dir else storage / STATE_KIND
+
+
 def prepare(cfg: TrainConfig) -> tuple[TrainConfig, DeviceState, str | None]:
     """What every process of an engine builds alike: the resolved config (model from the checkpoint, mesh from the
     devices), the programs and the device state; and where the tokenizer is (process 0 uses it)."""
@@ -220,7 +227,7 @@ class Engine:
         self.slots: dict[int, Slot] = {}
         self.storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
         self.storage.mkdir(parents=True, exist_ok=True)
-        self.state_root = Path(self.service.state_dir) if self.service.state_dir else self.storage / STATE_KIND
+        self.state_root = state_root(self.service, storage_dir)
         self.state_root.mkdir(parents=True, exist_ok=True)
         base_model = self.service.base_model
         self.worker_id = retry_database(lambda: store.register_worker(worker_name, base_model=base_model),
@@ -289,6 +296,8 @@ class Engine:
         beat.start()
         reason = device.FAILED
         try:
+            if self.service.warmup:
+                self.warm_up()
             restored = False
             while not stop.is_set():
                 try:
@@ -310,6 +319,33 @@ class Engine:
             with contextlib.suppress(Exception):
                 self.store.retire_worker(self.worker_id)
             self.dev.stop(reason)
+
+    def warm_up(self) -> None:
+        """Run the programs of the smallest shapes once, on the base model and on no slot's data, before any request
+        (what most first requests need; every other shape compiles once, then comes from the compile cache). Nothing
+        changes: the rows are on no slot (zero gradients), and the optim step runs on a free slot, all zeros, which
+        AdamW with zero gradients keeps at zero."""
+        counts = compile_cache.Counts()
+        start = time.monotonic()
+        svc, rows = self.service, self.progs.rows(1)
+        new = bucket(1, svc.min_bucket, self.mcfg.max_seq_len - svc.min_bucket)
+        prompt = np.zeros((rows, svc.min_bucket), np.int32)
+        valid = np.zeros(prompt.shape, bool)
+        valid[:, 0] = True
+        settings = sampling.row_settings(types.SamplingParams(max_tokens=1), rows, self.eos_ids[:1],
+                                         self.mcfg.vocab_size)
+        key = np.asarray(jax.random.key_data(jax.random.PRNGKey(0)))
+        self.dev("sample", prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings),
+                 (new, 0, min(svc.sample_max_sequences, rows)))
+        packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": np.zeros(1, np.int32),
+                                                                "weights": np.zeros(1, np.float32)})],
+                                  length=svc.min_bucket, num_rows=rows, vocab_size=self.mcfg.vocab_size)
+        for backward in (False, True):
+            self.dev("run_pass", prompt, np.full((rows,), -1, np.int32), packed, backward)
+        if not self.slots:
+            self.dev("optim", 0, 1, P.AdamHyper(0.0, 0.9, 0.95, 1e-8, 0.0, 0.0).array())
+        log.info("engine: warm-up ran %d programs in %.1f s (%d read from the compile cache)", counts.built,
+                 time.monotonic() - start, counts.hits)
 
     def step(self) -> bool:
         """Claim and run one batch; False when nothing was runnable."""
@@ -826,10 +862,12 @@ class Engine:
         if unsupported:
             raise UserError(f"{', '.join(unsupported)} not supported by this server")
         sp = req.sampling_params
-        if sp.max_tokens is None or sp.max_tokens < 1:
-            raise UserError("sampling_params.max_tokens must be set (>= 1)")
-        if req.num_samples < 1:
-            raise UserError("num_samples must be >= 1")
+        if wrong := sampling.problems(sp, req.num_samples, self.service.max_num_samples):
+            raise UserError("; ".join(wrong))
+        assert sp.max_tokens is not None
+        if sp.top_k > self.mcfg.vocab_size:
+            raise UserError(f"sampling_params.top_k must be at most this model's vocabulary ({self.mcfg.vocab_size}), "
+                            f"not {sp.top_k}")
         prompt = np.array(req.prompt.to_ints(), np.int32)
         if len(prompt) == 0:
             raise UserError("the prompt is empty")
@@ -842,21 +880,24 @@ class Engine:
         self._served(sampler.base_model)
         slot = self._sampler_slot(row.owner_id, sampler.model_path)
         stop_ids, stop_strs = self._stops(sp.stop)
+        if len(stop_ids) > sampling.MAX_STOP_IDS:
+            raise UserError(f"sampling_params.stop: {len(stop_ids)} stop token ids; at most {sampling.MAX_STOP_IDS}")
         seed = sp.seed if sp.seed is not None else _stable_int(row.request_id)
         key = jax.random.PRNGKey(seed)
         n = req.num_samples
         chunk = min(self.service.sample_max_sequences, self.progs.rows(n))
         rows = -(-self.progs.rows(n) // chunk) * chunk
         plen = bucket(len(prompt), self.service.min_bucket, self.mcfg.max_seq_len - sp.max_tokens)
+        # The token bucket: each row stops at its own max_tokens inside the program.
+        new = bucket(sp.max_tokens, self.service.min_bucket, self.mcfg.max_seq_len - plen)
         prompt_BP = np.zeros((rows, plen), np.int32)
         valid_BP = np.zeros((rows, plen), bool)
         prompt_BP[:, :len(prompt)] = prompt
         valid_BP[:, :len(prompt)] = True
         slot_B = np.full((rows,), slot, np.int32)
-        top_k = sp.top_k if sp.top_k and sp.top_k > 0 else 0
-        static = (sp.max_tokens, stop_ids, 0, float(sp.temperature), int(top_k), float(sp.top_p), chunk)
-        tokens, logprobs, mask = self.dev("sample", prompt_BP, valid_BP, slot_B,
-                                          np.asarray(jax.random.key_data(key)), static)
+        per_row = sampling.row_settings(sp, rows, stop_ids, self.mcfg.vocab_size)
+        tokens, logprobs, mask = self.dev("sample", prompt_BP, valid_BP, slot_B, np.asarray(jax.random.key_data(key)),
+                                          tuple(per_row), (new, 0, chunk))
         sequences = [self._sequence(tokens[b], logprobs[b], mask[b], stop_ids, stop_strs) for b in range(n)]
         prompt_lp = self._prompt_logprobs(prompt, slot) if req.prompt_logprobs else None
         topk = self._prompt_topk(prompt, slot, req.topk_prompt_logprobs) if req.topk_prompt_logprobs > 0 else None

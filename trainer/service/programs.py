@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from trainer import lora as L
 from trainer import model as M
 from trainer.config import LoraConfig, ModelConfig, TrainConfig
-from trainer.sampler import Samples, sample
+from trainer.sampler import RowSettings, Samples, sample
 from trainer.service.losses import LossInputs, tinker_losses
 from trainer.service.shapes import rows, stack_config
 from trainer.sharding import (
@@ -170,11 +170,12 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
         return jax.tree_util.tree_map_with_path(lambda p, x: jnp.take(x, slot, axis=L._slot_axis(p)), tree)
 
     def sample_rows(params: Any, lora: Any, scale_S: jax.Array, prompt_BP: jax.Array, valid_BP: jax.Array,
-                    slot_B: jax.Array, key: jax.Array, max_new_tokens: int, stop_ids: tuple[int, ...],
-                    pad_id: int, temperature: float, top_k: int, top_p: float, chunk: int) -> Samples:
-        return sample(params, mcfg, prompt_BP, valid_BP, key, max_new_tokens=max_new_tokens, eos_id=stop_ids,
-                      pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p, cc=cc,
-                      max_num_sequences=chunk, adapter=M.Adapter(lora, _gate(slot_B, scale_S)))
+                    slot_B: jax.Array, key: jax.Array, per_row: RowSettings, max_new_tokens: int, pad_id: int,
+                    chunk: int) -> Samples:
+        """Only the shapes are static (the token bucket, the batch chunk): every user's settings are data."""
+        return sample(params, mcfg, prompt_BP, valid_BP, key, max_new_tokens=max_new_tokens, eos_id=(), pad_id=pad_id,
+                      cc=cc, max_num_sequences=chunk, adapter=M.Adapter(lora, _gate(slot_B, scale_S)),
+                      per_row=per_row)
 
     def prompt_topk(params: Any, lora: Any, scale_S: jax.Array, tokens_BT: jax.Array, slot_B: jax.Array,
                     valid_BT: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -196,8 +197,8 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
                            out_shardings=(lora_sh, lora_sh, lora_sh, lora_sh, rep), donate_argnums=(0, 1, 2, 3)),
         put_slot=jit(L.put_slot, static_argnums=(1, 4), donate_argnums=(0,), out_shardings=lora_sh),
         take_slot=jit(take_slot, out_shardings=rep),
-        sample=jit(sample_rows, in_shardings=(param_sh, lora_sh, rep, b2, b2, b1, rep),
-                   out_shardings=Samples(rep, rep, rep, rep), static_argnums=tuple(range(7, 14))),
+        sample=jit(sample_rows, in_shardings=(param_sh, lora_sh, rep, b2, b2, b1, rep, RowSettings(b1, b1, b1, b2, b1)),
+                   out_shardings=Samples(rep, rep, rep, rep), static_argnums=(8, 9, 10)),
         prompt_topk=jit(prompt_topk, in_shardings=(param_sh, lora_sh, rep, b2, b1, b2), out_shardings=(rep, rep),
                         static_argnums=(6,)),
     )
