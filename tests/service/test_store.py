@@ -514,3 +514,19 @@ def test_an_engine_claims_only_its_base_model(store: Store, owners: tuple[str, s
     big = store.register_worker(base_model="big/base")
     assert sorted(names[r.request_id] for _ in range(2) for r in store.claim(big, base_model="big/base")) == [
         "large create", "large sample"]
+
+
+def test_the_fair_share_serves_the_owner_served_longest_ago_first(store: Store, owners: tuple[str, str]) -> None:
+    """Issue 40: oldest-first let one user's backlog of samples hold everyone else's request behind all of it (and a
+    claim took 64 of them at once). With owner_order, a newcomer's request goes next, then the owners in turn."""
+    alice, bob = owners
+    worker = store.register_worker("w")
+    mine = [store.submit(alice, "sample", b"p", dedup_key=f"sample:a:{i}") for i in range(5)]
+    theirs = store.submit(bob, "sample", b"p", dedup_key="sample:b:0")
+    # Oldest first, as before, without an order; unordered requests batch unless told not to.
+    assert [r.request_id for r in store.claim(worker, max_batch=3)] == [r.request_id for r in mine[:3]]
+    first = store.claim(worker, max_batch=64, owner_order=[alice, bob], batch_unordered=False)
+    assert [r.request_id for r in first] == [mine[3].request_id]  # bob was served more lately: alice first, alone
+    assert [r.request_id for r in store.claim(worker, owner_order=[alice])] == [theirs.request_id]  # never served
+    assert [r.request_id for r in store.claim(worker, owner_order=[bob, alice])] == [mine[4].request_id]
+    assert store.claim(worker, owner_order=[bob, alice]) == []

@@ -291,6 +291,39 @@ def test_another_users_sampling_settings_compile_nothing_and_bad_ones_are_refuse
         other.sample(prompt, limit + 1, types.SamplingParams(max_tokens=2)).result()
 
 
+def test_a_backlog_of_one_users_samples_does_not_hold_back_another_users_request(live: LiveService) -> None:
+    """Issue 40's fair share: the engine took requests oldest first, 64 unordered ones per claim, so a user's request
+    waited behind every sample another user had queued. Now the owner served longest ago goes next."""
+    from sqlalchemy import select
+
+    from trainer.service.store import QUEUED, Request
+
+    prompt = types.ModelInput.from_ints([5, 9, 33, 17])
+    params = types.SamplingParams(max_tokens=8, seed=5)
+    flooder = live.client("flood").create_sampling_client(base_model=BASE).result()
+    other = live.client("other").create_sampling_client(base_model=BASE).result()
+    flooder.sample(prompt, 4, params).result()  # both programs compiled before the race
+    live.stop_engine()  # the backlog queues up while no engine runs, then the other user's request arrives last
+    backlog = [flooder.sample(prompt, 4, params) for _ in range(10)]
+    mine = other.sample(prompt, 4, params)
+    deadline = time.monotonic() + 60
+    while True:
+        with live.store._read() as s:
+            if len(s.scalars(select(Request).where(Request.kind == "sample", Request.status == QUEUED)).all()) == 11:
+                break
+        assert time.monotonic() < deadline, "the requests did not arrive"
+        time.sleep(0.1)
+    live.start_engine()
+    mine.result(timeout=120)
+    for f in backlog:
+        f.result(timeout=120)
+    with live.store._read() as s:
+        rows = s.scalars(select(Request).where(Request.kind == "sample").order_by(Request.started_at)).all()
+    order = [r.owner_id for r in rows[-11:]]
+    theirs = next(o for o in order if order.count(o) == 1)
+    assert order.index(theirs) <= 1, order  # at most one of the backlog ran first
+
+
 def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:
     sc = live.client()
     with pytest.raises(tinker.RequestFailedError, match=r"rank at most 8 \(lora.rank\)"):

@@ -91,6 +91,7 @@ MAX_SNAPSHOT_ATTEMPTS: Final = 3  # a request whose state cannot be saved this o
 OPTIMIZER_FILE: Final = "optimizer.safetensors"
 STATE_FILE: Final = "state.json"
 FWD_KINDS: Final = (protocol.FORWARD, protocol.FORWARD_BACKWARD)
+MAX_FAIR_OWNERS: Final = 256  # owners the fair share remembers (one not among them counts as never served)
 
 
 class UserError(Exception):
@@ -233,6 +234,7 @@ class Engine:
         self.worker_id = retry_database(lambda: store.register_worker(worker_name, base_model=base_model),
                                         "register the engine", within_s=db_retry_s)
         self._last_housekeeping = 0.0
+        self._owners: dict[str, None] = {}  # owners by when they were last served, the longest ago first
         self._pinned: set[int] = set()  # slots a batch being assembled uses: never evicted for another model
         # Snapshots being written (slot -> model id; never evicted or unloaded meanwhile), one thread writing them in
         # order, and the ones that failed, for the main loop to settle.
@@ -355,21 +357,34 @@ class Engine:
             self._last_housekeeping = now
             self.housekeeping()
         base_model = self.service.base_model
-        rows = self.store.claim(self.worker_id, max_batch=64, base_model=base_model)
+        # The fair share: the owner served longest ago goes first, and unordered requests (samples) are claimed one
+        # at a time, so a backlog of one user's samples interleaves with everyone else's requests.
+        rows = self.store.claim(self.worker_id, max_batch=64, base_model=base_model, owner_order=list(self._owners),
+                                batch_unordered=False)
         if not rows:
             return False
         if rows[0].kind in FWD_KINDS:
             budget = 8 * max(1, self.service.max_batch_tokens // self.service.min_bucket)
             while len(rows) < budget:
-                more = self.store.claim(self.worker_id, kinds=FWD_KINDS, max_batch=64, base_model=base_model)
+                more = self.store.claim(self.worker_id, kinds=FWD_KINDS, max_batch=64, base_model=base_model,
+                                        owner_order=list(self._owners))
                 if not more:
                     break
                 rows += more
+            self._served_by(rows)
             self._run_forward(rows)
             return True
+        self._served_by(rows)
         for row in rows:
             self._run_one(row)
         return True
+
+    def _served_by(self, rows: list[Request]) -> None:
+        for row in rows:
+            self._owners.pop(row.owner_id, None)
+            self._owners[row.owner_id] = None  # the most recently served last
+        while len(self._owners) > MAX_FAIR_OWNERS:
+            del self._owners[next(iter(self._owners))]
 
     def _run_one(self, row: Request) -> None:
         try:

@@ -61,6 +61,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    case,
     create_engine,
     event,
     func,
@@ -991,16 +992,21 @@ class Store:
         kinds: Collection[str] | None = None,
         max_batch: int = 1,
         base_model: str | None = None,
+        owner_order: Sequence[str] = (),
+        batch_unordered: bool = True,
     ) -> list[Request]:
         """Mark the next runnable request running for this worker and return it ([] when nothing is runnable).
 
         With base_model, only requests on that base model (their model's or their sampler's) and those on none: an
         engine serves one base model, and an API may list several, each with its own engine.
 
-        Runnable: queued, and either unordered (no model or no seq_id) or its model's next seq_id. Oldest first.
+        Runnable: queued, and either unordered (no model or no seq_id) or its model's next seq_id. Oldest first;
+        with owner_order (owners served lately, the least recent first) the fair share: owners not in it first, then
+        the one served longest ago, so one owner's backlog never keeps another's request waiting behind all of it.
         With max_batch > 1 the batch grows with further requests of the same kind that are runnable once the first
-        one is (the model's following seq_ids without a gap, or further unordered requests), e.g. the consecutive
-        forward_backward chunks before an optim_step; report each with complete()/fail().
+        one is (the model's following seq_ids without a gap, or, unless batch_unordered is False, further unordered
+        requests), e.g. the consecutive forward_backward chunks before an optim_step; report each with
+        complete()/fail().
         """
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -1012,7 +1018,7 @@ class Store:
                     Request.status == QUEUED,
                     or_(Request.model_id.is_(None), Request.seq_id.is_(None), Request.seq_id == Model.next_seq_id),
                 )
-                .order_by(Request.id)
+                .order_by(*self._owner_rank(owner_order), Request.id)
                 .limit(1)
             )
             if kinds is not None:
@@ -1025,7 +1031,7 @@ class Store:
             if first is None:
                 return []
             batch = [first]
-            if max_batch > 1:
+            if max_batch > 1 and (batch_unordered or first.ordered):
                 batch += self._batch_after(s, first, max_batch - 1, base_model)
             now = utcnow()
             for row in batch:
@@ -1033,6 +1039,13 @@ class Store:
             if (worker := s.get(Worker, worker_id)) is not None:
                 worker.heartbeat_at = now
         return batch
+
+    @staticmethod
+    def _owner_rank(owner_order: Sequence[str]) -> list[Any]:
+        """ORDER BY terms putting owners not in owner_order first, then owner_order's own order."""
+        if not owner_order:
+            return []
+        return [case({owner: i for i, owner in enumerate(owner_order)}, value=Request.owner_id, else_=-1)]
 
     @staticmethod
     def _on_base_model(q: Select[Any], base_model: str) -> Select[Any]:
