@@ -339,6 +339,9 @@ class ServiceConfig(_Strict):
                             "power of two (one compiled program per bucket)")
     sample_max_sequences: int = Field(64, gt=0, description="sequences decoded at once; a request for more samples "
                                       "runs in chunks")
+    max_request_tokens: int = Field(1 << 20, gt=0, description="the most tokens (all datums together) one forward "
+                                    "or forward_backward request may carry (more is refused, naming this key): a "
+                                    "request runs to its end once started, whoever waits")
     max_num_samples: int = Field(128, gt=0, description="the most samples one sample request may ask for (a larger "
                                  "num_samples is refused, naming this key): one request holds the engine while it "
                                  "decodes")

@@ -3,6 +3,7 @@ try_again, the failure shape) and the protocol module's encoders against the SDK
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -235,3 +236,22 @@ def test_server_config_keeps_long_polls_inside_the_sdk_timeout() -> None:
         ServerConfig(base_models=[BaseModelSpec("m")], long_poll_s=45)
     with pytest.raises(ValueError, match="at least one"):
         ServerConfig(base_models=[])
+
+
+def test_a_json_body_over_the_limit_is_refused_before_it_is_read(service: Service) -> None:
+    """Issue 40: JSON routes took any body (30 MiB of user_metadata was stored). Over max_json_bytes (4 MiB) a body
+    is answered 413 by its Content-Length, and a chunked one (no length) as it streams past the limit."""
+    from trainer.service.api import DEFAULT_MAX_JSON_BYTES
+
+    api = Api(service, service.new_key()[1])
+    session = {"tags": [], "sdk_version": "test"}
+    big = json.dumps({**session, "user_metadata": {"x": "y" * DEFAULT_MAX_JSON_BYTES}}).encode()
+    headers = {**api.headers, "content-type": "application/json"}
+    r = httpx.post(f"{api.url}/api/v1/create_session", content=big, headers=headers)
+    assert r.status_code == 413 and "over 4194304 bytes" in r.json()["detail"], r.text
+    chunks = (big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20))
+    r = httpx.post(f"{api.url}/api/v1/create_session", content=chunks, headers=headers)
+    assert "content-length" not in r.request.headers and r.status_code == 413, r.text
+    assert r.headers["x-should-retry"] == "false"
+    small = {**session, "user_metadata": {"x": "y" * 1000}}
+    assert httpx.post(f"{api.url}/api/v1/create_session", json=small, headers=api.headers).status_code == 200

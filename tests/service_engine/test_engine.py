@@ -334,6 +334,14 @@ def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:
         tc.forward_backward(too_long, "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="loss_fn"):
         tc.forward_backward(_data(6), "stable_reinforce").result()
+    service = live.engine.service
+    live.engine.service = service.model_copy(update={"max_request_tokens": 20})  # _data(6): 32 tokens in 3 datums
+    try:
+        with pytest.raises(tinker.RequestFailedError, match=r"carries 32 tokens.*at most 20 per request \(service"
+                                                            r".max_request_tokens\)"):
+            tc.forward_backward(_data(6), "cross_entropy").result()
+    finally:
+        live.engine.service = service
     assert tc.forward_backward(_data(6), "cross_entropy").result().metrics["loss:sum"] > 0
 
 

@@ -65,6 +65,9 @@ DEFAULT_LONG_POLL_S: Final = 40.0
 # Decompressed forward_backward body cap. The SDK splits data into chunks of at most fwdbwd_max_chunk_bytes_count
 # (5 MB by default, which /client/config keeps) before protobuf encoding, so this leaves ample headroom.
 DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+# Every other route takes JSON: a sample's prompt of 128k tokens is under 1 MiB; user_metadata and names are small.
+DEFAULT_MAX_JSON_BYTES: Final = 4 * 1024 * 1024
+PROTOBUF_ROUTES: Final = frozenset({"/api/v1/forward_backward"})
 LIST_LIMIT_MAX: Final = 1000
 # How long a retrieve_future waits before it answers paused_capacity while no engine runs.
 PAUSED_POLL_S: Final = 5.0
@@ -94,6 +97,7 @@ class ServerConfig:
     # Asks the SDK to zstd the forward_backward body (client/config proto_compress_fwdbwd): >10x smaller on the wire.
     proto_compress_fwdbwd: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     _by_name: dict[str, BaseModelSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -288,9 +292,44 @@ def _owner(request: HttpRequest) -> str:
 Owner = Annotated[str, Depends(_owner)]
 
 
+class _BodyLimit:
+    """A request body over its route's limit (protobuf routes: max_body_bytes; the rest: max_json_bytes) is answered
+    413 before any route holds it: by its Content-Length at once, else as the stream passes the limit (raised from
+    receive(), so FastAPI answers it as any HTTPException). FastAPI would otherwise read and parse a JSON body of any
+    size, and the store keep it (30 MiB of user_metadata was stored)."""
+
+    def __init__(self, app: Any, config: ServerConfig) -> None:
+        self.app, self.config = app, config
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.config.max_body_bytes if scope["path"] in PROTOBUF_ROUTES else self.config.max_json_bytes
+        message = f"request body over {limit} bytes (this route's limit)"
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await JSONResponse({"detail": message}, status_code=413, headers={"x-should-retry": "false"})(
+                scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, message, headers={"x-should-retry": "false"})
+            return msg
+
+        await self.app(scope, limited, send)
+
+
 def create_app(store: Store, config: ServerConfig) -> FastAPI:
     """The API over `store`, serving `config.base_models`. No docs routes: every route but healthz needs a key."""
     app = FastAPI(title="gke-tpu-rl Tinker-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_BodyLimit, config=config)
     app.state.store = store
     watcher = _FinishWatcher(store, config.poll_interval_s)
 

@@ -659,6 +659,11 @@ class Engine:
         for row in rows:
             try:
                 body = protocol.decode_forward_backward(row.body)
+                total = sum(len(d.tokens) for d in body.data)
+                if total > self.service.max_request_tokens:
+                    raise UserError(f"the request carries {total} tokens; this server takes at most "
+                                    f"{self.service.max_request_tokens} per request (service.max_request_tokens): "
+                                    "split it into several forward_backward calls before the optim_step")
                 slot = self._model_slot(row.model_id or "")
                 self._pinned.add(slot.index)
                 for i, d in enumerate(body.data):
