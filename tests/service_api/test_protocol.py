@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -255,3 +256,35 @@ def test_a_json_body_over_the_limit_is_refused_before_it_is_read(service: Servic
     assert r.headers["x-should-retry"] == "false"
     small = {**session, "user_metadata": {"x": "y" * 1000}}
     assert httpx.post(f"{api.url}/api/v1/create_session", json=small, headers=api.headers).status_code == 200
+
+
+def test_a_key_with_too_much_unfinished_work_gets_a_429_for_its_next_sample(tmp_path: Path) -> None:
+    """Issue 40's limit per key: with max_unfinished_samples requests queued or running, a key's next sample is
+    answered 429 with Retry-After (the SDK backs off and sends it again); another key is not held back."""
+    from tests.service_api.conftest import api_in_thread
+    from trainer.service import auth
+    from trainer.service.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'service.db'}")
+    with api_in_thread(store, ServerConfig([BaseModelSpec(BASE_MODEL)], max_unfinished_samples=2)) as url:
+        def sampler(key: str) -> tuple[Api, str]:
+            api = Api.__new__(Api)
+            api.url, api.headers = url, {"X-API-Key": key}
+            session = api.post("/api/v1/create_session", types.CreateSessionRequest(
+                tags=[], user_metadata={}, sdk_version="test")).json()["session_id"]
+            made = api.post("/api/v1/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                                 "base_model": BASE_MODEL})
+            return api, made.json()["sampling_session_id"]
+
+        def sample(api: Api, sampler_id: str, seq: int) -> httpx.Response:
+            return api.post("/api/v1/asample", types.SampleRequest(
+                sampling_session_id=sampler_id, seq_id=seq, num_samples=1,
+                prompt=types.ModelInput.from_ints([1, 2]), sampling_params=types.SamplingParams(max_tokens=2)))
+
+        busy, busy_sampler = sampler(auth.create_key(store, "busy")[1])
+        assert [sample(busy, busy_sampler, i).status_code for i in range(2)] == [200, 200]  # no engine: both queued
+        refused = sample(busy, busy_sampler, 2)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+        assert "2 or more requests queued or running" in refused.json()["detail"]
+        other, other_sampler = sampler(auth.create_key(store, "other")[1])
+        assert sample(other, other_sampler, 0).status_code == 200
