@@ -9,6 +9,11 @@ each other for the machine's 2 cores, while the other worker takes the in-proces
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,6 +58,43 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByGroup(config, log)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One persistent compilation cache per worker for the processes the tests start (trainer runs, engines, the
+    docs' commands): what one test's process compiled, the next one's reads back. Their product default (a cache
+    beside each run's checkpoints, trainer/compile_cache.py) gives way to $JAX_COMPILATION_CACHE_DIR. jax is imported
+    first: it reads the variable at import, so the tests' own in-process compiles, which `fit` counts and prices,
+    stay uncached. The as-deployed harness starts its pods with their rendered env only: they keep the product's
+    cache on their bucket."""
+    import jax  # noqa: F401
+
+    cache = tmp_path_factory.getbasetemp() / "jax-compile-cache"
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return cache
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The longest group first: it bounds the run, so it should not start last.
     items.sort(key=lambda item: _group(item.nodeid) != PROCESSES)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """With GTR_TEST_CPU=<file>, appends each test's wall and CPU seconds (this process and the children it reaped)
+    to <file> as JSON lines: under -n 2 the wall figures mostly measure contention, the CPU ones what a test costs."""
+    path = os.environ.get("GTR_TEST_CPU")
+    if not path:
+        yield
+        return
+    start, cpu0 = time.monotonic(), _cpu_seconds()
+    yield
+    row = {"nodeid": item.nodeid, "group": _group(item.nodeid), "wall": round(time.monotonic() - start, 2),
+           "cpu": round(_cpu_seconds() - cpu0, 2)}
+    with open(path, "a") as out:
+        out.write(json.dumps(row) + "\n")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
