@@ -11,7 +11,7 @@ CDKTF_VENV := $(VENV)/cdktf
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 
-.PHONY: install demo plan train-demo test deployed lint golden bench bench-ray bench-tinker bench-tunix clean
+.PHONY: install demo plan train-demo test test-long deployed lint golden bench bench-ray bench-tinker bench-tunix clean
 
 $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt tools/cdktf-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,9 +42,13 @@ lint: install
 	$(BIN)/ruff check .
 
 # Two workers (pytest-xdist): files whose tests start several processes run one at a time (tests/conftest.py).
+# Longer variants of cases it covers (marked `long`) run in `make test-long`.
 PYTEST_WORKERS ?= 2
 test: install lint
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS)
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m "not long"
+
+test-long: install
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m long
 
 # The as-deployed harness alone (docs/as-deployed.md): every environment's rendered workloads run on this machine.
 # Needs root (network namespaces); part of `make test`.

@@ -487,7 +487,7 @@ def test_readme_make_targets(clone: Path) -> None:
                                    capture_output=True, text=True, env=env).stdout
             assert f"python3 -m venv {clone}/fresh-venv" in fresh and "pip install -q -e '.[dev]'" in fresh
         else:
-            assert steps == ["ruff check .", "pytest -q -n 2"]
+            assert steps == ["ruff check .", 'pytest -q -n 2 -m "not long"']
         ledger.checked(command)
     ledger.close()
 

@@ -110,21 +110,26 @@ def test_an_oversized_config_is_refused_naming_the_program_and_the_fix(
     assert err.splitlines()[-1].startswith("hint: `gke-tpu-rl fit ... --search` compiles candidate settings")
 
 
-def test_fit_search_prints_settings_that_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def _small_chip_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[str]]:
+    """A 13 MiB chip: the 256-token update of this small model needs ~26 MiB per chip as given, so the search has
+    something to solve at compiles of seconds. Everything else is the real CLI, catalog and libtpu."""
     import dataclasses
 
     from infra import fit as infra_fit
 
-    # A 13 MiB chip: the 256-token update of this small model needs ~26 MiB per chip as given, so the search has
-    # something to solve at compiles of seconds. Everything else is the real CLI, catalog and libtpu.
     real_target = infra_fit.target
     monkeypatch.setattr(infra_fit, "target", lambda shape, slices: dataclasses.replace(
         real_target(shape, slices), hbm_bytes_per_chip=13 << 20))
     run = _run_yaml(tmp_path / "run.yaml", {"d_model": 64, "head_dim": 16, "d_ff": 128, "max_seq_len": 512},
                     rl={"group_size": 8, "prompts_per_step": 8},
                     sampling={"max_new_tokens": 128, "max_prompt_len": 128})
-    args = ["fit", "--config", str(run), "--tpu", "v5e:2x2"]
+    return run, ["fit", "--config", str(run), "--tpu", "v5e:2x2"]
+
+
+@pytest.mark.long  # the search itself is proven in-process (tests/trainer/test_fit_search.py); this is its CLI
+def test_fit_search_prints_settings_that_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run, args = _small_chip_search(tmp_path, monkeypatch)
     assert cli.main([*args, "--search", "--budget", "6"]) == 0
     out, err = capsys.readouterr()
     assert "search: found settings that fit in " in out and "(budget 6)" in out
@@ -138,6 +143,10 @@ def test_fit_search_prints_settings_that_fit(tmp_path: Path, monkeypatch: pytest
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] and doc["mfu"] > 0 and doc["share_of"] == "0.01 GiB HBM (catalog) per chip"
 
+
+def test_fit_search_that_finds_nothing_exits_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    _, args = _small_chip_search(tmp_path, monkeypatch)
     # Nothing fits in one compile: exit 3, saying what was tried, with the config as given reported.
     assert cli.main([*args, "--search", "--budget", "1", "--format", "json"]) == cli.EXIT_NO_FIT
     out, err = capsys.readouterr()

@@ -179,8 +179,8 @@ def test_continuous_batching_with_one_slot_per_row_and_greedy() -> None:
     assert int(one.steps) == int(whole[2].sum())  # one slot: a step per generated token
 
 
-@pytest.mark.parametrize("attention", ["xla", "unrolled"])
-@pytest.mark.parametrize("block", [8, 5])
+@pytest.mark.parametrize(("block", "attention"), [(8, "xla"), (5, "xla"), (5, "unrolled"),
+                                                 pytest.param(8, "unrolled", marks=pytest.mark.long)])
 def test_block_attention_decodes_as_the_whole_cache(block: int, attention: str) -> None:
     """compute.decode_block: a decode step reads the cache block by block up to the furthest live token. float32:
     the same tokens as the whole-cache einsum (the reference), with log-probs within rounding, sampled all at once

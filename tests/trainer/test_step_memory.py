@@ -85,8 +85,9 @@ def _initial_params(base: dict) -> dict:
 
 
 @pytest.mark.parametrize(("mesh", "compute"), [
-    (ONE, {"train_micro_batch_size": 4}),  # 4 micro-batches of 4 sequences, gradients summed
-    (ONE, {"remat": "full"}),
+    # 4 micro-batches of 4 sequences, gradients summed; full remat: both also in the sharded case below
+    pytest.param(ONE, {"train_micro_batch_size": 4}, marks=pytest.mark.long),
+    pytest.param(ONE, {"remat": "full"}, marks=pytest.mark.long),
     (ONE, {"remat": "dots"}),
     (ONE, {"logprob_chunk": 2}),  # 4 chunks, the last one padded
     ((2, 2, 2), {"train_micro_batch_size": 8, "remat": "full", "logprob_chunk": 3}),  # sharded micro-batches
@@ -292,7 +293,7 @@ def test_gathered_sampler_weights_give_the_same_samples(base: dict) -> None:
     np.testing.assert_allclose(outs[0].logprobs_BN, outs[1].logprobs_BN, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("gather", [pytest.param(False, marks=pytest.mark.long), True])  # True: gathered and unstacked
 def test_unstacked_sampler_weights_give_the_same_samples(base: dict, gather: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the sampler reads one array per layer (XLA there copies each layer's slice of a stacked weight
@@ -326,7 +327,7 @@ def test_unstacked_sampler_weights_give_the_same_samples(base: dict, gather: boo
     assert loop_slices(texts[1]) <= loop_slices(texts[0]) - 7 * L  # none of the 7 matrices of any layer
 
 
-@pytest.mark.parametrize("chunk", [None, 8])
+@pytest.mark.parametrize("chunk", [pytest.param(None, marks=pytest.mark.long), 8])  # 8: continuously batched
 def test_a_regrouped_sampler_gives_the_same_samples(base: dict, chunk: int | None) -> None:
     """sampling.tensor 4 on a slices 2 x fsdp 2 x tensor 2 mesh: the sampler runs on (2, 1, 4), its gathered weights
     split 4 ways, and draws the very tokens the mesh as it is draws (all rows at once, or continuously batched)."""
