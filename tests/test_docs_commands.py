@@ -237,6 +237,7 @@ INLINE: dict[str, tuple[str, str]] = {
     "gke-tpu-rl reference --write": ("test_readme_inline_commands", "run in the scratch clone: both references"),
     "make golden": ("test_readme_inline_commands", "rewrites tests/golden: `make -n` shows the pytest it runs"),
     "make bench-ray": ("test_readme_inline_commands", "minutes of Ray runs: `make -n` shows the bench it runs"),
+    "make test-long": ("test_readme_inline_commands", "the long variants: `make -n` shows the pytest it runs"),
     "python -m trainer.stage": ("test_readme_inline_commands", "needs the Hub: the plan's staging Job runs it"),
     "python -m trainer --ray --ray-slices MIN:MAX --ray-tpu TPU-V6E:4x4 --ray-max-failures N --config … --run-dir "
     "/checkpoints/<name>/run --set mesh.fsdp=-1": ("test_readme_inline_commands",
@@ -812,8 +813,9 @@ def test_readme_inline_commands(clone: Path, capsys: pytest.CaptureFixture[str],
             dry = subprocess.run(["make", "-n", "-o", f"{VENV_BIN.parent}/.installed-stamp",
                                   f"VENV={VENV_BIN.parent}", argv[1]], cwd=clone, check=True, capture_output=True,
                                  text=True).stdout
-            assert ("UPDATE_GOLDEN=1" in dry and "tests/infra/test_plan.py" in dry if argv[1] == "golden"
-                    else "bench/ray_elastic.py" in dry), dry
+            want = {"golden": ["UPDATE_GOLDEN=1", "tests/infra/test_plan.py"], "test-long": ["pytest -q -n 2 -m long"],
+                    "bench-ray": ["bench/ray_elastic.py"]}[argv[1]]
+            assert all(w in dry for w in want), dry
         else:  # what the pods run: the dev plan's staging Job, RayJob entrypoint and Ray head
             if dev is None:
                 r = gke_tpu_rl(["gke-tpu-rl", "plan", "dev", "--out", str(clone / "dev-out")], capsys)
