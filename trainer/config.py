@@ -372,7 +372,8 @@ class CheckpointConfig(_Strict):
     async_save: bool = Field(True, description="write checkpoints in the background while training goes on")
     compile_cache: bool = Field(True, description="keep the compiled programs in _jax-compile-cache/ beside the "
                                 "checkpoints, so a restarted run (a preemption, a crash) reads them back instead of "
-                                "compiling them again (`python -m trainer`; $JAX_COMPILATION_CACHE_DIR wins if set)")
+                                "compiling them again (`python -m trainer` without --ray; "
+                                "$JAX_COMPILATION_CACHE_DIR wins if set)")
 
 
 class TrainConfig(_Strict):

@@ -61,6 +61,9 @@ def test_the_trainer_as_deployed(harness_lock: None, work: Path, tmp_path: Path)
             assert min(_steps(metrics)[done:]) > 0, "started over instead of resuming"
             assert js.status == "Active" and js.restarts_toward_max == attempt, js.history
 
+        # Process 0 kept the compiled programs beside the checkpoints (checkpoint.compile_cache) for the restarts.
+        assert list((ckpt / "_jax-compile-cache").iterdir())
+
         # A bug: the dataset the config reads is gone; the next start exits 2, which fails the JobSet at once.
         (bucket / "data" / "gsm8k" / "train.jsonl").unlink()
         c.kill(f"{name}-slice-0-1", signal.SIGTERM)

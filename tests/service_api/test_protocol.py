@@ -259,7 +259,7 @@ def test_a_json_body_over_the_limit_is_refused_before_it_is_read(service: Servic
 
 
 def test_a_key_with_too_much_unfinished_work_gets_a_429_for_its_next_sample(tmp_path: Path) -> None:
-    """Issue 40's limit per key: with max_unfinished_samples requests queued or running, a key's next sample is
+    """Issue 40's limit per key: with max_unfinished_samples samples queued or running, a key's next sample is
     answered 429 with Retry-After (the SDK backs off and sends it again); another key is not held back."""
     from tests.service_api.conftest import api_in_thread
     from trainer.service import auth
@@ -285,6 +285,6 @@ def test_a_key_with_too_much_unfinished_work_gets_a_429_for_its_next_sample(tmp_
         assert [sample(busy, busy_sampler, i).status_code for i in range(2)] == [200, 200]  # no engine: both queued
         refused = sample(busy, busy_sampler, 2)
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
-        assert "2 or more requests queued or running" in refused.json()["detail"]
+        assert "2 or more samples queued or running" in refused.json()["detail"]
         other, other_sampler = sampler(auth.create_key(store, "other")[1])
         assert sample(other, other_sampler, 0).status_code == 200

@@ -68,8 +68,9 @@ DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 # Every other route takes JSON: a sample's prompt of 128k tokens is under 1 MiB; user_metadata and names are small.
 DEFAULT_MAX_JSON_BYTES: Final = 4 * 1024 * 1024
 PROTOBUF_ROUTES: Final = frozenset({"/api/v1/forward_backward"})
-# A key with this many requests queued or running gets a 429 for its next sample (the SDK retries it after a
-# back-off); training requests are never refused for it (the SDK has numbered them: a refusal would leave a gap).
+# A key with this many samples queued or running gets a 429 for its next one (tinker 0.38's SamplingClient retries a
+# 429 with its own back-off, without limit, so it waits rather than fails); training requests are never refused for it
+# (the SDK has numbered them: a refusal would leave a gap).
 DEFAULT_MAX_UNFINISHED: Final = 1024
 LIST_LIMIT_MAX: Final = 1000
 # How long a retrieve_future waits before it answers paused_capacity while no engine runs.
@@ -644,8 +645,8 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
             raise HTTPException(400, "asample needs a sampling_session_id and a seq_id (use create_sampling_session)")
         if wrong := sampling.problems(req.sampling_params, req.num_samples, None):
             raise HTTPException(400, "; ".join(wrong))
-        if store.unfinished(owner) >= config.max_unfinished_samples:
-            raise HTTPException(429, f"this key has {config.max_unfinished_samples} or more requests queued or running "
+        if store.unfinished(owner, protocol.SAMPLE) >= config.max_unfinished_samples:
+            raise HTTPException(429, f"this key has {config.max_unfinished_samples} or more samples queued or running "
                                 "(the server's limit per key); retry once some finish", headers={"Retry-After": "1"})
         row = store.submit(
             owner, protocol.SAMPLE, protocol.canonical_json(req), sampling_session_id=req.sampling_session_id,

@@ -327,23 +327,26 @@ class Engine:
         (what most first requests need; every other shape compiles once, then comes from the compile cache). Nothing
         changes: the rows are on no slot (zero gradients), and the optim step runs on a free slot, all zeros, which
         AdamW with zero gradients keeps at zero."""
+        if self.mcfg.max_seq_len < 2:  # no one-token prompt with a one-token answer: nothing to warm
+            return
         counts = compile_cache.Counts()
         start = time.monotonic()
-        svc, rows = self.service, self.progs.rows(1)
-        new = bucket(1, svc.min_bucket, self.mcfg.max_seq_len - svc.min_bucket)
-        prompt = np.zeros((rows, svc.min_bucket), np.int32)
+        # The shapes of a one-token prompt with max_tokens 1 and of a one-token datum, as _sample and _pass make them.
+        rows, chunk, plen, new = self._sample_shape(1, 1, 1)
+        prompt = np.zeros((rows, plen), np.int32)
         valid = np.zeros(prompt.shape, bool)
         valid[:, 0] = True
         settings = sampling.row_settings(types.SamplingParams(max_tokens=1), rows, self.eos_ids[:1],
                                          self.mcfg.vocab_size)
         key = np.asarray(jax.random.key_data(jax.random.PRNGKey(0)))
-        self.dev("sample", prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings),
-                 (new, 0, min(svc.sample_max_sequences, rows)))
+        self.dev("sample", prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings), (new, 0, chunk))
+        n_rows, length = self.progs.rows(1), bucket(1, self.service.min_bucket, self.mcfg.max_seq_len)
         packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": np.zeros(1, np.int32),
                                                                 "weights": np.zeros(1, np.float32)})],
-                                  length=svc.min_bucket, num_rows=rows, vocab_size=self.mcfg.vocab_size)
+                                  length=length, num_rows=n_rows, vocab_size=self.mcfg.vocab_size)
         for backward in (False, True):
-            self.dev("run_pass", prompt, np.full((rows,), -1, np.int32), packed, backward)
+            self.dev("run_pass", np.zeros((n_rows, length), np.int32), np.full((n_rows,), -1, np.int32), packed,
+                     backward)
         if not self.slots:
             self.dev("optim", 0, 1, P.AdamHyper(0.0, 0.9, 0.95, 1e-8, 0.0, 0.0).array())
         log.info("engine: warm-up ran %d programs in %.1f s (%d read from the compile cache)", counts.built,
@@ -905,11 +908,7 @@ class Engine:
         seed = sp.seed if sp.seed is not None else _stable_int(row.request_id)
         key = jax.random.PRNGKey(seed)
         n = req.num_samples
-        chunk = min(self.service.sample_max_sequences, self.progs.rows(n))
-        rows = -(-self.progs.rows(n) // chunk) * chunk
-        plen = bucket(len(prompt), self.service.min_bucket, self.mcfg.max_seq_len - sp.max_tokens)
-        # The token bucket: each row stops at its own max_tokens inside the program.
-        new = bucket(sp.max_tokens, self.service.min_bucket, self.mcfg.max_seq_len - plen)
+        rows, chunk, plen, new = self._sample_shape(len(prompt), sp.max_tokens, n)
         prompt_BP = np.zeros((rows, plen), np.int32)
         valid_BP = np.zeros((rows, plen), bool)
         prompt_BP[:, :len(prompt)] = prompt
@@ -922,6 +921,16 @@ class Engine:
         prompt_lp = self._prompt_logprobs(prompt, slot) if req.prompt_logprobs else None
         topk = self._prompt_topk(prompt, slot, req.topk_prompt_logprobs) if req.topk_prompt_logprobs > 0 else None
         return protocol.encode_sample_response(sequences, prompt_logprobs=prompt_lp, topk_prompt_logprobs=topk)
+
+    def _sample_shape(self, prompt_len: int, max_tokens: int, n: int) -> tuple[int, int, int, int]:
+        """The shapes that pick a sample's program: rows (n's row bucket, a multiple of the chunk decoded at once),
+        the chunk, the prompt bucket and the token bucket (each row stops at its own max_tokens inside it). Needs
+        prompt_len + max_tokens <= the context."""
+        svc = self.service
+        chunk = min(svc.sample_max_sequences, self.progs.rows(n))
+        rows = -(-self.progs.rows(n) // chunk) * chunk
+        plen = bucket(prompt_len, svc.min_bucket, self.mcfg.max_seq_len - max_tokens)
+        return rows, chunk, plen, bucket(max_tokens, svc.min_bucket, self.mcfg.max_seq_len - plen)
 
     def _prompt_topk(self, prompt: np.ndarray, slot: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The k likeliest tokens at each prompt position given the tokens before it; the first has none."""

@@ -26,7 +26,7 @@ def problems(sp: types.SamplingParams, num_samples: int, max_num_samples: int | 
     out: list[str] = []
     if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
         out.append(f"sampling_params.temperature must be a finite number >= 0 (0: greedy), not {sp.temperature}")
-    if not (math.isfinite(sp.top_p) and 0 < sp.top_p <= 1):
+    if not (math.isfinite(sp.top_p) and np.float32(sp.top_p) > 0 and sp.top_p <= 1):  # the program's float32
         out.append(f"sampling_params.top_p must be in (0, 1] (1: off), not {sp.top_p}")
     if sp.top_k < -1:
         out.append(f"sampling_params.top_k must be -1 or 0 (off) or a count >= 1, not {sp.top_k}")

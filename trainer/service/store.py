@@ -960,11 +960,13 @@ class Store:
             if (row := s.get(Worker, worker_id)) is not None:
                 s.delete(row)
 
-    def unfinished(self, owner_id: str) -> int:
-        """The owner's requests queued or running: its share of the engine's backlog."""
+    def unfinished(self, owner_id: str, kind: str) -> int:
+        """The owner's requests of `kind` queued or running (samples: each finishes or fails, so the count drains;
+        an ordered request can wait behind a gap for good). Reads through the (status, id) index: few rows are
+        queued or running at once."""
         with self._read() as s:
             return int(s.scalar(select(func.count()).select_from(Request).where(
-                Request.owner_id == owner_id, Request.status.in_([QUEUED, RUNNING]))) or 0)
+                Request.status.in_([QUEUED, RUNNING]), Request.kind == kind, Request.owner_id == owner_id)) or 0)
 
     def engine_up(self, base_model: str | None, *, within_s: float = ENGINE_GONE_AFTER_S) -> bool:
         """Whether an engine serving `base_model` (any engine, with None) has beaten its heart within `within_s`."""
