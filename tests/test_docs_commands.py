@@ -76,6 +76,7 @@ RUN: dict[str, str] = {
     "gke-tpu-rl train --config my.yaml --set rl.algo=gspo --set steps=200": "test_readme_train_commands",
     # docs/service.md
     "gke-tpu-rl service keys create alice": "test_service_commands",
+    "gke-tpu-rl service keys import walkthrough tml-dummy --allow-weak": "test_service_commands",
     "gke-tpu-rl service serve --config service.yaml": "test_service_commands",
     "python -m trainer --config my.yaml": "test_readme_train_commands",
     # docs/walkthrough.md
@@ -605,6 +606,7 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     """docs/service.md: a key, then serve on the doc's own service.yaml with the tiny Qwen3 published in a private
     Hugging Face cache under the doc's base model, driven by the real SDK; the rest parsed or fitted up to the
     compile."""
+    import httpx
     import tinker
 
     from tests.service_api.conftest import free_port, wait_healthy
@@ -631,6 +633,12 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
                                     check=True).stdout
             assert "alice" in listed and key not in listed
             ledger.ran(command)
+        elif argv[1:4] == ["service", "keys", "import"]:
+            subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+            listed = subprocess.run([*exe[:3], "list"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                    check=True).stdout
+            assert "walkthrough" in listed and "tml-dummy" not in listed
+            ledger.ran(command)
         elif argv[1:3] == ["service", "serve"] and "--local-processes" not in argv:
             port = free_port()  # the doc's default port 8000 may be taken here
             log = (tmp_path / "serve.log").open("w")
@@ -645,6 +653,11 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
                                            loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4})
                 assert tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
                 sc.close("success").result(timeout=30)
+                # The imported walkthrough key is let in; an unknown one gets a 401 that says how to let it in.
+                caps = f"{url}/api/v1/get_server_capabilities"
+                assert httpx.get(caps, headers={"X-API-Key": "tml-dummy"}).status_code == 200
+                refused = httpx.get(caps, headers={"X-API-Key": "tml-other"})
+                assert refused.status_code == 401 and "keys import NAME KEY --allow-weak" in refused.text
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)

@@ -345,7 +345,9 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(auth.AuthError)
     async def _auth_error(_: HttpRequest, e: auth.AuthError) -> JSONResponse:
-        return error(401, f"{e} (send a key made with `python -m trainer.service keys create` as X-API-Key)")
+        return error(401, f"{e} (send a key made with `python -m trainer.service keys create NAME` as X-API-Key; a "
+                          "key a script already has, such as a walkthrough's tml-dummy, is let in on a development "
+                          "server with `python -m trainer.service keys import NAME KEY --allow-weak`)")
 
     @app.exception_handler(NotFound)
     async def _not_found(_: HttpRequest, e: NotFound) -> JSONResponse:
