@@ -30,7 +30,9 @@ TINY_MODEL: dict[str, Any] = {
 def tiny_config(storage: Path, **service: Any) -> TrainConfig:
     return config_from_dict({
         "model": TINY_MODEL, "lora": {"rank": 8, "alpha": 32, "slots": 16},
-        "service": {"base_model": "tiny/random", "storage_dir": str(storage), "min_bucket": 16, **service},
+        # warmup off: these tests build many engines; the warm-up runs in the as-deployed service (tests/deployed).
+        "service": {"base_model": "tiny/random", "storage_dir": str(storage), "min_bucket": 16, "warmup": False,
+                    **service},
         "sampling": {"max_new_tokens": 8},
     })
 

@@ -29,7 +29,8 @@ def _serve(tmp: Path, name: str, processes: int, devices: int) -> tuple[subproce
     config = work / "service.yaml"
     config.write_text(json.dumps({
         "model": TINY_MODEL, "lora": {"rank": 8, "alpha": 32, "slots": 4},
-        "service": {"base_model": "tiny/random", "min_bucket": 16, "storage_dir": str(work / "ckpt")},
+        "service": {"base_model": "tiny/random", "min_bucket": 16, "storage_dir": str(work / "ckpt"),
+                    "warmup": False},  # the as-deployed service warms up its 4 processes (tests/deployed)
     }))
     db = work / "service.db"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
