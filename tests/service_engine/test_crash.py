@@ -47,7 +47,8 @@ def _data(seed: int) -> list[types.Datum]:
 def test_sigkill_with_requests_in_flight_loses_nothing(tmp_path: Path) -> None:
     (tmp_path / "service.yaml").write_text(json.dumps({
         "model": TINY_MODEL, "lora": {"rank": 8, "alpha": 32, "slots": 4},
-        "service": {"base_model": "tiny/random", "min_bucket": 16, "storage_dir": str(tmp_path / "ckpt")},
+        "service": {"base_model": "tiny/random", "min_bucket": 16, "storage_dir": str(tmp_path / "ckpt"),
+                    "warmup": False},
     }))
     key = subprocess.run([sys.executable, "-m", "trainer.service", "keys", "create", "t", "--db",
                           str(tmp_path / "service.db")], cwd=ROOT, capture_output=True, text=True,

@@ -51,7 +51,7 @@ def _config(tmp: Path) -> Path:
     path = tmp / "engine.yaml"
     path.write_text(json.dumps({
         "model": TINY_MODEL, "lora": {"rank": 8, "alpha": 32, "slots": 4},
-        "service": {"base_model": BASE, "min_bucket": 16, "storage_dir": str(tmp / "bucket")},
+        "service": {"base_model": BASE, "min_bucket": 16, "storage_dir": str(tmp / "bucket"), "warmup": False},
     }))
     return path
 

@@ -78,7 +78,7 @@ def _train(tc: Any, steps: int, *, pause: threading.Event | None = None, go: thr
 def test_engine_sigkill_mid_training_loses_no_request_and_no_step(tmp_path: Path, pg_url: str) -> None:
     (tmp_path / "engine.yaml").write_text(json.dumps({
         "model": TINY_MODEL, "lora": {"rank": 8, "alpha": 32, "slots": 4},
-        "service": {"base_model": BASE, "min_bucket": 16, "storage_dir": str(tmp_path / "bucket")},
+        "service": {"base_model": BASE, "min_bucket": 16, "storage_dir": str(tmp_path / "bucket"), "warmup": False},
     }))
     key = subprocess.run([sys.executable, "-m", "trainer.service", "keys", "create", "t", "--db", pg_url], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.strip()

@@ -55,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     storage = tmp / "checkpoints"
     config.write_text(json.dumps({
         "init": {"from": "hf"}, "lora": {"rank": 32, "alpha": 32, "slots": 8},
-        "service": {"base_model": "Qwen/Qwen3-8B", "min_bucket": 32, "storage_dir": str(storage)},
+        "service": {"base_model": "Qwen/Qwen3-8B", "min_bucket": 32, "storage_dir": str(storage), "warmup": False},
     }))
     db = tmp / "service.db"
     created = subprocess.run([sys.executable, "-m", "trainer.service", "keys", "create", "tests", "--db", str(db)],
