@@ -539,6 +539,8 @@ class Cluster:
                         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"})
         elif TPU_RESOURCE in requests:
             env["TRAINER_CPU_DEVICES"] = str(self.cpu_devices)  # CPU devices in place of the pod's chips
+        if TPU_RESOURCE in requests and os.environ.get("XLA_FLAGS"):
+            env["XLA_FLAGS"] = os.environ["XLA_FLAGS"]  # the test machine's CPU compile flags (tests/conftest.py)
         mounts: list[tuple[str, str, bool]] = []
         layer = folder / f"layer-{c['name']}"
         for sub in ("home", "tmp"):

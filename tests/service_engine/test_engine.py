@@ -546,3 +546,73 @@ def test_a_failed_snapshot_runs_the_step_again_on_the_rebuilt_model(live: LiveSe
     data = _data(6)
     assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
         twin.forward(data, "cross_entropy").result().metrics["loss:sum"], rel=1e-5)
+
+
+def _rl_datum(prompt: list[int], seq: Any, advantage: float, *, spans: bool = True) -> types.Datum:
+    """A datum as tinker-cookbook builds one from a sampled sequence (rl/data_processing.py trajectory_to_data):
+    prompt then completion, shifted by one; advantages on the sampled tokens; provenance naming the sequence."""
+    full = prompt + seq.tokens
+    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:], "logprobs": [0.0] * (len(prompt) - 1) + seq.logprobs,
+                                        "advantages": [0.0] * (len(prompt) - 1) + [advantage] * len(seq.tokens)})
+    if not spans:
+        return datum
+    sid = seq.sequence_id
+    return datum.with_provenance(
+        model_input=[tinker.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                     tinker.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens) - 1)],
+        loss_fn_inputs=[tinker.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
+                        tinker.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens))])
+
+
+def test_stable_reinforce_trains_on_recorded_samples_and_checks_their_provenance(live: LiveService) -> None:
+    """tinker-cookbook's default RL loss: a sampler made with record_stability_info=True, datums naming its
+    sequences. Right after sampling (no ratio above C = 2) its loss is importance_sampling's on the sampler's
+    log-probs; what the spans claim is checked against what was sampled, in this session only."""
+    sc = live.client()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    tc.forward_backward(_data(11), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True)
+    prompt = [5, 9, 33, 17, 2]
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 2,
+                          types.SamplingParams(max_tokens=6, seed=5, temperature=1.0)).result().sequences
+    data = [_rl_datum(prompt, s, adv) for s, adv in zip(seqs, (1.0, -1.0), strict=True)]
+    stable = tc.forward(data, "stable_reinforce").result()
+    plain = tc.forward([_rl_datum(prompt, s, adv, spans=False) for s, adv in zip(seqs, (1.0, -1.0), strict=True)],
+                       "importance_sampling").result()
+    assert stable.metrics["loss:sum"] == pytest.approx(plain.metrics["loss:sum"], rel=1e-5, abs=1e-5)
+    assert stable.metrics["loss:sum"] == pytest.approx(-(len(seqs[0].tokens) - len(seqs[1].tokens)), abs=0.05)
+    before = tc.forward_backward(data, "stable_reinforce").result().metrics["loss:sum"]
+    tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    after = tc.forward(data, "stable_reinforce").result().metrics["loss:sum"]
+    assert after < before, (before, after)
+
+    def refused(datums: list[types.Datum], match: str, client: Any = tc) -> None:
+        with pytest.raises(Exception, match=match):
+            client.forward_backward(datums, "stable_reinforce").result()
+
+    refused([_rl_datum(prompt, seqs[0], 1.0, spans=False)], "record_stability_info=True")
+    wrong = _rl_datum(prompt, seqs[0], 1.0)
+    targets = wrong.loss_fn_inputs["target_tokens"].tolist()
+    targets[-1] = (targets[-1] + 1) % 128
+    refused([types.Datum(model_input=wrong.model_input, loss_fn_inputs={**wrong.loss_fn_inputs,
+                                                                         "target_tokens": targets},
+                         model_input_spans=wrong.model_input_spans, loss_fn_input_spans=wrong.loss_fn_input_spans)],
+            "are not the tokens")
+    unrecorded = tc.save_weights_and_get_sampling_client()
+    plain_seq = unrecorded.sample(types.ModelInput.from_ints(prompt), 1,
+                                  types.SamplingParams(max_tokens=4, seed=1)).result().sequences[0]
+    refused([_rl_datum(prompt, plain_seq, 1.0)], "sampled without record_stability_info")
+    # The same key's second session, and another tenant, cannot name these sequences.
+    key = next(k for c, k in live._clients if c is sc)
+    other_session = tinker.ServiceClient(base_url=live.url, api_key=key)
+    try:
+        tc2 = other_session.create_lora_training_client(base_model=BASE, rank=4).result()
+        refused(data, "another session", tc2)
+    finally:
+        other_session.close("success").result(timeout=10)
+    tc3 = live.client("other").create_lora_training_client(base_model=BASE, rank=4).result()
+    refused(data, "no such sample request", tc3)
+    # Training went on: a refused request fails alone.
+    assert tc.forward(data, "stable_reinforce").result().metrics["loss:sum"] == pytest.approx(after, rel=1e-6)

@@ -2,7 +2,9 @@
 
 The numpy references transcribe the docs' torch snippets line by line (tinker-cookbook docs/losses.mdx at
 b8701586: cross_entropy L58-60, importance_sampling L133-135, ppo L212-221, cispo L252-258, dro L286-290; gspo from
-tinker-docs.thinkingmachines.ai/tinker/losses/gspo), in float64 on one unpadded datum at a time.
+tinker-docs.thinkingmachines.ai/tinker/losses/gspo), in float64 on one unpadded datum at a time. stable_reinforce,
+whose objective Tinker's docs leave open, is checked against the truncated importance-sampling REINFORCE gradient its
+docstring chooses (-min(r, C) A per sampled token, Yao et al. 2025).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def np_loss(name: str, logp: np.ndarray, inp: dict[str, np.ndarray], cfg: L.RowC
         ratio = np.exp((logp - q)[in_ratio].mean()) * np.ones_like(logp)
         clipped_ratio = np.clip(ratio, cfg.clip_low, cfg.clip_high)
         return float(-np.minimum(ratio * adv, clipped_ratio * adv).sum())
+    if name == "stable_reinforce":
+        return float(-(np.minimum(prob_ratio, cfg.clip_high) * adv)[inp["sampled"] != 0].sum())
     raise AssertionError(name)
 
 
@@ -76,6 +80,8 @@ def np_dloss_dlogp(name: str, logp: np.ndarray, inp: dict[str, np.ndarray], cfg:
         s = np.exp((logp - q)[inp["sequence_ratio_mask"] != 0].mean())
         binds = ((adv > 0) & (s > cfg.clip_high)) | ((adv < 0) & (s < cfg.clip_low))
         return np.where(binds, 0.0, -s * adv)
+    if name == "stable_reinforce":
+        return np.where(inp["sampled"] != 0, -np.minimum(r, cfg.clip_high) * adv, 0.0)
     raise AssertionError(name)
 
 
@@ -97,6 +103,7 @@ CONFIGS: dict[str, dict[str, float] | None] = {
     "cispo": {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1},
     "dro": {"beta": 0.3},
     "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05},
+    "stable_reinforce": {"truncation_threshold": 1.2},
 }
 
 
@@ -117,7 +124,23 @@ def make_datum(name: str, n: int, seed: int) -> tuple[np.ndarray, L.Row]:
         m = (rng.random(n) < 0.6).astype(np.float32)
         m[-1] = 1.0
         inputs["sequence_ratio_mask"] = m
+    if name == "stable_reinforce":
+        # The recorded sampler log-probs, not the datum's (which must not matter): positions 0-1 are the prompt.
+        sampled = np.arange(n) >= 2
+        inputs["advantages"][~sampled] = 0.0
+        recorded = np.where(sampled, logp + rng.normal(scale=0.3, size=n), 0.0).astype(np.float32)
+        inputs["logprobs"] = np.full(n, -50.0, np.float32)
+        return logits, L.Row(name, inputs, CONFIGS[name], L.Provenance(recorded, sampled))
     return logits, L.Row(name, inputs, CONFIGS[name])
+
+
+def reference_inputs(row: L.Row) -> dict[str, np.ndarray]:
+    """A row's inputs as the references read them (stable_reinforce: q and S from its provenance)."""
+    inp = {k: np.asarray(v, np.float64) for k, v in row.inputs.items()}
+    if row.provenance is not None:
+        inp["logprobs"] = row.provenance.logprobs.astype(np.float64)
+        inp["sampled"] = row.provenance.sampled.astype(np.float64)
+    return inp
 
 
 def pad_logits(logits_list: list[np.ndarray], b: int, t: int, seed: int = 99) -> np.ndarray:
@@ -154,7 +177,7 @@ def test_each_loss_matches_the_docs_formula_value_and_gradient(name: str) -> Non
     packed = L.pack_rows([row], length=12)  # one shape for every test that runs a single datum
     out, grad = run(packed, pad_logits([logits], 1, 12))
     cfg = L.resolve_config(name, row.config)
-    inp = {k: np.asarray(v, np.float64) for k, v in row.inputs.items()}
+    inp = reference_inputs(row)
     logp = np_logp(logits, row.inputs["target_tokens"])
     expected = np_loss(name, logp, inp, cfg)
     np.testing.assert_allclose(float(out.row_loss[0]), expected, rtol=1e-5, atol=1e-5)
@@ -261,7 +284,7 @@ def test_ppo_gradient_on_an_exact_bound_is_full() -> None:
 def test_padding_rows_and_columns_change_nothing() -> None:
     datums = [
         make_datum(name, n, seed=20 + i)
-        for i, (name, n) in enumerate(zip(L.SUPPORTED_LOSSES, [3, 7, 5, 6, 4, 8], strict=True))
+        for i, (name, n) in enumerate(zip(L.SUPPORTED_LOSSES, [3, 7, 5, 6, 4, 8, 5], strict=True))
     ]
     rows = [row for _, row in datums]
     logits_list = [lg for lg, _ in datums]
@@ -269,19 +292,20 @@ def test_padding_rows_and_columns_change_nothing() -> None:
     out_tight, grad_tight = run(tight, pad_logits(logits_list, len(rows), int(tight.lengths.max()), seed=1))
     loose = L.pack_rows(rows, length=13, num_rows=9)
     out_loose, grad_loose = run(loose, pad_logits(logits_list, 9, 13, seed=2))
-    np.testing.assert_allclose(np.asarray(out_loose.row_loss[:6]), np.asarray(out_tight.row_loss), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(out_loose.row_loss[6:]), 0.0)
+    k = len(rows)
+    np.testing.assert_allclose(np.asarray(out_loose.row_loss[:k]), np.asarray(out_tight.row_loss), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out_loose.row_loss[k:]), 0.0)
     assert float(out_loose.total) == pytest.approx(float(out_tight.total), rel=1e-6)
     for i, n in enumerate(tight.lengths):
         np.testing.assert_allclose(grad_loose[i, :n], grad_tight[i, :n], rtol=1e-6, atol=1e-7)
         np.testing.assert_array_equal(grad_loose[i, n:], 0.0)
         np.testing.assert_array_equal(np.asarray(out_loose.logprobs[i, n:]), 0.0)
-    np.testing.assert_array_equal(grad_loose[6:], 0.0)
+    np.testing.assert_array_equal(grad_loose[k:], 0.0)
 
 
 def test_mixed_batch_equals_each_loss_alone_and_jit_and_sharding_agree() -> None:
     datums = [make_datum(name, 4 + i, seed=40 + i) for i, name in enumerate(L.SUPPORTED_LOSSES)]
-    datums += [make_datum("ppo", 6, seed=60), make_datum("gspo", 5, seed=61)]  # 8 rows: one per device
+    datums += [make_datum("ppo", 6, seed=60)]  # 8 rows: one per device
     rows = [row for _, row in datums]
     packed = L.pack_rows(rows, length=12)
     logits = pad_logits([lg for lg, _ in datums], len(rows), 12)
@@ -347,12 +371,18 @@ def test_config_defaults_and_refusals() -> None:
         L.resolve_config("ppo", {"clip_low_threshold": 1.3})
     with pytest.raises(L.BadLossInput, match="finite number"):
         L.resolve_config("ppo", {"clip_low_threshold": "0.9"})
-    for name in ("stable_reinforce", "custom", "ppo_critic"):
+    for name in ("custom", "ppo_critic"):
         with pytest.raises(L.UnsupportedLoss) as err:
             L.loss_id(name)
-        assert "cross_entropy, importance_sampling, ppo, cispo, dro, gspo" in str(err.value)
-    with pytest.raises(L.UnsupportedLoss, match="provenance"):
-        L.pack_rows([L.Row("stable_reinforce", {"target_tokens": [1]})])
+        assert "cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce" in str(err.value)
+    assert L.resolve_config("stable_reinforce", None) == L.RowConfig(clip_high=2.0)
+    with pytest.raises(L.BadLossInput, match="truncation_threshold must be > 0"):
+        L.resolve_config("stable_reinforce", {"truncation_threshold": 0.0})
+    with pytest.raises(L.BadLossInput, match="record_stability_info=True"):
+        L.pack_rows([L.Row("stable_reinforce", {"target_tokens": [1], "advantages": [1.0]})])
+    unsampled = L.Provenance(np.zeros(2, np.float32), np.array([False, True]))
+    with pytest.raises(L.BadLossInput, match="advantages must be 0 where no sampled sequence"):
+        L.pack_rows([L.Row("stable_reinforce", {"target_tokens": [1, 1], "advantages": [1.0, 1.0]}, None, unsampled)])
 
 
 @pytest.mark.parametrize(
@@ -442,3 +472,32 @@ def test_per_token_losses_match_skyrl_with_unit_weights(name: str) -> None:
     ours = lambda x: L.tinker_losses(x[None], packed.inputs).total  # noqa: E731
     assert float(ours(logp)) == pytest.approx(float(sky_tok.sum()), rel=1e-5, abs=1e-6)
     np.testing.assert_allclose(np.asarray(jax.grad(ours)(logp)), sky_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_stable_reinforce_truncates_the_ratio_and_keeps_the_gradient() -> None:
+    """Ratios [0.5, 1, 3, e^200] with C = 2 on sampled tokens, a prompt token first: the gradient is -min(r, C) A
+    (a truncated token keeps C times its REINFORCE gradient, where ppo's clip would give none), the value
+    -sum min(r, C) A, nothing overflows, and the datum's own `logprobs` are not read."""
+    ratios = np.array([1.0, 0.5, 1.0, 3.0])
+    q = np.array([0.0, -1.0, -1.0, -1.0, -201.0])
+    logp = jnp.asarray([[-1.0, *(np.log(ratios[1:]) - 1.0), -1.0]], jnp.float32)
+    sampled = np.array([False, True, True, True, True])
+    adv = np.array([0.0, 1.0, -2.0, 1.0, 1.0])
+    row = L.Row("stable_reinforce", {"target_tokens": [0] * 5, "advantages": adv, "logprobs": [9.0] * 5}, None,
+                L.Provenance(q.astype(np.float32), sampled))
+    inputs = L.pack_rows([row]).inputs
+    value, grad = jax.value_and_grad(lambda x: L.tinker_losses(x, inputs).total)(logp)
+    weight = np.array([0.0, 0.5, 1.0, 2.0, 2.0])
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
+    assert float(value) == pytest.approx(-(weight * adv).sum(), rel=1e-5)
+    np.testing.assert_allclose(np.asarray(grad[0]), -weight * adv, rtol=1e-5, atol=1e-7)
+    # Where no ratio exceeds C it is importance_sampling on the recorded log-probs, value and gradient.
+    small = L.Row("stable_reinforce", {"target_tokens": [0] * 3, "advantages": [1.0, -1.0, 0.5]}, None,
+                  L.Provenance(np.array([-1.2, -0.7, -1.0], np.float32), np.ones(3, bool)))
+    plain = L.Row("importance_sampling", {"target_tokens": [0] * 3, "advantages": [1.0, -1.0, 0.5],
+                                          "logprobs": [-1.2, -0.7, -1.0]})
+    x = jnp.asarray([[-1.0, -1.0, -1.0]], jnp.float32)
+    ins_a, ins_b = L.pack_rows([small]).inputs, L.pack_rows([plain]).inputs
+    (va, ga), (vb, gb) = (jax.value_and_grad(lambda v, i=i: L.tinker_losses(v, i).total)(x) for i in (ins_a, ins_b))
+    assert float(va) == pytest.approx(float(vb), rel=1e-6)
+    np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-6)

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import jax
 import numpy as np
@@ -61,11 +61,12 @@ from trainer import compile_cache, hf
 from trainer import lora as L
 from trainer.config import ConfigError, LoraConfig, ServiceConfig, TrainConfig, resolve_mesh, with_model
 from trainer.fit_estimate import service_longest_datum
-from trainer.service import device, losses, protocol, sampling
+from trainer.service import device, losses, protocol, provenance, sampling
 from trainer.service import programs as P
 from trainer.service.device import DeviceState
 from trainer.service.shapes import bucket, tinker_targets
 from trainer.service.store import (
+    DONE,
     ENGINE_HEARTBEAT_S,
     Conflict,
     Model,
@@ -107,6 +108,16 @@ class Outcome:
     state: StateUpdate | None = None
     completed: bool = False
     then: Callable[[], None] | None = None
+
+
+class Accepted(NamedTuple):
+    """A forward/forward_backward request that passed validation: its decoded body, its model's slot and one loss
+    row per datum (stable_reinforce's carry what their provenance resolved to)."""
+
+    row: Request
+    body: protocol.FwdBwdBody
+    slot: int
+    loss_rows: list[losses.Row]
 
 
 @dataclass
@@ -531,7 +542,8 @@ class Engine:
         if replay:
             self._pinned.add(index)
             try:
-                self._fused([(r, protocol.decode_forward_backward(r.body), index) for r in replay])
+                bodies = [(r, protocol.decode_forward_backward(r.body)) for r in replay]
+                self._fused([Accepted(r, b, index, self._loss_rows(r, b)) for r, b in bodies])
             finally:
                 self._pinned.discard(index)
         seconds = time.perf_counter() - t0
@@ -637,7 +649,7 @@ class Engine:
 
     def _run_forward(self, rows: list[Request]) -> None:
         """Validate each request, fuse the valid ones' datums, run them in bucketed passes, answer each request."""
-        accepted: list[tuple[Request, protocol.FwdBwdBody, int]] = []
+        accepted: list[Accepted] = []
         try:
             self._validate_forward(rows, accepted)
         finally:
@@ -649,16 +661,15 @@ class Engine:
             outputs = self._fused(accepted)
         except Exception as e:  # noqa: BLE001
             log.exception("forward/backward batch failed")
-            for row, _, _ in accepted:
+            for row, *_ in accepted:
                 self._fail(row, f"engine error: {e!r}", "server")
             return
-        for (row, _, _), (logps, row_losses) in zip(accepted, outputs, strict=True):
+        for (row, *_), (logps, row_losses) in zip(accepted, outputs, strict=True):
             result = protocol.encode_forward_backward_output(
                 [{"logprobs": lp} for lp in logps], losses.request_metrics(row_losses, slice(None)))
             self.store.complete(row.request_id, result, worker_id=self.worker_id)
 
-    def _validate_forward(self, rows: list[Request], accepted: list[tuple[Request, protocol.FwdBwdBody, int]]
-                          ) -> None:
+    def _validate_forward(self, rows: list[Request], accepted: list[Accepted]) -> None:
         for row in rows:
             try:
                 body = protocol.decode_forward_backward(row.body)
@@ -677,31 +688,71 @@ class Engine:
                             f"{self.service.max_batch_tokens})")
                     if len(d.tokens) and (d.tokens.min() < 0 or d.tokens.max() >= self.mcfg.vocab_size):
                         raise UserError(f"datum {i}: token ids must be in [0, {self.mcfg.vocab_size})")
-                # Validates loss names, configs and inputs: a bad request fails alone.
-                losses.pack_rows([losses.Row(body.loss_fn, d.loss_fn_inputs, body.loss_fn_config)
-                                  for d in body.data], vocab_size=self.mcfg.vocab_size)
                 for i, d in enumerate(body.data):
-                    if len(d.loss_fn_inputs["target_tokens"]) != len(d.tokens):
-                        raise UserError(f"datum {i}: loss_fn_inputs have {len(d.loss_fn_inputs['target_tokens'])} "
-                                        f"positions, model_input has {len(d.tokens)}")
-                accepted.append((row, body, slot.index))
+                    targets = d.loss_fn_inputs.get("target_tokens")
+                    if targets is not None and len(targets) != len(d.tokens):
+                        raise UserError(f"datum {i}: loss_fn_inputs have {len(targets)} positions, model_input has "
+                                        f"{len(d.tokens)}")
+                # Validates loss names, configs, inputs and provenance: a bad request fails alone.
+                loss_rows = self._loss_rows(row, body)
+                losses.pack_rows(loss_rows, vocab_size=self.mcfg.vocab_size)
+                accepted.append(Accepted(row, body, slot.index, loss_rows))
             except (UserError, NotFound, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
                 self._fail(row, str(e), "user")
             except Exception as e:  # noqa: BLE001 - whatever one request's input does, its batch-mates still run
                 log.exception("request %s (%s): validation failed", row.request_id, row.kind)
                 self._fail(row, f"engine error while reading the request: {e!r}", "server")
 
-    def _fused(self, accepted: list[tuple[Request, protocol.FwdBwdBody, int]]
-               ) -> list[tuple[list[np.ndarray], np.ndarray]]:
+    def _loss_rows(self, row: Request, body: protocol.FwdBwdBody) -> list[losses.Row]:
+        """One loss row per datum; a stable_reinforce datum's spans are resolved against the sampler's records."""
+        if body.loss_fn != "stable_reinforce":
+            return [losses.Row(body.loss_fn, d.loss_fn_inputs, body.loss_fn_config) for d in body.data]
+        session_id = self.store.model(row.model_id or "").session_id
+        records: dict[str, provenance.Record] = {}
+
+        def lookup(request_id: str) -> provenance.Record:
+            if request_id not in records:
+                records[request_id] = self._sample_record(row.owner_id, session_id, request_id)
+            return records[request_id]
+
+        out = []
+        for i, d in enumerate(body.data):
+            targets = d.loss_fn_inputs.get("target_tokens")
+            if targets is None:
+                raise losses.BadLossInput(f"datum {i} (stable_reinforce): missing loss_fn_inputs ['target_tokens']")
+            prov = provenance.resolve(i, d.tokens, targets, provenance.decode(d.raw, i), lookup)
+            out.append(losses.Row(body.loss_fn, d.loss_fn_inputs, body.loss_fn_config, prov))
+        return out
+
+    def _sample_record(self, owner_id: str, session_id: str, request_id: str) -> provenance.Record:
+        """A sample request of this owner, made with record_stability_info in the training model's session."""
+        name = f"sequences of request {request_id!r}"
+        try:
+            sample = self.store.get_request(owner_id, request_id)
+        except NotFound:
+            raise losses.BadLossInput(f"{name}: no such sample request") from None
+        if sample.kind != protocol.SAMPLE or sample.status != DONE or sample.result is None:
+            raise losses.BadLossInput(f"{name}: not a finished sample request")
+        req: types.SampleRequest = protocol.decode_json(protocol.SAMPLE, sample.body)
+        if not req.record_stability_info:
+            raise losses.BadLossInput(f"{name}: sampled without record_stability_info=True (make the sampling client "
+                                      "with record_stability_info=True)")
+        sampler = self.store.get_sampling_session(owner_id, sample.sampling_session_id or "")
+        if sampler.session_id != session_id:
+            raise losses.BadLossInput(f"{name}: sampled in another session; provenance works only within the "
+                                      "session that sampled (sample and train with one ServiceClient)")
+        return provenance.sampled_record(req.prompt.to_ints(), sample.result)
+
+    def _fused(self, accepted: list[Accepted]) -> list[tuple[list[np.ndarray], np.ndarray]]:
         """Every datum of every accepted request, grouped by length bucket and backward-or-not, in passes of at most
         max_batch_tokens; returns per request its datums' logprobs and row losses."""
         svc = self.service
-        items = []  # (request index, datum index, backward, datum, config, loss_fn, slot)
-        for r, (_, body, slot) in enumerate(accepted):
-            for i, d in enumerate(body.data):
-                items.append((r, i, not body.forward_only, d, body.loss_fn_config, body.loss_fn, slot))
-        out_lp: list[list[np.ndarray | None]] = [[None] * len(b.data) for _, b, _ in accepted]
-        out_loss: list[np.ndarray] = [np.zeros(len(b.data)) for _, b, _ in accepted]
+        items = []  # (request index, datum index, backward, datum, loss row, slot)
+        for r, (_, body, slot, loss_rows) in enumerate(accepted):
+            for i, (d, loss_row) in enumerate(zip(body.data, loss_rows, strict=True)):
+                items.append((r, i, not body.forward_only, d, loss_row, slot))
+        out_lp: list[list[np.ndarray | None]] = [[None] * len(a.body.data) for a in accepted]
+        out_loss: list[np.ndarray] = [np.zeros(len(a.body.data)) for a in accepted]
         groups: dict[tuple[bool, int], list[Any]] = {}
         for item in items:
             length = bucket(max(len(item[3].tokens), 1), svc.min_bucket, self.mcfg.max_seq_len)
@@ -718,11 +769,11 @@ class Engine:
 
     def _pass(self, part: list[Any], length: int, backward: bool) -> tuple[np.ndarray, np.ndarray]:
         n_rows = self.progs.rows(len(part))
-        packed = losses.pack_rows([losses.Row(loss_fn, d.loss_fn_inputs, config) for _, _, _, d, config, loss_fn, _
-                                   in part], length=length, num_rows=n_rows, vocab_size=self.mcfg.vocab_size)
+        packed = losses.pack_rows([loss_row for *_, loss_row, _ in part], length=length, num_rows=n_rows,
+                                  vocab_size=self.mcfg.vocab_size)
         tokens = np.zeros((n_rows, length), np.int32)
         slot_B = np.full((n_rows,), -1, np.int32)
-        for k, (*_, d, _config, _loss_fn, slot) in enumerate(part):
+        for k, (*_, d, _loss_row, slot) in enumerate(part):
             tokens[k, :len(d.tokens)] = d.tokens
             slot_B[k] = slot
         return self.dev("run_pass", tokens, slot_B, packed, backward)

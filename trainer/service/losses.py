@@ -14,6 +14,9 @@ Semantics are Tinker's documented ones (per token, then a plain SUM over tokens;
   dro                  loss = -sum_t (logp_t A_t - beta/2 (logp_t - q_t)^2)    beta required
   gspo (GSPO-token)    s = exp(sg(mean_{t in M}(logp_t - q_t))), s_t = s * exp(logp_t - sg(logp_t));
                        loss = -sum_t min(s_t A_t, clip(s_t, lo, hi) A_t)        M = sequence_ratio_mask != 0
+  stable_reinforce     loss = -sum_{t in S} sg(min(r_t, C)) * exp(logp_t - sg(logp_t)) * A_t    C default 2.0
+                       (truncated importance-sampling REINFORCE; S = the sampled positions, q the sampler's
+                       log-probs as the service recorded them: see below)
 logp is the current model's log-prob of target_tokens, q the sampler's `logprobs`, A `advantages`, w `weights`,
 sg stop-gradient. `weights` is read by cross_entropy only: Tinker's RL losses take no weights (prompt positions
 come with A = 0 and contribute nothing); the `mask` here only removes padding.
@@ -30,9 +33,22 @@ Clip ties follow the torch code in the docs: torch.clamp passes the gradient at 
 evenly, so at r == hi (A > 0) or r == lo (A < 0) the token keeps its full gradient; plain jnp.clip/jnp.minimum
 would give 3/4 of it there, hence the explicit `where` in `_clipped_surrogate`.
 
-Not supported (refused with `UnsupportedLoss`): stable_reinforce (needs sampler provenance spans and
-record_stability_info, which this service does not record), custom (server-side custom losses); multi-target
-(N, K) inputs. Client-side `forward_backward_custom` needs nothing here: the SDK runs forward() and then
+stable_reinforce: Tinker's docs define its inputs (a sampler made with record_stability_info=True, provenance spans
+on every datum naming the sampled sequences) but not its objective. This service's is token-level truncated
+importance sampling: each sampled token's REINFORCE gradient -A_t grad logp_t is weighted by the ratio of the
+current policy to the sampler, truncated at C (`truncation_threshold`, default 2.0), and the weight carries no
+gradient. That is V-trace's truncated importance weight (Espeholt et al. 2018, IMPALA, rho-bar) as used for the
+rollout/trainer mismatch of LLM RL (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training": TIS, C = 2). Unlike ppo's clip, a truncated token keeps a gradient (C times its own), so stale or
+low-precision samples never stop learning, and a token the current policy likes far more than the sampler did
+cannot dominate a step. The value is -sum min(r, C) A, i.e. importance_sampling's loss wherever r <= C. q is what
+the sampler recorded, not the datum's `logprobs` (what a client sends there is not checked, so it is not used),
+and only the sampled positions (S: the loss_fn_input_spans' SampledProvenanceSpans) train: a datum with a nonzero
+advantage anywhere else is refused. The engine resolves the spans (trainer/service/provenance.py) and passes q and
+S in as `Row.provenance`.
+
+Not supported (refused with `UnsupportedLoss`): custom (server-side custom losses); multi-target (N, K) inputs.
+Client-side `forward_backward_custom` needs nothing here: the SDK runs forward() and then
 cross_entropy with weights = -dLoss/dlogp.
 
 Sources: Tinker docs "Loss functions" (tinker-cookbook docs/losses.mdx at b8701586, the last commit before the
@@ -66,13 +82,12 @@ LOSS_IDS: Final[dict[str, int]] = {
     "cispo": 3,
     "dro": 4,
     "gspo": 5,
+    "stable_reinforce": 6,
 }
 SUPPORTED_LOSSES: Final[tuple[str, ...]] = tuple(LOSS_IDS)
 
 # The rest of tinker 0.38's LossFnType (tinker/types/loss_fn_type.py) and why each is refused.
 _REFUSED: Final[dict[str, str]] = {
-    "stable_reinforce": "it needs sampler provenance (Datum model_input_spans/loss_fn_input_spans and "
-    "record_stability_info=True on the sampler), which this service does not record",
     "custom": "server-side custom losses (create_custom_loss) are not supported; client-side "
     "forward_backward_custom works, it runs forward() and then cross_entropy",
 }
@@ -85,6 +100,8 @@ REQUIRED_INPUTS: Final[dict[str, tuple[str, ...]]] = {
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+    # q comes from the sampler's record (Row.provenance); a `logprobs` the datum carries is accepted and unused.
+    "stable_reinforce": ("target_tokens", "advantages"),
 }
 # Per-token clip thresholds may also come as loss_fn_inputs: the 0.38 SDK types them (types/datum.py _KEY_TO_TYPE);
 # the docs do not describe them, so they are read only by the clipped losses and override loss_fn_config.
@@ -104,8 +121,13 @@ CONFIG_KEYS: Final[dict[str, frozenset[str]]] = {
     "cispo": frozenset(_PER_TOKEN_CLIP),
     "gspo": frozenset(_PER_TOKEN_CLIP),
     "dro": frozenset({"beta"}),
+    "stable_reinforce": frozenset({"truncation_threshold"}),
 }
 DEFAULT_CLIP: Final[dict[str, tuple[float, float]]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0), "gspo": (0.8, 1.2)}
+DEFAULT_TRUNCATION: Final = 2.0  # stable_reinforce's C (Yao et al. 2025's TIS cap)
+NEEDS_PROVENANCE: Final = (
+    "stable_reinforce needs provenance on every datum: sample with a sampling client made with "
+    "record_stability_info=True and attach the sequences' ids with Datum.with_provenance(...)")
 
 # The SDK reduces chunked metrics by the text after the one ":" (tinker/lib/chunked_fwdbwd_helpers.py
 # L97 _metrics_reduction: `name, reduction = key.split(":")`, so a key with no ":" or two raises).
@@ -132,7 +154,8 @@ def loss_id(loss_fn: str) -> int:
 
 @dataclass(frozen=True)
 class RowConfig:
-    """A row's config scalars; the ones its loss does not read are ignored (but finite, for jnp.select)."""
+    """A row's config scalars; the ones its loss does not read are ignored (but finite, for jnp.select).
+    stable_reinforce's truncation threshold C travels as clip_high (it reads no clip)."""
 
     clip_low: float = 0.0
     clip_high: float = 0.0
@@ -160,6 +183,11 @@ def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, float | str] | Non
         if not 0.0 <= low <= high:
             raise BadLossInput(f"{loss_fn}: need 0 <= clip_low_threshold <= clip_high_threshold, got {low}, {high}")
         return RowConfig(clip_low=low, clip_high=high)
+    if loss_fn == "stable_reinforce":
+        cap = values.get("truncation_threshold", DEFAULT_TRUNCATION)
+        if cap <= 0:
+            raise BadLossInput(f"stable_reinforce: truncation_threshold must be > 0, got {cap}")
+        return RowConfig(clip_high=cap)
     if loss_fn == "dro":
         if "beta" not in values:
             raise BadLossInput("loss_fn 'dro' needs loss_fn_config={'beta': ...} (Tinker documents no default)")
@@ -171,8 +199,9 @@ class LossInputs(NamedTuple):
     """One batch's loss inputs, [B] or [B, T]. A pytree, so it passes through jax.jit as is.
 
     loss_id: [B] int (LOSS_IDS). mask: [B, T], nonzero on a datum's own positions. weights: [B, T]
-    (cross_entropy). sampling_logprobs: [B, T], the datum's `logprobs` (q). advantages: [B, T]. ratio_mask: [B, T],
-    gspo's sequence_ratio_mask. clip_low, clip_high: [B] or [B, T] (ppo, cispo, gspo). beta: [B] (dro).
+    (cross_entropy). sampling_logprobs: [B, T], the datum's `logprobs` (q; stable_reinforce: the recorded ones).
+    advantages: [B, T]. ratio_mask: [B, T], gspo's sequence_ratio_mask, stable_reinforce's sampled positions.
+    clip_low, clip_high: [B] or [B, T] (ppo, cispo, gspo; stable_reinforce's C in clip_high). beta: [B] (dro).
     Inputs a row's loss does not read may hold anything finite (zeros).
     """
 
@@ -265,6 +294,14 @@ def gspo_loss(
     return -_clipped_surrogate(ratio, adv, low, high)
 
 
+def stable_reinforce_loss(logp: jax.Array, q: jax.Array, adv: jax.Array, sampled: jax.Array,
+                          cap: jax.Array) -> jax.Array:
+    """-sg(min(r, C)) * A per sampled token, with the gradient of -min(r, C) * A * logp (see the module docstring).
+    r is formed as exp(min(logp - q, log C)), so a huge ratio never overflows into the product."""
+    weight = jnp.exp(jnp.minimum(jax.lax.stop_gradient(logp) - q, jnp.log(cap)))
+    return jnp.where(sampled, -weight * jnp.exp(logp - jax.lax.stop_gradient(logp)) * adv, 0.0)
+
+
 def tinker_losses(logprobs_BT: jax.Array, inputs: LossInputs) -> LossOutput:
     """Every row's Tinker loss from the current model's target log-probs; see the module docstring.
 
@@ -276,9 +313,11 @@ def tinker_losses(logprobs_BT: jax.Array, inputs: LossInputs) -> LossOutput:
     valid = inputs.mask != 0
     lid = inputs.loss_id.astype(jnp.int32)[:, None]
     logp = jnp.where(valid, logp_raw, 0.0)
-    reads_q = (lid != LOSS_IDS["cross_entropy"]) & valid
+    recorded = lid == LOSS_IDS["stable_reinforce"]  # its q is the sampler's record, read by its own branch only
+    reads_q = (lid != LOSS_IDS["cross_entropy"]) & ~recorded & valid
     # Rows without a q get q = sg(logp): ratio 1 and a zero DRO penalty in the branches they do not select.
     q = jnp.where(reads_q, inputs.sampling_logprobs.astype(jnp.float32), jax.lax.stop_gradient(logp))
+    q_recorded = jnp.where(recorded & valid, inputs.sampling_logprobs.astype(jnp.float32), jax.lax.stop_gradient(logp))
     adv = jnp.where(valid, inputs.advantages.astype(jnp.float32), 0.0)
     weights = jnp.where(valid, inputs.weights.astype(jnp.float32), 0.0)
     ratio_mask = valid & (inputs.ratio_mask != 0)
@@ -293,6 +332,7 @@ def tinker_losses(logprobs_BT: jax.Array, inputs: LossInputs) -> LossOutput:
         "cispo": cispo_loss(logp, q, adv, low, high),
         "dro": dro_loss(logp, q, adv, beta),
         "gspo": gspo_loss(logp, q, adv, ratio_mask, low, high),
+        "stable_reinforce": stable_reinforce_loss(logp, q_recorded, adv, ratio_mask, jnp.maximum(high, 1e-30)),
     }
     token_loss = jnp.select([lid == LOSS_IDS[name] for name in per_loss], list(per_loss.values()), 0.0)
     token_loss = jnp.where(valid, token_loss, 0.0)
@@ -306,12 +346,22 @@ def losses_from_logits(logits_BTV: jax.Array, targets_BT: jax.Array, inputs: Los
     return tinker_losses(target_logprobs(logits_BTV, targets_BT), inputs)
 
 
+class Provenance(NamedTuple):
+    """What the sampler recorded for one datum's loss positions (trainer/service/provenance.py): `logprobs` [N]
+    float32, the sampler's log-prob at each sampled position (0 elsewhere); `sampled` [N] bool."""
+
+    logprobs: np.ndarray
+    sampled: np.ndarray
+
+
 class Row(NamedTuple):
-    """One datum as a request sends it: its request's loss_fn and loss_fn_config, its own loss_fn_inputs."""
+    """One datum as a request sends it: its request's loss_fn and loss_fn_config, its own loss_fn_inputs; for
+    stable_reinforce, the engine adds what its provenance resolved to."""
 
     loss_fn: str
     inputs: Mapping[str, ArrayLike]
     config: Mapping[str, float | str] | None = None
+    provenance: Provenance | None = None
 
 
 class Packed(NamedTuple):
@@ -356,7 +406,21 @@ def _row_arrays(index: int, row: Row, vocab_size: int | None) -> tuple[int, dict
         or (vocab_size is not None and targets.max() >= vocab_size)
     ):
         raise BadLossInput(f"{where}: target_tokens must be integers in [0, {vocab_size or 'vocab'})")
+    if row.loss_fn == "stable_reinforce":
+        _check_provenance(where, n, arrays["advantages"], row.provenance)
     return n, arrays, config
+
+
+def _check_provenance(where: str, n: int, advantages: np.ndarray, provenance: Provenance | None) -> None:
+    if provenance is None:
+        raise BadLossInput(f"{where}: {NEEDS_PROVENANCE}")
+    if provenance.logprobs.shape != (n,) or provenance.sampled.shape != (n,):
+        raise BadLossInput(f"{where}: provenance covers {provenance.sampled.shape} positions, the datum has {n}")
+    off = np.flatnonzero((advantages != 0) & ~provenance.sampled)
+    if off.size:
+        raise BadLossInput(
+            f"{where}: advantages must be 0 where no sampled sequence produced the token (stable_reinforce trains "
+            f"on sampled tokens only); position {int(off[0])} has {float(advantages[off[0]])}")
 
 
 def pack_rows(
@@ -396,6 +460,10 @@ def pack_rows(
                 out[dest][i, :n] = arrays[key]
         out["clip_low"][i, :n] = arrays.get("clip_low_threshold", config.clip_low)
         out["clip_high"][i, :n] = arrays.get("clip_high_threshold", config.clip_high)
+        if row.loss_fn == "stable_reinforce" and row.provenance is not None:
+            out["sampling_logprobs"][i, :n] = row.provenance.logprobs
+            out["ratio_mask"][i, :n] = row.provenance.sampled
+            out["clip_high"][i, :n] = config.clip_high  # C, whatever per-token clips the datum carries
     inputs = LossInputs(loss_id=ids, beta=beta, **out)  # numpy arrays; jax.jit takes them as they are
     return Packed(inputs=inputs, targets=targets, lengths=lengths)
 
