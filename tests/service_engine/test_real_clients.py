@@ -270,6 +270,8 @@ def test_external_weights_download_with_the_tinker_cli(server: Server, sdk_clien
     theirs = subprocess.run([*tinker_cli, ext, "--output", str(tmp_path / "other")],
                             env={**env, "TINKER_API_KEY": other}, capture_output=True, text=True, timeout=120)
     assert theirs.returncode != 0 and not any((tmp_path / "other").iterdir())
+    other_id = other.removeprefix("tml-").split("_")[0]
+    refused(config_url.replace(f"/{owner}/", f"/{other_id}/"))  # our URL made out to them
     # A URL of a deleted checkpoint no longer works (before its expiry).
     rest.delete_checkpoint_from_tinker_path(ext).result()
     refused(config_url)

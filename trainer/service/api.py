@@ -790,8 +790,9 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
                                 "checkpoint has download URLs (`tinker checkpoint download` exports a training one)")
         names = downloads.files(Path(ckpt.storage_path))
         if not names:
-            raise HTTPException(503, f"the files of {ckpt.tinker_path} cannot be read by this API server (its "
-                                "checkpoint storage is not mounted here)")
+            # A 4xx, not a 5xx the SDK would retry for 5 minutes: this does not pass with time.
+            raise HTTPException(400, f"the files of {ckpt.tinker_path} cannot be read by this API server (its "
+                                "checkpoint storage is not mounted here; see docs/service.md, Downloading weights)")
         expires = int(time.time()) + config.download_url_ttl_s
         # The base URL the client reached us at (scheme and Host header), so the URLs work from where it stands.
         urls = {f: downloads.url(str(request.base_url), url_key(), ckpt, f, expires) for f in names}
@@ -802,10 +803,9 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
     @app.get(downloads.ROUTE + "/{owner_id}/{model_id}/{name}/{file:path}")
     def download_external_weights(owner_id: str, model_id: str, name: str, file: str,
                                   expires: int, signature: str) -> FileResponse:
-        # No API key: the signed URL is the credential (downloads.py). Every refusal reads alike, so an unsigned
-        # caller learns nothing about which checkpoints exist.
-        invalid = HTTPException(403, "this download URL is not valid: ask for new ones "
-                                "(RestClient.get_external_weights_urls)")
+        # No API key: the signed URL is the credential (downloads.py). A missing checkpoint, a bad signature and a
+        # revoked key read alike, so a caller without a URL learns nothing about which checkpoints exist.
+        invalid = HTTPException(403, downloads.INVALID)
         try:
             ckpt = store.get_checkpoint(owner_id, tinker_path(model_id, "external", name))
         except (NotFound, ValueError):

@@ -51,14 +51,18 @@ def url(base_url: str, key: bytes, ckpt: Checkpoint, file: str, expires: int) ->
             f"?expires={expires}&signature={signature(key, ckpt, file, expires)}")
 
 
+# The one answer to any URL not signed as it stands, whether or not its checkpoint exists: it tells nothing more.
+INVALID: Final = ("this download URL is not valid (altered, made for another file, or its checkpoint was deleted or "
+                  "saved again): ask for new ones (RestClient.get_external_weights_urls, or run `tinker checkpoint "
+                  "download` again)")
+EXPIRED: Final = "this download URL has expired: ask for new ones (RestClient.get_external_weights_urls)"
+
+
 def refusal(key: bytes, ckpt: Checkpoint, file: str, expires: int, given: str, now: float) -> str | None:
     """Why this URL does not grant `file` now (None: it does)."""
     if not hmac.compare_digest(signature(key, ckpt, file, expires), given):
-        return ("this download URL is not valid (altered, or its checkpoint was deleted or saved again): ask for new "
-                "ones (RestClient.get_external_weights_urls, or run `tinker checkpoint download` again)")
-    if now >= expires:
-        return "this download URL has expired: ask for new ones (RestClient.get_external_weights_urls)"
-    return None
+        return INVALID
+    return EXPIRED if now >= expires else None
 
 
 def file_path(ckpt: Checkpoint, file: str) -> Path | None:
