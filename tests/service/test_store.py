@@ -29,6 +29,7 @@ from trainer.service.store import (
     Store,
     StoreError,
     parse_tinker_path,
+    rest_tinker_path,
     sampling_session_id_for,
     tinker_path,
 )
@@ -373,6 +374,32 @@ def test_checkpoints(store: Store, owners: tuple[str, str]) -> None:
             parse_tinker_path(bad_path)
         with pytest.raises(NotFound):
             store.get_checkpoint(alice, bad_path)
+
+
+def test_external_checkpoints_ttl_changes_and_server_secrets(store: Store, owners: tuple[str, str]) -> None:
+    alice, bob = owners
+    model = _model(store, alice)
+    ext = store.add_checkpoint(alice, model.id, "final", "external", "/ckpt/e")
+    assert ext.tinker_path == f"tinker://{model.id}/external_weights/final"
+    assert ext.checkpoint_id == "external_weights/final"
+    assert parse_tinker_path(ext.tinker_path) == (model.id, "external", "final")
+    assert rest_tinker_path(model.id, "external_weights/final") == ext.tinker_path
+    with pytest.raises(ValueError):
+        rest_tinker_path(model.id, "other/final")
+    with pytest.raises(NotFound):  # another owner's
+        store.set_checkpoint_ttl(bob, ext.tinker_path, 3600)
+    assert store.set_checkpoint_ttl(alice, ext.tinker_path, 3600).expires_at is not None
+    assert store.set_checkpoint_ttl(alice, ext.tinker_path, None).expires_at is None
+    store.set_checkpoint_ttl(alice, ext.tinker_path, 0)
+    with pytest.raises(NotFound):  # expired now
+        store.get_checkpoint(alice, ext.tinker_path)
+    key = store.secret("download-urls")
+    assert len(key) == 32 and store.secret("download-urls") == key != store.secret("another")
+    other = store.clone()
+    try:
+        assert other.secret("download-urls") == key  # every process on the database shares it
+    finally:
+        other.close()
 
 
 def test_sampling_sessions(store: Store, owners: tuple[str, str]) -> None:

@@ -223,7 +223,7 @@ def test_sample_response_round_trip() -> None:
 def test_every_kind_has_a_spec_and_json_bodies_round_trip() -> None:
     assert set(protocol.KINDS) == {
         "create_model", "load_weights", "forward", "forward_backward", "optim_step", "save_weights",
-        "save_weights_for_sampler", "sample", "delete_checkpoint",
+        "save_weights_for_sampler", "save_weights_external", "sample", "delete_checkpoint",
     }
     step = types.OptimStepRequest(optim_params=types.AdamParams(learning_rate=3e-4), model_id="m", seq_id=2)
     assert protocol.decode_json("optim_step", protocol.canonical_json(step)) == step

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,121 @@ def _reference_datums() -> list[dict]:
     return [{"model_input": tinker.types.ModelInput.from_ints(d["model_input"]),
              "loss_fn_inputs": {"target_tokens": d["target_tokens"], "weights": d["weights"]}}
             for d in reference()["data"]]
+
+
+def test_external_weights_download_with_the_tinker_cli(server: Server, sdk_clients: SdkClients,
+                                                       tmp_path: Path) -> None:
+    """save_weights_external writes the PEFT adapter; the SDK's own `tinker checkpoint download` (a subprocess)
+    fetches it through our signed URLs, and it loads in PEFT with the trained tensors. Those URLs are the owner's
+    alone, and refused once altered, expired or their checkpoint deleted."""
+    import urllib.error
+    import urllib.request
+
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    from tests.tiny_model import FIXTURE
+    from trainer.service import downloads
+    from trainer.service.store import Store
+
+    sc = sdk_clients(server.url, server.key)
+    tc = sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4, seed=5).result()
+    tc.forward_backward([tinker.types.Datum(**d) for d in _reference_datums()], "cross_entropy").result()
+    tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+    sampler = tc.save_weights_for_sampler("ext-reference").result().path
+    with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
+        tc.save_weights_external("sealed", age_encryption_recipients=["age1" + "q" * 58]).result()
+    ext = tc.save_weights_external("final").result().path  # the refusal above held up nothing
+    assert ext == f"tinker://{tc.model_id}/external_weights/final"
+    rest = tinker.RestClient(base_url=server.url, api_key=server.key)
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed[ext].checkpoint_type == "external" and listed[ext].size_bytes
+
+    env = {**server.env, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": server.key}
+    tinker_cli = [str(Path(sys.executable).parent / "tinker"), "checkpoint", "download"]
+    run = subprocess.run([*tinker_cli, ext, "--output", str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    got = tmp_path / f"{tc.model_id}_external_weights_final"  # the CLI's own naming
+    assert sorted(p.name for p in got.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    store = Store(f"sqlite:///{server.db}")
+    try:
+        owner = server.key.removeprefix("tml-").split("_")[0]
+        reference_dir = Path(store.get_checkpoint(owner, sampler).storage_path)
+        key = store.secret(downloads.SECRET_NAME)
+        ckpt = store.get_checkpoint(owner, ext)
+    finally:
+        store.close()
+    ours, saved = load_file(got / "adapter_model.safetensors"), load_file(reference_dir / "adapter_model.safetensors")
+    assert ours.keys() == saved.keys() and all((ours[k] == saved[k]).all() for k in ours)
+    assert any(abs(t).max() > 0 for k, t in ours.items() if "lora_B" in k), "training should have moved lora_B"
+    model = transformers.AutoModelForCausalLM.from_pretrained(FIXTURE)
+    peft.PeftModel.from_pretrained(model, got)  # loads as the PEFT adapter it is
+
+    # The URLs: signed for this owner, this file and an hour (the CLI signs again 5 minutes before the expiry).
+    answer = rest.get_external_weights_urls(ext).result()
+    assert set(answer.urls) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert 3500 < (answer.expires - datetime.now(UTC)).total_seconds() <= 3600
+    config_url = answer.urls["adapter_config.json"]
+    with urllib.request.urlopen(config_url) as response:
+        assert response.read() == (got / "adapter_config.json").read_bytes()
+
+    def refused(url: str) -> str:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url)
+        assert e.value.code == 403, url
+        return e.value.read().decode()
+
+    refused(config_url[:-1] + ("0" if config_url[-1] != "0" else "1"))  # an altered signature
+    refused(config_url.replace("adapter_config.json", "adapter_model.safetensors"))  # another file, same signature
+    refused(re.sub(r"expires=\d+", lambda m: f"expires={int(m.group(0)[8:]) + 86400}", config_url))  # a longer life
+    past = int(time.time()) - 1
+    assert "expired" in refused(downloads.url(server.url, key, ckpt, "adapter_config.json", past))
+
+    # Another tenant: the checkpoint reads as missing, to the SDK and to the CLI.
+    other = subprocess.run([sys.executable, "-m", "trainer.service", "keys", "create", "other", "--db", str(server.db)],
+                           cwd=ROOT, env=server.env, capture_output=True, text=True, check=True).stdout.strip()
+    with pytest.raises(tinker.NotFoundError):
+        tinker.RestClient(base_url=server.url, api_key=other).get_external_weights_urls(ext).result()
+    theirs = subprocess.run([*tinker_cli, ext, "--output", str(tmp_path / "other")],
+                            env={**env, "TINKER_API_KEY": other}, capture_output=True, text=True, timeout=120)
+    assert theirs.returncode != 0 and not any((tmp_path / "other").iterdir())
+    other_id = other.removeprefix("tml-").split("_")[0]
+    refused(config_url.replace(f"/{owner}/", f"/{other_id}/"))  # our URL made out to them
+    # A URL of a deleted checkpoint no longer works (before its expiry).
+    rest.delete_checkpoint_from_tinker_path(ext).result()
+    refused(config_url)
+
+
+def test_tinker_checkpoint_download_exports_a_training_checkpoint(server: Server, sdk_clients: SdkClients,
+                                                                 tmp_path: Path) -> None:
+    """`tinker checkpoint download tinker://<run>/weights/<name>`: the CLI loads the state into a new training run,
+    exports it with save_weights_external, keeps the export alive while it downloads (set_checkpoint_ttl), then
+    deletes it. What it writes is the state's adapter."""
+    from safetensors.numpy import load_file
+
+    from trainer.service.store import Store
+
+    sc = sdk_clients(server.url, server.key)
+    tc = sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4, seed=7).result()
+    tc.forward_backward([tinker.types.Datum(**d) for d in _reference_datums()], "cross_entropy").result()
+    tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+    state = tc.save_state("exported").result().path
+    env = {**server.env, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": server.key}
+    run = subprocess.run([str(Path(sys.executable).parent / "tinker"), "checkpoint", "download", state, "--output",
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    got = tmp_path / f"{tc.model_id}_weights_exported"
+    assert sorted(p.name for p in got.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    store = Store(f"sqlite:///{server.db}")
+    try:
+        owner = server.key.removeprefix("tml-").split("_")[0]
+        saved = load_file(Path(store.get_checkpoint(owner, state).storage_path) / "adapter_model.safetensors")
+    finally:
+        store.close()
+    ours = load_file(got / "adapter_model.safetensors")
+    assert ours.keys() == saved.keys() and all((ours[k] == saved[k]).all() for k in ours)
+    rest = tinker.RestClient(base_url=server.url, api_key=server.key)
+    left = [c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints]
+    assert not [p for p in left if p.endswith("/external_weights/download")], left  # the CLI deleted its export

@@ -6,8 +6,9 @@ optim_step, saves, loads, samples) is stored as a request row (`Store.submit`, i
 answered at once with a promise; an engine process claims and runs it (`protocol` is the contract) and the SDK
 long-polls `retrieve_future` for the result. The rest (sessions, get_info, listings) is answered from the store.
 
-Every route but /api/v1/healthz takes the caller's key (X-API-Key, `auth.authenticate`) and passes its owner id to
-every store call, so another key's ids read as missing (404, the same message). Errors: 401 no/invalid/revoked key,
+Every route but /api/v1/healthz and the external weights download (`downloads.ROUTE`: its signed URL is the credential)
+takes the caller's key (X-API-Key, `auth.authenticate`) and passes its owner id to every store call, so another key's
+ids read as missing (404, the same message). Errors: 401 no/invalid/revoked key,
 404 unknown id, 400 a request this server refuses, 409 a resubmitted seq_id with a different body, 410 a finished
 session. A request that fails in the engine is not an HTTP error: retrieve_future answers {"error", "category"}, which
 the SDK raises as tinker.RequestFailedError (tinker 0.38 tinker/lib/api_future_impl.py:496-503). SDK line numbers
@@ -17,12 +18,16 @@ below are tinker 0.38.0's.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import functools
 import io
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Final, Literal
+from pathlib import Path
+from typing import Annotated, Any, Final
 
 import pydantic
 import zstandard
@@ -30,7 +35,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi import Request as HttpRequest
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from google.protobuf.message import DecodeError
 from sqlalchemy import select
 from sqlalchemy.orm import Session as DbSession
@@ -39,12 +44,13 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.try_again_response import TryAgainResponse
 
-from trainer.service import auth, protocol, sampling
+from trainer.service import auth, downloads, protocol, sampling
 from trainer.service.protocol import PROTOBUF
 from trainer.service.store import (
     FAILED,
     FINISHED,
     Checkpoint,
+    CheckpointKind,
     Conflict,
     Model,
     NotFound,
@@ -53,6 +59,7 @@ from trainer.service.store import (
     Store,
     StoreError,
     parse_tinker_path,
+    rest_tinker_path,
     tinker_path,
 )
 
@@ -103,6 +110,8 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     max_unfinished_samples: int = DEFAULT_MAX_UNFINISHED
+    # How long the external weights download URLs live (downloads.py).
+    download_url_ttl_s: int = downloads.DEFAULT_URL_TTL_S
     _by_name: dict[str, BaseModelSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +123,9 @@ class ServerConfig:
         object.__setattr__(self, "_by_name", {m.name: m for m in self.base_models})
         if len(self._by_name) != len(self.base_models):
             raise ValueError("base model names must be unique")
+        if self.download_url_ttl_s < downloads.MIN_URL_TTL_S:
+            raise ValueError(f"download_url_ttl_s must be >= {downloads.MIN_URL_TTL_S} (the CLI signs again 5 minutes "
+                             "before the expiry)")
 
     def base_model(self, name: str) -> BaseModelSpec:
         if (spec := self._by_name.get(name)) is None:
@@ -129,6 +141,11 @@ class ServerConfig:
 class _WeightsInfoBody(pydantic.BaseModel):
     # RestClient.get_weights_info_by_tinker_path posts a bare dict (tinker has no request type for it).
     tinker_path: str
+
+
+class _TtlBody(pydantic.BaseModel):
+    # RestClient.set_checkpoint_ttl_from_tinker_path puts {"ttl_seconds": int | None} (rest_client.py:829-832).
+    ttl_seconds: int | None
 
 
 class _FinishBody(pydantic.BaseModel):
@@ -217,7 +234,7 @@ def _seq_id(seq_id: int | None) -> int:
     return seq_id
 
 
-def _checkpoint_name(model_id: str, kind: Literal["training", "sampler"], name: str | None) -> str:
+def _checkpoint_name(model_id: str, kind: CheckpointKind, name: str | None) -> str:
     if name is None:
         raise HTTPException(400, "path (the checkpoint name) is required")
     try:
@@ -285,6 +302,7 @@ ORDERED_ROUTES: Final = {
     "/api/v1/optim_step": protocol.OPTIM_STEP,
     "/api/v1/save_weights": protocol.SAVE_WEIGHTS,
     "/api/v1/save_weights_for_sampler": protocol.SAVE_WEIGHTS_FOR_SAMPLER,
+    "/api/v1/save_weights_external": protocol.SAVE_WEIGHTS_EXTERNAL,
     "/api/v1/load_weights": protocol.LOAD_WEIGHTS,
 }
 
@@ -584,6 +602,19 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
                            model_id=req.model_id, seq_id=seq_id)
         return _promise(row)
 
+    @app.post("/api/v1/save_weights_external")
+    def save_weights_external(req: types.SaveWeightsExternalRequest, owner: Owner) -> dict[str, Any]:
+        with refusing(owner, protocol.SAVE_WEIGHTS_EXTERNAL, req.model_id, req.seq_id):
+            seq_id = _seq_id(req.seq_id)
+            _checkpoint_name(req.model_id, "external", req.path)
+            if req.age_encryption_recipients:
+                # Refused rather than ignored: the caller asked for the files never to be stored in the clear.
+                raise HTTPException(400, "age_encryption_recipients: this server cannot encrypt external weights "
+                                    "(no age implementation); save without it and encrypt the downloaded files")
+        row = store.submit(owner, protocol.SAVE_WEIGHTS_EXTERNAL, protocol.canonical_json(req), model_id=req.model_id,
+                           seq_id=seq_id)
+        return _promise(row)
+
     @app.post("/api/v1/load_weights")
     def load_weights(req: types.LoadWeightsRequest, owner: Owner) -> dict[str, Any]:
         into_model = req.session_id is None and req.model_seq_id is None
@@ -721,21 +752,72 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
     ) -> dict[str, Any]:
         return checkpoints_page(owner, None, limit, offset)
 
-    @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{segment}/{name}", status_code=204)
-    def delete_checkpoint(model_id: str, segment: str, name: str, owner: Owner) -> Response:
-        kinds: dict[str, Literal["training", "sampler"]] = {"weights": "training", "sampler_weights": "sampler"}
-        if segment not in kinds:
-            raise NotFound(f"no checkpoint {model_id}/{segment}/{name}")
+    def route_path(model_id: str, segment: str, name: str) -> str:
+        # The SDK puts the checkpoint id ("weights/<name>", ...) in the path as is, so it spans two segments.
         try:
-            path = tinker_path(model_id, kinds[segment], name)
-            parse_tinker_path(path)
+            return rest_tinker_path(model_id, f"{segment}/{name}")
         except ValueError:
             raise NotFound(f"no checkpoint {model_id}/{segment}/{name}") from None
-        row = store.delete_checkpoint(owner, path)
+
+    @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{segment}/{name}", status_code=204)
+    def delete_checkpoint(model_id: str, segment: str, name: str, owner: Owner) -> Response:
+        row = store.delete_checkpoint(owner, route_path(model_id, segment, name))
         # The row is gone now (the client sees it deleted); the files are the engine's, so it removes them.
         files = protocol.DeleteCheckpointFiles(tinker_path=row.tinker_path, storage_path=row.storage_path)
         store.submit(owner, protocol.DELETE_CHECKPOINT, protocol.canonical_json(files))
         return Response(status_code=204)
+
+    @app.put("/api/v1/training_runs/{model_id}/checkpoints/{segment}/{name}/ttl")
+    def set_checkpoint_ttl(model_id: str, segment: str, name: str, req: _TtlBody, owner: Owner) -> dict[str, Any]:
+        # `tinker checkpoint download` of a training checkpoint keeps its temporary export alive with it.
+        if req.ttl_seconds is not None and req.ttl_seconds < 1:
+            raise HTTPException(400, f"ttl_seconds must be >= 1, or null for no expiry (got {req.ttl_seconds})")
+        store.set_checkpoint_ttl(owner, route_path(model_id, segment, name), req.ttl_seconds)
+        return {}
+
+    # -- external weights downloads (downloads.py) ----------------------------------------------------------------
+
+    @functools.cache
+    def url_key() -> bytes:
+        return store.secret(downloads.SECRET_NAME)
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{segment}/{name}/external_weights_urls")
+    def external_weights_urls(model_id: str, segment: str, name: str, request: HttpRequest,
+                              owner: Owner) -> dict[str, Any]:
+        ckpt = store.get_checkpoint(owner, route_path(model_id, segment, name))  # another owner's: 404
+        if ckpt.kind != "external":
+            raise HTTPException(400, f"{ckpt.tinker_path} is not external weights: only a save_weights_external "
+                                "checkpoint has download URLs (`tinker checkpoint download` exports a training one)")
+        names = downloads.files(Path(ckpt.storage_path))
+        if not names:
+            # A 4xx, not a 5xx the SDK would retry for 5 minutes: this does not pass with time.
+            raise HTTPException(400, f"the files of {ckpt.tinker_path} cannot be read by this API server (its "
+                                "checkpoint storage is not mounted here; see docs/service.md, Downloading weights)")
+        expires = int(time.time()) + config.download_url_ttl_s
+        # The base URL the client reached us at (scheme and Host header), so the URLs work from where it stands.
+        urls = {f: downloads.url(str(request.base_url), url_key(), ckpt, f, expires) for f in names}
+        return types.ExternalWeightsUrlsResponse(
+            urls=urls, expires=dt.datetime.fromtimestamp(expires, dt.UTC)
+        ).model_dump(mode="json")
+
+    @app.get(downloads.ROUTE + "/{owner_id}/{model_id}/{name}/{file:path}")
+    def download_external_weights(owner_id: str, model_id: str, name: str, file: str,
+                                  expires: int, signature: str) -> FileResponse:
+        # No API key: the signed URL is the credential (downloads.py). A missing checkpoint, a bad signature and a
+        # revoked key read alike, so a caller without a URL learns nothing about which checkpoints exist.
+        invalid = HTTPException(403, downloads.INVALID)
+        try:
+            ckpt = store.get_checkpoint(owner_id, tinker_path(model_id, "external", name))
+        except (NotFound, ValueError):
+            raise invalid from None
+        if (why := downloads.refusal(url_key(), ckpt, file, expires, signature, time.time())) is not None:
+            raise HTTPException(403, why)
+        key = store.get_api_key(owner_id)
+        if key is None or key.revoked_at is not None:
+            raise invalid
+        if (path := downloads.file_path(ckpt, file)) is None:
+            raise HTTPException(404, f"{file} of {ckpt.tinker_path} is gone from storage")
+        return FileResponse(path, filename=path.name, headers={"Cache-Control": "private, no-store"})
 
     @app.post("/api/v1/weights_info")
     def weights_info(req: _WeightsInfoBody, owner: Owner) -> dict[str, Any]:

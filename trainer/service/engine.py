@@ -12,8 +12,8 @@ What it adds:
   naming the limit; the rest of the batch runs.
 * Storage. save_weights writes a PEFT adapter (adapter_config.json + adapter_model.safetensors, lora.export_peft),
   the AdamW moments (optimizer.safetensors, same tensor names under exp_avg./exp_avg_sq.) and state.json (step, rank,
-  targets); sampler saves are the PEFT adapter alone. Every save goes to a fresh directory, renamed into place when
-  complete, so a crash never leaves a half-written checkpoint behind a row.
+  targets); sampler and external saves are the PEFT adapter alone. Every save goes to a fresh directory, renamed into
+  place when complete, so a crash never leaves a half-written checkpoint behind a row.
 
 * Hosts. On a multi-host slice every process builds the same programs and state (`prepare`, the trainer's
   jax.distributed contract); process 0 runs the Engine (database, storage, decisions) and sends each device op to the
@@ -263,6 +263,7 @@ class Engine:
             protocol.OPTIM_STEP: self._optim_step,
             protocol.SAVE_WEIGHTS: self._save_weights,
             protocol.SAVE_WEIGHTS_FOR_SAMPLER: self._save_weights_for_sampler,
+            protocol.SAVE_WEIGHTS_EXTERNAL: self._save_weights_external,
             protocol.SAMPLE: self._sample,
             protocol.DELETE_CHECKPOINT: self._delete_checkpoint,
         }
@@ -817,7 +818,7 @@ class Engine:
             ckpt = self.store.add_checkpoint(
                 row.owner_id, row.model_id or "", name, kind, str(path), size_bytes=_dir_size(path),  # type: ignore[arg-type]
                 ttl_seconds=req.ttl_seconds, overwrite=getattr(req, "overwrite", False),
-                user_metadata=req.user_metadata, sampler_seq_id=sampler_seq_id,
+                user_metadata=getattr(req, "user_metadata", None), sampler_seq_id=sampler_seq_id,
                 completes=(row.request_id, self.worker_id, result))
         except Conflict as e:
             self._remove_files(str(path))
@@ -891,6 +892,14 @@ class Engine:
         result = protocol.json_result({"sampling_session_id": sampler_id,
                                        "path": tinker_path(model_id, "sampler", name)})
         return self._record(row, name, "sampler", path, req, result, sampler_seq_id=req.sampling_session_seq_id)
+
+    def _save_weights_external(self, row: Request) -> Outcome:
+        # The PEFT adapter alone, as for sampler weights: the HF format the SDK documents for external weights.
+        req = protocol.decode_json(row.kind, row.body)
+        path = self._save_adapter(row, "external_weights", req.path, with_optimizer=False)
+        result = protocol.json_result(types.SaveWeightsExternalResponseInternal(
+            path=tinker_path(row.model_id or "", "external", req.path), size_bytes=_dir_size(path)))
+        return self._record(row, req.path, "external", path, req, result)
 
     def _delete_checkpoint(self, row: Request) -> bytes:
         req = protocol.decode_json(row.kind, row.body)

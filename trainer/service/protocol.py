@@ -18,6 +18,7 @@ optim_step                JSON OptimStepRequest ("adam_params" or       JSON Opt
 save_weights              JSON SaveWeightsRequest                       JSON SaveWeightsResponse {"path"}
 save_weights_for_sampler  JSON SaveWeightsForSamplerRequest             JSON {"path"} (path form) or
                                                                         {"sampling_session_id"} (seq form)
+save_weights_external     JSON SaveWeightsExternalRequest               JSON {"path", "size_bytes"}
 sample                    JSON SampleRequest (sampling_session_id set)  protobuf SampleResponse
 delete_checkpoint         JSON DeleteCheckpointFiles (engine-internal)  JSON {} (nobody polls it)
 
@@ -51,6 +52,8 @@ computing, per kind:
   Seq form (`sampling_session_seq_id` set, no path): save under `ephemeral_sampler_name(...)`, record it as a
   sampler checkpoint, then `store.create_sampling_session(owner, model.session_id, sampling_session_seq_id,
   base_model=model.base_model, model_path=checkpoint.tinker_path)`; result {"sampling_session_id": its id}.
+* save_weights_external: as the save_weights_for_sampler path form with kind "external" (the PEFT adapter: HF
+  format, what the SDK documents). The API refuses age_encryption_recipients, so the body never carries them.
 * sample: the sampler is `store.get_sampling_session(owner, body.sampling_session_id)` (base model, or
   `model_path` -> `store.get_checkpoint`). Exactly `num_samples` sequences (the SDK pairs them with the ids the
   promise carried: `sequence_ids(request_id, num_samples)`); prompt logprobs, when asked, one per prompt token with
@@ -84,6 +87,7 @@ FORWARD_BACKWARD: Final = "forward_backward"
 OPTIM_STEP: Final = "optim_step"
 SAVE_WEIGHTS: Final = "save_weights"
 SAVE_WEIGHTS_FOR_SAMPLER: Final = "save_weights_for_sampler"
+SAVE_WEIGHTS_EXTERNAL: Final = "save_weights_external"
 SAMPLE: Final = "sample"
 DELETE_CHECKPOINT: Final = "delete_checkpoint"
 
@@ -124,6 +128,10 @@ KINDS: Final[Mapping[str, KindSpec]] = {
         KindSpec(
             SAVE_WEIGHTS_FOR_SAMPLER, "json", types.SaveWeightsForSamplerRequest, "json",
             types.SaveWeightsForSamplerResponseInternal, True,
+        ),
+        KindSpec(
+            SAVE_WEIGHTS_EXTERNAL, "json", types.SaveWeightsExternalRequest, "json",
+            types.SaveWeightsExternalResponseInternal, True,
         ),
         KindSpec(SAMPLE, "json", types.SampleRequest, "proto", types.SampleResponse, False),
         KindSpec(DELETE_CHECKPOINT, "json", DeleteCheckpointFiles, "json", dict, False),

@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Generic, Literal, TypeVar
@@ -123,7 +123,9 @@ DONE: Final = "done"
 FAILED: Final = "failed"
 FINISHED: Final = frozenset({DONE, FAILED})
 ErrorCategory = Literal["user", "server"]
-CheckpointKind = Literal["training", "sampler"]
+# training: LoRA + optimizer (save_state); sampler: a PEFT adapter to sample from; external: a PEFT adapter to download
+# (save_weights_external, fetched through signed URLs: api.py, downloads.py).
+CheckpointKind = Literal["training", "sampler", "external"]
 
 # What `recover()` puts back in the queue when their process died mid-flight: they change no state (a forward pass
 # reads the weights, a sample draws from them), so running them again gives the client what it asked for. Anything
@@ -147,7 +149,8 @@ CRASHED_ENGINE: Final = (
 # Checkpoint names become file names on the engine's side: keep them to one safe path component.
 _CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _TINKER_SCHEME: Final = "tinker://"
-_KIND_SEGMENT: Final[dict[str, CheckpointKind]] = {"weights": "training", "sampler_weights": "sampler"}
+_KIND_SEGMENT: Final[dict[str, CheckpointKind]] = {
+    "weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _SEGMENT_FOR_KIND: Final[dict[CheckpointKind, str]] = {v: k for k, v in _KIND_SEGMENT.items()}
 
 
@@ -293,7 +296,8 @@ class Request(Base):
 
 
 class Checkpoint(Base):
-    """A saved state (kind training: LoRA + optimizer) or sampler weights, addressed by its tinker:// path."""
+    """A saved state (kind training: LoRA + optimizer), sampler weights or external weights, addressed by its
+    tinker:// path."""
 
     __tablename__ = "checkpoints"
     __table_args__ = (UniqueConstraint("model_id", "kind", "name"),)
@@ -311,7 +315,7 @@ class Checkpoint(Base):
 
     @property
     def checkpoint_id(self) -> str:
-        """The REST form: "weights/<name>" or "sampler_weights/<name>"."""
+        """The REST form: "weights/<name>", "sampler_weights/<name>" or "external_weights/<name>"."""
         return f"{_SEGMENT_FOR_KIND[self.kind]}/{self.name}"  # type: ignore[index]
 
 
@@ -331,7 +335,7 @@ class SamplingSession(Base):
 
 
 class Meta(Base):
-    """Facts about the database itself: its schema_version."""
+    """Facts about the database itself: its schema_version; and server secrets (`Store.secret`)."""
 
     __tablename__ = "store_meta"
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -520,13 +524,22 @@ def tinker_path(model_id: str, kind: CheckpointKind, name: str) -> str:
 
 
 def parse_tinker_path(path: str) -> tuple[str, CheckpointKind, str]:
-    """tinker://<model_id>/weights|sampler_weights/<name> -> (model_id, kind, name); ValueError otherwise."""
+    """tinker://<model_id>/weights|sampler_weights|external_weights/<name> -> (model_id, kind, name); ValueError
+    otherwise."""
     if not path.startswith(_TINKER_SCHEME):
         raise ValueError(f"not a tinker:// path: {path!r}")
     parts = path[len(_TINKER_SCHEME) :].split("/")
     if len(parts) != 3 or not parts[0] or parts[1] not in _KIND_SEGMENT or not _CHECKPOINT_NAME.fullmatch(parts[2]):
-        raise ValueError(f"not a checkpoint path (tinker://<model_id>/weights|sampler_weights/<name>): {path!r}")
+        raise ValueError(f"not a checkpoint path (tinker://<model_id>/{'|'.join(_KIND_SEGMENT)}/<name>): {path!r}")
     return parts[0], _KIND_SEGMENT[parts[1]], parts[2]
+
+
+def rest_tinker_path(model_id: str, checkpoint_id: str) -> str:
+    """The tinker:// path of a REST route's checkpoint (/training_runs/<model_id>/checkpoints/<checkpoint_id>/...);
+    ValueError if it is none."""
+    path = f"{_TINKER_SCHEME}{model_id}/{checkpoint_id}"
+    parse_tinker_path(path)
+    return path
 
 
 def body_hash(kind: str, body: bytes) -> str:
@@ -691,6 +704,22 @@ class Store:
         total = s.scalar(select(func.count()).select_from(q.subquery())) or 0
         items = list(s.scalars(q.order_by(*order).limit(limit).offset(offset)))
         return Page(items=items, total=total, offset=offset, limit=limit)
+
+    def secret(self, name: str) -> bytes:
+        """A random 256-bit server secret kept in the database (made on first use), so every API replica and every
+        restart shares it: e.g. the key that signs download URLs (downloads.py)."""
+        key = f"secret:{name}"
+        with self._read() as s:
+            found = s.scalar(select(Meta.value).where(Meta.key == key))
+        if found is None:
+            # IntegrityError: another process made it first (PostgreSQL): read theirs.
+            with suppress(IntegrityError), self._write() as s:
+                if s.get(Meta, key) is None:
+                    s.add(Meta(key=key, value=os.urandom(32).hex()))
+            with self._read() as s:
+                found = s.scalar(select(Meta.value).where(Meta.key == key))
+        assert found is not None
+        return bytes.fromhex(found)
 
     # -- API keys (the rows; generation, hashing and verification live in auth.py) -----------------------------
 
@@ -1276,7 +1305,7 @@ class Store:
         request that saved it is done. So a save killed half-way leaves no row, and its re-run does not conflict
         with itself."""
         if kind not in _SEGMENT_FOR_KIND:
-            raise ValueError(f"checkpoint kind must be 'training' or 'sampler', not {kind!r}")
+            raise ValueError(f"checkpoint kind must be one of {sorted(_SEGMENT_FOR_KIND)}, not {kind!r}")
         if not _CHECKPOINT_NAME.fullmatch(name):
             raise ValueError(f"checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (at most 200)")
         now = utcnow()
@@ -1349,6 +1378,17 @@ class Store:
             if row is None:
                 raise NotFound(f"no checkpoint {path!r}")
             s.delete(row)
+        return row
+
+    def set_checkpoint_ttl(self, owner_id: str, path: str, ttl_seconds: float | None) -> Checkpoint:
+        """Expire a live checkpoint ttl_seconds from now, or never with None."""
+        with self._write() as s:
+            now = utcnow()
+            row: Checkpoint | None = s.scalars(self._lock(select(Checkpoint).where(
+                Checkpoint.tinker_path == path, Checkpoint.owner_id == owner_id, self._live(now)))).first()
+            if row is None:
+                raise NotFound(f"no checkpoint {path!r}")
+            row.expires_at = now + dt.timedelta(seconds=ttl_seconds) if ttl_seconds is not None else None
         return row
 
     def expired_checkpoints(self, now: dt.datetime | None = None) -> list[Checkpoint]:
