@@ -12,76 +12,30 @@ in one process) on a tiny random Qwen3 published offline as `Qwen/Qwen3-8B` (tes
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import tinker
 
-from tests.service_api.conftest import free_port, wait_healthy
-from tests.tiny_model import publish, reference
+from tests.service_engine.served import ROOT, Server, serve
+from tests.tiny_model import reference
 
-ROOT = Path(__file__).resolve().parents[2]
 SdkClients = Callable[[str, str], tinker.ServiceClient]
 SEED_PORT = 8000  # the seed script's base_url
 SEED_SCRIPT = ROOT / "tests" / "fixtures" / "tinker" / "seed_script.py.txt"
 
 
-@dataclass
-class Server:
-    url: str
-    key: str
-    env: dict[str, str]
-    db: Path
-    storage: Path
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("real_clients")
-    hf_home = tmp / "hf"
-    publish(hf_home)
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu",
-           "TOKENIZERS_PARALLELISM": "false"}
-    config = tmp / "service.yaml"
-    storage = tmp / "checkpoints"
-    config.write_text(json.dumps({
-        "init": {"from": "hf"}, "lora": {"rank": 32, "alpha": 32, "slots": 8},
-        "service": {"base_model": "Qwen/Qwen3-8B", "min_bucket": 32, "storage_dir": str(storage), "warmup": False},
-    }))
-    db = tmp / "service.db"
-    created = subprocess.run([sys.executable, "-m", "trainer.service", "keys", "create", "tests", "--db", str(db)],
-                             cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    key = created.stdout.strip()
-    subprocess.run([sys.executable, "-m", "trainer.service", "keys", "import", "seed-script", "tml-dummy",
-                    "--allow-weak", "--db", str(db)], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    port = SEED_PORT if _free(SEED_PORT) else free_port()
-    log = (tmp / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.service", "serve", "--config", str(config), "--db", str(db),
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, lambda: (tmp / "server.log").read_text(), 120)
-        yield Server(url, key, env, db, storage)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    out = (tmp / "server.log").read_text()
-    assert "Traceback" not in out, out
+    port = SEED_PORT if _free(SEED_PORT) else None
+    with serve(tmp_path_factory.mktemp("real_clients"), port, weak_keys={"seed-script": "tml-dummy"}) as served:
+        yield served
 
 
 def _free(port: int) -> bool:
