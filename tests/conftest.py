@@ -32,6 +32,7 @@ MULTI_PROCESS_FILES = frozenset({
     "tests/deployed/test_service.py",
     "tests/deployed/test_trainer.py",
     "tests/service/test_crash.py",
+    "tests/service_engine/test_cookbook_recipes.py",
     "tests/service_engine/test_crash.py",
     "tests/service_engine/test_multihost.py",
     "tests/service_engine/test_preemption.py",

@@ -5,84 +5,36 @@ in one process) on a tiny random Qwen3 published offline as `Qwen/Qwen3-8B` (tes
   localhost:8000; only if port 8000 is taken on this machine is the script's URL pointed at the server's port): its
   first loss is transformers' cross entropy of the base model on those tokens
   (tests/fixtures/tiny_qwen3/reference.json), and the loss falls;
-* tinker-cookbook's math_rl recipe (arithmetic, importance_sampling, two steps), which samples, trains and saves;
 * the SDK's REST calls on what they left behind (training runs, checkpoints, weights info, delete).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import tinker
 
-from tests.service_api.conftest import free_port, wait_healthy
-from tests.tiny_model import publish, reference
+from tests.service_engine.served import ROOT, Server, serve
+from tests.tiny_model import reference
 
-ROOT = Path(__file__).resolve().parents[2]
 SdkClients = Callable[[str, str], tinker.ServiceClient]
 SEED_PORT = 8000  # the seed script's base_url
 SEED_SCRIPT = ROOT / "tests" / "fixtures" / "tinker" / "seed_script.py.txt"
 
 
-@dataclass
-class Server:
-    url: str
-    key: str
-    env: dict[str, str]
-    db: Path
-    storage: Path
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("real_clients")
-    hf_home = tmp / "hf"
-    publish(hf_home)
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu",
-           "TOKENIZERS_PARALLELISM": "false"}
-    config = tmp / "service.yaml"
-    storage = tmp / "checkpoints"
-    config.write_text(json.dumps({
-        "init": {"from": "hf"}, "lora": {"rank": 32, "alpha": 32, "slots": 8},
-        "service": {"base_model": "Qwen/Qwen3-8B", "min_bucket": 32, "storage_dir": str(storage), "warmup": False},
-    }))
-    db = tmp / "service.db"
-    created = subprocess.run([sys.executable, "-m", "trainer.service", "keys", "create", "tests", "--db", str(db)],
-                             cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    key = created.stdout.strip()
-    subprocess.run([sys.executable, "-m", "trainer.service", "keys", "import", "seed-script", "tml-dummy",
-                    "--allow-weak", "--db", str(db)], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    port = SEED_PORT if _free(SEED_PORT) else free_port()
-    log = (tmp / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.service", "serve", "--config", str(config), "--db", str(db),
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, lambda: (tmp / "server.log").read_text(), 120)
-        yield Server(url, key, env, db, storage)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    out = (tmp / "server.log").read_text()
-    assert "Traceback" not in out, out
+    port = SEED_PORT if _free(SEED_PORT) else None
+    with serve(tmp_path_factory.mktemp("real_clients"), port, weak_keys={"seed-script": "tml-dummy"}) as served:
+        yield served
 
 
 def _free(port: int) -> bool:
@@ -108,23 +60,6 @@ def test_the_seed_script_trains_from_the_base_models_loss(server: Server, tmp_pa
     assert f"{losses[0]:.4f}" == reference()["first_loss_printed"]  # a fresh LoRA is the base model
     print("seed script losses:", losses)
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
-
-
-def test_tinker_cookbook_math_rl_runs_against_the_service(server: Server, tmp_path: Path) -> None:
-    log_path = tmp_path / "math_rl"
-    run = subprocess.run(
-        [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "model_name=Qwen/Qwen3-8B", "env=arithmetic",
-         "group_size=4", "groups_per_batch=2", "max_tokens=8", "lora_rank=8", "loss_fn=importance_sampling",
-         "max_steps=2", "eval_every=0", "save_every=0", f"base_url={server.url}", f"log_path={log_path}",
-         "behavior_if_log_dir_exists=delete"],
-        env={**server.env, "TINKER_API_KEY": server.key}, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
-    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [m["step"] for m in metrics if "step" in m][-1] >= 1, metrics
-    # It trained, sampled and saved through this server: its checkpoints are the SDK's to list.
-    rest = tinker.RestClient(base_url=server.url, api_key=server.key)
-    runs = rest.list_training_runs().result().training_runs
-    assert any(r.lora_rank == 8 for r in runs)
 
 
 def test_rest_calls_see_and_delete_what_the_clients_saved(server: Server, sdk_clients: SdkClients) -> None:
