@@ -12,7 +12,7 @@ import pulumi_gcp as gcp
 
 from envspec.config import EnvironmentSpec
 from infra.iam import after_pool, workload_principal
-from infra.storage import CHECKPOINT_ROLE
+from infra.storage import CHECKPOINT_ROLE, READER_ROLE
 from trainer.service.store import CLOUDSQL_OWNER_ROLE as OWNER_ROLE
 from workloads.service import engine_on_host_network
 
@@ -207,11 +207,23 @@ class ServiceDatabase(pulumi.ComponentResource):
                 opts=child)
             self.accounts[role] = gsa.email
             self.users[role] = user.name
+            if role == "api":
+                # The API's pods serve external weights downloads from the engine's storage dir, through their own
+                # read-only GCS FUSE mount of the checkpoint bucket (workloads/service.py api_checkpoint_mount): read
+                # only (objects.get and .list, which the CSI driver's access check needs on the whole bucket,
+                # gcs-fuse-csi-driver pkg/cloud_provider/storage/storage.go CheckBucketExists), and nothing on the
+                # state bucket. They run on the pod network (the system pool), where the driver acts as the account
+                # the KSA names (token_sources.go fetchGCPSAToken): this one, so no KSA principal is needed. Created
+                # before the API's Deployment, which waits for this component (infra/program.py), so its pods' mount
+                # is granted when they start; as the engine's grant, a child without the pool's dependency.
+                gcp.storage.BucketIAMMember(
+                    f"{name}-api-object-viewer", bucket=args.bucket or spec.bucket_name, role=READER_ROLE,
+                    member=member, opts=child)
             if role == "engine":
                 # The engine's pods read and write the users' adapters and optimizer state in the checkpoint bucket,
-                # and each model's snapshot in the state bucket (service.state_dir), through GCS FUSE; the API never
-                # touches a bucket. Who GCS sees depends on the pod's network. On the pod network the CSI driver
-                # impersonates the account its KSA names (gcs-fuse-csi-driver pkg/cloud_provider/auth/
+                # and each model's snapshot in the state bucket (service.state_dir), through GCS FUSE; the API only
+                # reads the checkpoint bucket (above). Who GCS sees depends on the pod's network. On the pod network
+                # the CSI driver impersonates the account its KSA names (gcs-fuse-csi-driver pkg/cloud_provider/auth/
                 # token_sources.go fetchGCPSAToken): this one. On the host network (a multi-host slice without
                 # DRANET) the sidecar uses the KSA's own federated token and impersonates nobody (Token(): "if
                 # fetchTokenfromFile is set ... we skip the check"): the KSA's principal. The staging Job runs on

@@ -1,6 +1,7 @@
 """Service: the Tinker-compatible post-training service on the cluster (workloads/service.py renders its objects): the
-API's and the engine's service accounts, the API's Deployment, disruption budget, Services and NetworkPolicies, the
-engine's DRANET claim and Hugging Face token secret, the base model's staging Job and the engine's JobSet.
+API's and the engine's service accounts, the API's Deployment (with its read-only mount of the engine's storage dir on
+the checkpoint bucket), disruption budget, Services and NetworkPolicies, the engine's DRANET claim and Hugging Face
+token secret, the base model's staging Job and the engine's JobSet.
 
 The API is a Deployment: a change rolls it in place (pulumi-kubernetes applies the new spec; the Deployment
 controller replaces its pods one at a time, maxUnavailable 0). The engine JobSet follows TrainerJob's day-two rules
@@ -36,10 +37,11 @@ def delete_timeout_s(spec: EnvironmentSpec) -> int:
 
 def check(spec: EnvironmentSpec) -> None:
     """Before any resource exists: the engine's config loads with the arguments its pods get (service.args
-    included), so a typo there fails `pulumi up` and `plan` instead of crash-looping the engine. Raises
-    ConfigError."""
+    included), so a typo there fails `pulumi up` and `plan` instead of crash-looping the engine, and its storage dir
+    is on the checkpoint bucket, where the API pods' mount reads it. Raises ConfigError."""
     if spec.service is not None:
         service.engine_config(spec)
+        service.api_storage_dir(spec)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from envspec.machines import (
     requests_of,
 )
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES, SUBMITTER_REQUESTS
-from workloads.service import API_MAX_SURGE, API_RESOURCES
+from workloads.service import API_GCSFUSE_SIDECAR, API_MAX_SURGE, API_RESOURCES
 from workloads.stage import STAGE_RESOURCES
 from workloads.trainer_pod import GCSFUSE_SIDECAR
 
@@ -116,9 +116,16 @@ def ray_head() -> Pod:
                " + ".join(f"{n} {r.vcpu}" for n, r in parts.items()) + " vCPU")
 
 
-def _sidecar() -> Requests:
-    return Requests(cpu_millicores(GCSFUSE_SIDECAR["gke-gcsfuse/cpu-request"]),
-                    memory_mib(GCSFUSE_SIDECAR["gke-gcsfuse/memory-request"]))
+def _sidecar(annotations: Mapping[str, str] = GCSFUSE_SIDECAR) -> Requests:
+    return Requests(cpu_millicores(annotations["gke-gcsfuse/cpu-request"]),
+                    memory_mib(annotations["gke-gcsfuse/memory-request"]))
+
+
+def api_pod(name: str) -> Pod:
+    """An API pod: its container and the gcsfuse sidecar of its read-only checkpoint mount (workloads/service.py
+    API_GCSFUSE_SIDECAR)."""
+    api, sidecar = requests_of(API_RESOURCES), _sidecar(API_GCSFUSE_SIDECAR)
+    return Pod(name, api + sidecar, f"api {api.vcpu} + gcsfuse sidecar {sidecar.vcpu} vCPU")
 
 
 def stage_pod() -> Pod:
@@ -144,10 +151,10 @@ def pinned_pods(spec: EnvironmentSpec) -> list[Pod]:
         pods.append(stage_pod())
     if spec.service is not None:
         # The API's replicas (spread over nodes by preference only, so packing them anywhere is what can happen),
-        # the rollout's surge pod beside them on every new image (maxSurge, maxUnavailable 0), and the base model's
-        # staging Job.
-        pods += [Pod(f"service API {i}", requests_of(API_RESOURCES)) for i in range(spec.service.api_replicas)]
-        pods += [Pod(f"service API rollout surge {i}", requests_of(API_RESOURCES)) for i in range(API_MAX_SURGE)]
+        # the rollout's surge pod beside them on every new image (maxSurge, maxUnavailable 0), each with its gcsfuse
+        # sidecar, and the base model's staging Job.
+        pods += [api_pod(f"service API {i}") for i in range(spec.service.api_replicas)]
+        pods += [api_pod(f"service API rollout surge {i}") for i in range(API_MAX_SURGE)]
         if spec.service.stage_model and not spec.service.suspend:
             pods.append(stage_pod())
     return pods

@@ -15,6 +15,10 @@ on the CPU system pool, its engine as a Kueue-queued JobSet on a TPU slice group
 - The engine loads the base model from `model_dir` on the bucket. With service.stageModel a staging Job
   (workloads/stage.py) fetches service.base_model there before the engine starts; without it the engine still reads
   that directory, and the team puts the model there itself.
+- The API serves the files of external weights downloads (trainer/service/downloads.py) from the paths the engine
+  recorded under its storage dir, so its pods mount that folder of the checkpoint bucket read-only at the same path
+  (`api_checkpoint_mount`), as the API's Google service account, which holds roles/storage.objectViewer on the bucket
+  and nothing on the state bucket (infra/database.py).
 - NetworkPolicies: who may open a connection to the API's and the engine's pods (see `network_policies`).
 
 With service.suspend the engine JobSet and the staging Job are not rendered: the API keeps taking requests into the
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +47,10 @@ from workloads.jobset import tpu_jobset
 from workloads.trainer_pod import (
     CHECKPOINT_MOUNT,
     CONTAINER_SECURITY,
+    TRAINER_UID,
     TpuJob,
     TrainerRefs,
+    bucket_volume,
     pod_base,
 )
 
@@ -68,6 +75,26 @@ API_MAX_SURGE = 1
 API_GRACE_S = 30
 API_PRESTOP_S = 5
 SCRATCH = "/tmp"
+# The API pods' read-only view of the engine's storage dir on the checkpoint bucket (api_checkpoint_mount), through
+# GCS FUSE's sidecar, which GKE's webhook injects into a pod annotated gke-gcsfuse/volumes: "true"
+# (gcs-fuse-csi-driver pkg/webhook/mutatingwebhook.go Handle; without it the node plugin refuses the mount,
+# pkg/csi_driver/node.go NodePublishVolume "failed to find the sidecar container in Pod spec").
+API_CHECKPOINTS_VOLUME = "checkpoints"
+# The sidecar's resources, set rather than left to the webhook's defaults (250m CPU, 256Mi memory, 5Gi ephemeral
+# storage, requests = limits: cmd/webhook/main.go flags sidecar-*, which GKE's managed webhook may set otherwise;
+# pkg/webhook/config.go prepareConfig reads these annotations over them, and populateResource makes a missing request
+# or limit equal to the other). It only reads: a download streams one file at a time, with no file cache and nothing
+# staged for writes, so its temporary folders stay empty (1Gi covers its logs); 512Mi gives gcsfuse's read buffers
+# and metadata caches room over the default. Requests = limits, as the API container's: the pod keeps Guaranteed QoS
+# (every container, the native sidecar too, at requests = limits). infra/system_pool.py counts them per API pod.
+API_GCSFUSE_SIDECAR = {
+    "gke-gcsfuse/cpu-request": "250m",
+    "gke-gcsfuse/cpu-limit": "250m",
+    "gke-gcsfuse/memory-request": "512Mi",
+    "gke-gcsfuse/memory-limit": "512Mi",
+    "gke-gcsfuse/ephemeral-storage-request": "1Gi",
+    "gke-gcsfuse/ephemeral-storage-limit": "1Gi",
+}
 # GKE: an internal passthrough Network Load Balancer for a LoadBalancer Service (GKE docs, "LoadBalancer Service
 # parameters": the annotation works on every supported version; spec.loadBalancerClass would need GKE subsetting).
 ILB_ANNOTATION = "networking.gke.io/load-balancer-type"
@@ -302,8 +329,50 @@ def _probe(period_s: int, failures: int) -> dict[str, Any]:
             "failureThreshold": failures}
 
 
+def api_storage_dir(spec: EnvironmentSpec) -> str:
+    """The engine's storage dir as its pods load it (service.storage_dir of engine_config: service.args may move it),
+    normalized. Raises ConfigError naming service.args when it is not on the checkpoint bucket's mount: the API pods
+    could not read what the engine saves there (and the engine's saves would die with its pod)."""
+    where = engine_config(spec).service.storage_dir
+    path = posixpath.normpath(where or "")
+    if not where or not path.startswith(f"{CHECKPOINT_MOUNT}/"):
+        raise ConfigError(f"{NAMESPACE}:service.args: service.storage_dir={where} is not in the checkpoint bucket's "
+                          f"mount {CHECKPOINT_MOUNT}/: the API pods serve downloads from the engine's storage dir "
+                          "through their own mount of that bucket, and the engine's saves must outlive its pods")
+    return path
+
+
+def api_checkpoint_mount(spec: EnvironmentSpec, refs: ServiceRefs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The API pods' volume and mount of the engine's storage dir: the checkpoint bucket through GCS FUSE, that folder
+    only, read-only, at the very path the engine writes (so every storage path the engine records resolves here).
+
+    - readOnly on the CSI volume: the kubelet passes it to NodePublishVolume, the driver turns it into the FUSE
+      mount's `ro` (gcs-fuse-csi-driver pkg/csi_driver/utils.go parseRequestArguments; pkg/util/util.go
+      prepareMountOptions keeps `ro`/`rw` for the kernel mount, not for gcsfuse), so the kernel refuses every write
+      (EROFS) whatever the process does; the container's volumeMount says readOnly too.
+    - only-dir: gcsfuse shows only that prefix of the bucket (gcsfuse internal/gcsx/bucket_manager.go NewPrefixBucket;
+      a prefix with no objects yet mounts as an empty folder: internal/storage/storage_handle.go
+      verifyNonHNSBucketAccess takes NotFound as access), so the API does not see the base model, the trainer's
+      checkpoints or other services' folders, even though its IAM grant is on the whole bucket: the CSI driver's
+      own access check lists the bucket with no prefix (pkg/cloud_provider/storage/storage.go CheckBucketExists,
+      GetStorageLayout, storage.objects.list), which a grant conditioned on an object prefix would refuse.
+    - implicit-dirs and uid/gid as the engine's mount (trainer_pod.CHECKPOINT_MOUNT_OPTIONS): folders the engine
+      made show as folders, and every file as the image's user's; modes that say read-only too (they override the
+      driver's fsGroup defaults file-mode=664,dir-mode=775: pkg/csi_driver/utils.go joinMountOptions lets later
+      gid/file-mode/dir-mode win). No rename-dir-limit: nothing is renamed here.
+    - On the pod network (the system pool) the driver acts as the Google service account the API's Kubernetes
+      account names (pkg/cloud_provider/auth/token_sources.go fetchGCPSAToken): the API's, granted
+      roles/storage.objectViewer on the checkpoint bucket by infra/database.py."""
+    path = api_storage_dir(spec)
+    only_dir = path.removeprefix(f"{CHECKPOINT_MOUNT}/")
+    volume = bucket_volume(API_CHECKPOINTS_VOLUME, refs.bucket, read_only=True, mount_options=(
+        f"implicit-dirs,uid={TRAINER_UID},gid={TRAINER_UID},file-mode=444,dir-mode=555,only-dir={only_dir}"))
+    return volume, {"name": API_CHECKPOINTS_VOLUME, "mountPath": path, "readOnly": True}
+
+
 def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
     svc, labels = _service(spec), api_labels(spec)
+    checkpoints, checkpoints_mount = api_checkpoint_mount(spec, refs)
     container = {
         "name": "api",
         "image": refs.image,
@@ -321,9 +390,9 @@ def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
         "resources": {"requests": dict(API_RESOURCES), "limits": dict(API_RESOURCES)},
         # As the trainer's containers, and a read-only image: Python's temporary files go to an emptyDir.
         "securityContext": {**CONTAINER_SECURITY, "readOnlyRootFilesystem": True},
-        "volumeMounts": [{"name": "tmp", "mountPath": SCRATCH}],
+        "volumeMounts": [{"name": "tmp", "mountPath": SCRATCH}, checkpoints_mount],
     }
-    pod = pod_base(spec.service_api_name, API_GRACE_S, [container], [{"name": "tmp", "emptyDir": {}}])
+    pod = pod_base(spec.service_api_name, API_GRACE_S, [container], [{"name": "tmp", "emptyDir": {}}, checkpoints])
     pod["restartPolicy"] = "Always"  # a Deployment's pods restart in place (the only policy it accepts)
     pod["nodeSelector"] = dict(L.SYSTEM_POOL)
     # One replica per node where the pool has the room: a node upgrade or loss then leaves the others serving. A
@@ -342,7 +411,10 @@ def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
             "selector": {"matchLabels": dict(labels)},
             # A new pod is Ready before an old one goes: the API never drops below its replica count.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": API_MAX_SURGE}},
-            "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
+            # The annotations on the pod template: the webhook mutates pods, not Deployments.
+            "template": {"metadata": {"labels": dict(labels),
+                                      "annotations": {L.GCSFUSE_INJECT: "true", **API_GCSFUSE_SIDECAR}},
+                         "spec": pod},
         },
     }
 
@@ -412,9 +484,11 @@ def network_policies(spec: EnvironmentSpec) -> list[dict[str, Any]]:
     where it runs on the pod network.
 
     Egress stays open for both: the store is Cloud SQL on its private IP (from the private services range), reached
-    through the connector, which first calls the Cloud SQL Admin API; the engine reads and writes the bucket (GCS
-    FUSE's sidecar, Google APIs) and both get tokens from the GKE metadata server; the staging Job reaches the
-    Hugging Face Hub. Those addresses are Google's and change; a policy of IP ranges would only break them.
+    through the connector, which first calls the Cloud SQL Admin API; the engine reads and writes the buckets and the
+    API reads the checkpoint bucket (GCS FUSE's sidecar in each pod calls storage.googleapis.com, with the pod's
+    workload identity tokens); both get tokens from the GKE metadata server; the staging Job reaches the Hugging
+    Face Hub. Those addresses are Google's and change; a policy of IP ranges would only break them. No policy here
+    has policyTypes Egress, so none of it is filtered.
     """
     ns = spec.queues.namespace
     svc = _service(spec)

@@ -136,9 +136,10 @@ def volumes(refs: TrainerRefs, *, read_only: bool = False, host_network: bool = 
             {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
 
 
-def bucket_volume(name: str, bucket: str, *, read_only: bool = False, host_network: bool = False) -> dict[str, Any]:
-    """A GCS FUSE CSI ephemeral volume of `bucket`, writable by the image's user."""
-    attributes = {"bucketName": bucket, "mountOptions": CHECKPOINT_MOUNT_OPTIONS}
+def bucket_volume(name: str, bucket: str, *, read_only: bool = False, host_network: bool = False,
+                  mount_options: str = CHECKPOINT_MOUNT_OPTIONS) -> dict[str, Any]:
+    """A GCS FUSE CSI ephemeral volume of `bucket`, writable by the image's user (unless read_only)."""
+    attributes = {"bucketName": bucket, "mountOptions": mount_options}
     if host_network:
         # On the host network the GKE metadata server cannot tell the pod's identity, so the gcsfuse sidecar gets the
         # pod's workload-identity token only when the volume opts in (gcs-fuse-csi-driver pkg/csi_driver/node.go

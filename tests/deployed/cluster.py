@@ -35,7 +35,9 @@ each exit code is judged by the rendered policies, as the upstream controllers j
   as pulumi-kubernetes' Job await; a Deployment: its replicas Ready).
 
 Not emulated: Kueue's admission (the queues have the quota these workloads ask for), node scheduling and
-resources, NetworkPolicy, the GCS FUSE sidecar (the bucket is a local folder, tests/deployed/sandbox.py).
+resources, NetworkPolicy, the GCS FUSE sidecar (the bucket is a local folder, tests/deployed/sandbox.py: a volume's
+only-dir its sub-folder, readOnly a read-only bind mount; a pod without the annotation that injects the sidecar is
+refused, as the CSI driver refuses its mount).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
 RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
+GCSFUSE_INJECT = "gke-gcsfuse/volumes"
 IMAGE_ENTRYPOINT = ["python", "-m", "trainer"]  # trainer/Dockerfile ENTRYPOINT
 TPU_RESOURCE = "google.com/tpu"
 CRASH_BACKOFF_S = (10.0, 300.0)  # kubelet: initial, max
@@ -456,11 +459,21 @@ class Cluster:
                 os.chmod(path, 0o777)  # emptyDir: world-writable (kubelet's 0777)
                 out[name] = (str(path), False)
             elif "csi" in vol and vol["csi"].get("driver") == GCSFUSE_DRIVER:
+                if pod.annotations.get(GCSFUSE_INJECT, "").lower() != "true":
+                    # gcs-fuse-csi-driver pkg/csi_driver/node.go NodePublishVolume: no sidecar, no mount ("failed to
+                    # find the sidecar container in Pod spec"); pkg/webhook/mutatingwebhook.go Handle injects it only
+                    # into a pod with this annotation (on the pod itself: a Deployment's or Job's template).
+                    raise HarnessError(f"pod {pod.name}: GCS FUSE volume {name} without the pod annotation "
+                                       f"{GCSFUSE_INJECT}: \"true\", so no sidecar is injected and the mount fails")
                 attrs = vol["csi"].get("volumeAttributes", {})
                 bucket = attrs["bucketName"]
-                path = self.work / "buckets" / bucket
-                path.mkdir(parents=True, exist_ok=True)
                 opts = dict(o.partition("=")[::2] for o in attrs.get("mountOptions", "").split(",") if o)
+                # only-dir: gcsfuse shows that prefix of the bucket as the mount's root (gcsfuse
+                # internal/gcsx/bucket_manager.go NewPrefixBucket); a prefix without objects is an empty folder.
+                path = self.work / "buckets" / bucket / opts.get("only-dir", "").strip("/")
+                if ".." in Path(opts.get("only-dir", "")).parts:
+                    raise HarnessError(f"pod {pod.name}: volume {name} only-dir {opts['only-dir']!r}")
+                path.mkdir(parents=True, exist_ok=True)
                 uid, gid = int(opts.get("uid", 0)), int(opts.get("gid", 0))
                 for p in [path, *path.rglob("*")] if os.geteuid() == 0 else []:
                     os.chown(p, uid, gid)  # gcsfuse shows every object as the mount's uid/gid

@@ -12,14 +12,20 @@ What a user relies on, in order:
 - the engine preempted (SIGTERM to every pod: Spot takes the slice) and crashed (SIGKILL): the JobSet restarts it
   as its rendered policy says and the request accepted meanwhile completes;
 - the database down while the engine starts: the engine exits with a code the rendered podFailurePolicy restarts
-  (defect 3: exit 1 failed the JobSet for good), and serves once the database is back.
+  (defect 3: exit 1 failed the JobSet for good), and serves once the database is back;
+- `tinker checkpoint download` (the real CLI) fetches what save_weights_external saved, from an API pod as rendered:
+  the API reads the engine's files through its own read-only mount of the checkpoint bucket (without one every
+  download answered 400 "cannot be read by this API server").
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +48,7 @@ from tests.deployed.conftest import (
 )
 from tests.deployed.gcp import GcpBoundary
 from tests.deployed.render import Rendered, render, user_copy
-from workloads.service import engine_credentials
+from workloads.service import engine_credentials, storage_dir
 
 # What a team sets to try the service on CPUs: a tiny model, no tensor axis, small batches, and a short database retry
 # window at start (service.db_retry_s; 300 s by default) so the database-down case ends within the test.
@@ -123,6 +129,18 @@ def _authorized(url: str, key: str) -> int:
         return e.code
 
 
+def _key(deployed: Deployed) -> str:
+    """The test user's key, made in an API replica (`kubectl exec`) if no test before made it."""
+    c = deployed.cluster
+    if not deployed.key:
+        c.wait("an API replica Ready", lambda: any(p.ready for p in deployed.api_pods()), 300)
+        pod = sorted(p.name for p in deployed.api_pods() if p.ready)[0]
+        made = c.exec(pod, ["python", "-m", "trainer.service", "keys", "create", "alice"])
+        assert made.returncode == 0, made.stderr
+        deployed.key = made.stdout.strip().splitlines()[-1]
+    return deployed.key
+
+
 def test_the_service_as_deployed(deployed: Deployed) -> None:
     c, api, engine = deployed.cluster, deployed.api, deployed.engine
     c.wait("the staging Job completes", lambda: c.jobs.get(f"{engine}-stage") is not None
@@ -199,3 +217,43 @@ def test_the_engine_survives_the_database_down_at_start(deployed: Deployed) -> N
     loss = tc.forward_backward(_data(), "cross_entropy").result(timeout=900).metrics["loss:sum"]
     assert np.isfinite(loss)
     assert js.status == "Active", js.history
+
+
+def test_external_weights_download_with_the_tinker_cli_from_the_api_pods(deployed: Deployed, tmp_path: Path) -> None:
+    """save_weights_external through the Service, then the real `tinker checkpoint download` (a subprocess, as a user
+    runs it): the API pods, as rendered, list and serve the files the engine wrote to the bucket, through their own
+    read-only mount of it at the engine's path. Before the API Deployment mounted the bucket this failed with the
+    API's 400 "cannot be read by this API server" (the CLI exits non-zero with it)."""
+    c, api = deployed.cluster, deployed.api
+    key = _key(deployed)
+    c.wait("the engine runs", deployed.engine_running, 600)
+    url = c.service_url(api, 8000)
+    sc = tinker.ServiceClient(base_url=url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=TINY_REPO, rank=4, seed=3).result(timeout=300)
+    tc.forward_backward(_data(), "cross_entropy").result(timeout=600)
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=300)
+    ext = tc.save_weights_external("final").result(timeout=300).path
+    assert ext == f"tinker://{tc.model_id}/external_weights/final"
+
+    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": key}
+    cli = [str(Path(sys.executable).parent / "tinker"), "checkpoint", "download", ext, "--output", str(tmp_path)]
+    run = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:], c.report())
+    got = tmp_path / f"{tc.model_id}_external_weights_final"  # the CLI's own naming
+    assert sorted(p.name for p in got.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # Byte for byte what the engine wrote to the bucket, under the service's store folder.
+    spec = deployed.rendered.result.spec
+    store = c.work / "buckets" / spec.bucket_name / storage_dir(spec).removeprefix("/checkpoints/")
+    found = [p.parent for p in store.rglob("adapter_model.safetensors") if "external_weights" in p.parts]
+    assert len(found) == 1, sorted(str(p) for p in store.rglob("*"))
+    saved = found[0]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (got / name).read_bytes() == (saved / name).read_bytes(), name
+
+    # Every API replica reads the bucket, and none can change it: the mount is read-only in the pod.
+    for pod in sorted(p.name for p in deployed.api_pods()):
+        probe = c.exec(pod, ["python", "-c", (
+            "import os, sys; d = sys.argv[1]; assert any(os.scandir(d)), d\n"
+            "try:\n open(os.path.join(d, 'written-by-the-api'), 'w')\n"
+            "except OSError as e:\n print('refused', e.errno)\nelse:\n print('written')"), storage_dir(spec)])
+        assert probe.returncode == 0 and probe.stdout.strip().startswith("refused"), (pod, probe.stdout, probe.stderr)

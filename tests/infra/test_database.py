@@ -180,17 +180,37 @@ def test_the_connector_roles_are_granted_on_the_one_instance_only(plan: PlanResu
         assert m.inputs["condition"]["title"]
 
 
-def test_the_buckets_are_granted_to_the_engine_alone(plan: PlanResult) -> None:
-    """The checkpoint bucket (the users' checkpoints) and the state bucket (each model's snapshot)."""
+def test_the_engine_writes_both_buckets_and_the_api_only_reads_the_checkpoints(plan: PlanResult) -> None:
+    """The checkpoint bucket (the users' checkpoints) and the state bucket (each model's snapshot) for the engine; the
+    checkpoint bucket read-only for the API, whose pods serve external weights downloads from it (their read-only
+    GCS FUSE mount, workloads/service.py api_checkpoint_mount)."""
     engine = "serviceAccount:tinker-tinker-eng@acme-rl-tinker.iam.gserviceaccount.com"
+    api = "serviceAccount:tinker-tinker-api@acme-rl-tinker.iam.gserviceaccount.com"
     # tinker's engine runs on the host network (4 hosts, no DRANET): GCS FUSE's sidecar uses its KSA's own token.
+    # The API runs on the pod network, where the driver acts as the GSA its KSA names: no KSA principal for it.
     ksa = ("principal://iam.googleapis.com/projects/123456789012/locations/global/workloadIdentityPools/"
            "acme-rl-tinker.svc.id.goog/subject/ns/rl/sa/tinker-engine")
     assert sorted((g.inputs["bucket"], g.inputs["role"], g.inputs["member"]) for g in plan.of_type(BUCKET_MEMBER)) == [
         ("acme-rl-tinker-tinker-checkpoints", "roles/storage.objectUser", ksa),
         ("acme-rl-tinker-tinker-checkpoints", "roles/storage.objectUser", engine),
+        ("acme-rl-tinker-tinker-checkpoints", "roles/storage.objectViewer", api),
         ("acme-rl-tinker-tinker-tinker-state", "roles/storage.objectUser", ksa),
         ("acme-rl-tinker-tinker-tinker-state", "roles/storage.objectUser", engine)]
+
+
+def test_the_api_deployment_waits_for_its_bucket_grant(plans: dict[str, PlanResult]) -> None:
+    """The API pods' mount needs the viewer role when they start (the CSI driver checks the bucket before it mounts,
+    gcs-fuse-csi-driver pkg/csi_driver/node.go NodePublishVolume), and a rollout adding the mount would otherwise
+    stall at the first new pod: the Deployment depends on the grant (through the database component, whose
+    children pulumi's depends_on expands to), as the engine's JobSet does on the engine's grants."""
+    plan = plans["tinker"]  # the whole stack
+    [grant] = [g for g in plan.of_type(BUCKET_MEMBER) if g.inputs["role"] == "roles/storage.objectViewer"]
+    assert grant.name == "tinker-database-api-object-viewer"
+    [engine_grant] = [g for g in plan.of_type(BUCKET_MEMBER) if g.name == "tinker-database-engine-object-user"]
+    [deployment] = plan.of_type("kubernetes:apps/v1:Deployment")
+    [jobset] = plan.of_type("kubernetes:jobset.x-k8s.io/v1alpha2:JobSet")
+    for workload, needs in ((deployment, grant), (jobset, engine_grant)):
+        assert needs.urn in workload.options.get("dependsOn", []), workload.name
 
 
 def test_backups_and_point_in_time_recovery(plan: PlanResult) -> None:

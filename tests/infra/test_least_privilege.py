@@ -57,9 +57,9 @@ def test_identities_hold_only_what_they_need(plans: dict[str, PlanResult], env: 
     assert not any(WORKLOAD_PRINCIPAL.match(r.inputs["member"]) for r in project_grants)
     assert not plan.of_type("gcp:projects/iAMBinding:IAMBinding") and not plan.of_type(
         "gcp:projects/iAMPolicy:IAMPolicy")  # nothing that rewrites project policy wholesale
-    # The workloads' only grants are on the buckets they write: the trainer as a per-object user, a Ray head (which
-    # only reads the checkpoint's headers) as a viewer, the service's engine (not its API) on the checkpoint bucket
-    # and on its state bucket.
+    # The workloads' only grants are on the buckets they use: the trainer as a per-object user, a Ray head (which
+    # only reads the checkpoint's headers) as a viewer, the service's engine on the checkpoint bucket and on its state
+    # bucket, and its API (which serves downloads of what the engine saved) as a viewer of the checkpoint bucket.
     spec = plan.spec
     buckets = {b.inputs["name"] for b in plan.of_type("gcp:storage/bucket:Bucket")}
     roles = set()
@@ -77,6 +77,8 @@ def test_identities_hold_only_what_they_need(plans: dict[str, PlanResult], env: 
             engines.add(spec.service_engine_name)
         expected |= {(b, e, "roles/storage.objectUser") for b in (spec.bucket_name, spec.service_state_bucket)
                      for e in engines}
+        api = f"serviceAccount:{spec.service_gcp_accounts['api']}@{spec.project}.iam.gserviceaccount.com"
+        expected.add((spec.bucket_name, api, "roles/storage.objectViewer"))
     assert roles == expected
     assert {b for b, _, _ in roles} <= buckets
     # Registry: the nodes read; nobody else is granted anything there.

@@ -333,6 +333,58 @@ def test_api_command_is_what_the_service_cli_takes_and_its_probe_answers_without
         store.close()
 
 
+def test_api_pods_mount_the_engines_storage_dir_read_only_where_the_engine_writes_it() -> None:
+    """External weights downloads are served by the API pods from the storage paths the engine recorded
+    (trainer/service/downloads.py): the API mounts the engine's storage dir of the checkpoint bucket, at the very path
+    the engine writes it, read-only, through a GCS FUSE sidecar GKE's webhook injects (the annotation on the pod
+    template: gcs-fuse-csi-driver pkg/webhook/mutatingwebhook.go Handle mutates pods)."""
+    spec = _tinker()
+    refs = _refs(spec)
+    template = service.api_deployment(spec, refs)["spec"]["template"]
+    pod = template["spec"]
+    [container] = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == service.API_CHECKPOINTS_VOLUME]
+    csi = volumes[service.API_CHECKPOINTS_VOLUME]["csi"]
+    assert csi["driver"] == L.GCSFUSE_DRIVER and csi["volumeAttributes"]["bucketName"] == spec.bucket_name
+    # Read-only twice over: the CSI volume (the driver's `ro` kernel mount) and the container's mount.
+    assert csi["readOnly"] is True and mount["readOnly"] is True
+    # Where the engine writes (its pods' config, service.args applied) and nothing above it: only-dir is that folder.
+    engine_dir = service.engine_config(spec).service.storage_dir
+    assert mount["mountPath"] == engine_dir == service.storage_dir(spec) == "/checkpoints/tinker/store"
+    engine_pod = _pod(service.engine_jobset(spec, refs))
+    [engine_checkpoints] = [m for m in engine_pod["containers"][0]["volumeMounts"] if m["name"] == "checkpoints"]
+    assert engine_dir.startswith(engine_checkpoints["mountPath"] + "/")
+    options = dict(o.partition("=")[::2] for o in csi["volumeAttributes"]["mountOptions"].split(","))
+    assert options["only-dir"] == engine_dir.removeprefix(engine_checkpoints["mountPath"] + "/") == "tinker/store"
+    assert "implicit-dirs" in options and options["uid"] == options["gid"] == str(trainer_pod.TRAINER_UID)
+    assert "rename-dir-limit" not in options and "rw" not in options
+    assert "hostNetworkPodKSA" not in csi["volumeAttributes"] and not pod.get("hostNetwork")  # the pod network
+    # The sidecar: injected (the annotation is on the pods, not the Deployment), requests = limits as the API
+    # container's, so the pod keeps Guaranteed QoS.
+    ann = template["metadata"]["annotations"]
+    assert ann[L.GCSFUSE_INJECT] == "true"
+    for resource in ("cpu", "memory", "ephemeral-storage"):
+        assert ann[f"gke-gcsfuse/{resource}-request"] == ann[f"gke-gcsfuse/{resource}-limit"] != "0"
+    # The API's Kubernetes account acts as the API's Google account: the one infra/database.py grants the viewer role.
+    assert pod["serviceAccountName"] == spec.service_api_name
+
+
+def test_service_args_moving_the_storage_dir_move_the_api_mount_and_off_the_bucket_are_refused() -> None:
+    from infra.service import check
+
+    spec = _tinker(args=["--set", "service.storage_dir=/checkpoints/elsewhere/ckpts"])
+    pod = service.api_deployment(spec, _refs(spec))["spec"]["template"]["spec"]
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == service.API_CHECKPOINTS_VOLUME]
+    assert mount["mountPath"] == "/checkpoints/elsewhere/ckpts"
+    [volume] = [v for v in pod["volumes"] if v["name"] == service.API_CHECKPOINTS_VOLUME]
+    assert volume["csi"]["volumeAttributes"]["mountOptions"].endswith(",only-dir=elsewhere/ckpts")
+    for where in ("/tmp/ckpts", "/checkpoints", "/checkpoints/../etc", "/service-state/x"):
+        bad = _tinker(args=["--set", f"service.storage_dir={where}"])
+        with pytest.raises(ConfigError, match=r"service\.args: service\.storage_dir=.* is not in the checkpoint "):
+            check(bad)
+
+
 def test_both_containers_reach_the_store_as_their_own_accounts() -> None:
     from trainer.service import store
 
