@@ -20,6 +20,12 @@ slow spell of the machine hits both. Per round:
 5. N concurrent users (--users, default 1,2,4): each its own ServiceClient + LoRA training client doing the round
    trip in a thread; --user-warmup round trips each, a barrier, then --user-steps each; aggregate round trips per
    second over the measured window and each user's median latency.
+6. two users, two temperatures (issue 40: one user's sampling settings must not stall another): user A keeps doing
+   the round trip while user B, on a base-model sampler, samples once at temperature 0.7 (its first sample: the
+   shape compiles) and then once at each of --new-settings temperatures it has not used before (8 new tokens, 4
+   samples). Reported: B's latency per new setting, and A's round trips meanwhile (median, max, and how many took over
+   2 s) against A's steady median. skyrl answers the sample, then the 0.38 SDK raises (its promise lacks
+   sample_sequence_ids): the time to that answer is B's latency there.
 Ours only (skyrl's sampling is broken for 0.38 clients, see /work/shared/TINKER-API.md): sample latency after
 save_weights_and_get_sampling_client (16 new tokens, 1 sample; first call and median of the next ones).
 
@@ -425,6 +431,56 @@ def run_concurrent(users: list[User], warmup: int, steps: int) -> dict[str, Any]
             "latencies_s": [u.latencies for u in users]}
 
 
+def _sample_answered(sampler: Any, prompt: Any, params: Any) -> float:
+    """Seconds until the server answered a 4-sample request (skyrl: until the SDK's assertion on its answer)."""
+    t = time.perf_counter()
+    try:
+        sampler.sample(prompt=prompt, num_samples=4, sampling_params=params).result(timeout=CALL_TIMEOUT_S)
+    except AssertionError as e:  # skyrl 0.4.0: the answer came, without sample_sequence_ids
+        if "sample_sequence_ids" not in str(e):
+            raise
+    return time.perf_counter() - t
+
+
+def measure_two_temperatures(server: Server, trainer: User, new_settings: int) -> dict[str, Any]:
+    """B samples at new temperatures while A trains; see the module docstring, phase 6."""
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+    try:
+        sampler = service.create_sampling_client(base_model=BASE_MODEL)
+        prompt = types.ModelInput.from_ints(trainer.data[0].model_input.to_ints()[:16])
+        first = _sample_answered(sampler, prompt, types.SamplingParams(max_tokens=8, temperature=0.7, seed=0))
+        temps = [round(0.3 + 0.15 * i, 2) for i in range(new_settings)]  # none of them 0.7
+        stop = threading.Event()
+        during: list[float] = []
+        errors: list[BaseException] = []
+
+        def train() -> None:
+            try:
+                while not stop.is_set():
+                    during.append(trainer.round_trip()[0])
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        worker = threading.Thread(target=train, name="trainer", daemon=True)
+        worker.start()
+        time.sleep(0.5)  # A is mid-stream when B's first new setting arrives
+        per_setting = [_sample_answered(sampler, prompt, types.SamplingParams(max_tokens=8, temperature=t, seed=1))
+                       for t in temps]
+        stop.set()
+        worker.join(CALL_TIMEOUT_S)
+        if errors:
+            raise errors[0]
+    finally:
+        with contextlib.suppress(Exception):
+            service.close("success").result(timeout=30)
+    return {"first_sample_s": first, "temperatures": temps, "new_setting_s": _stats(per_setting),
+            "new_setting_each_s": per_setting, "trainer_round_trips_s": _stats(during),
+            "trainer_round_trips_over_2s": sum(x > 2.0 for x in during)}
+
+
 def measure_sampling(user: User, repeats: int) -> dict[str, Any]:
     from tinker import types
 
@@ -481,6 +537,12 @@ def one_round(name: str, index: int, args: argparse.Namespace, hf_home: Path, wo
         result["concurrent"] = conc
         server.memory.sample()
         result["peak_rss_training_bytes"] = server.memory.peak_total  # before ours samples: skyrl does not
+        if args.new_settings > 0:
+            tt = result["two_temperatures"] = measure_two_temperatures(server, users[0], args.new_settings)
+            print(f"  two users: B's first sample {tt['first_sample_s']:.2f} s, a new temperature median "
+                  f"{tt['new_setting_s']['median']:.2f} s (max {tt['new_setting_s']['max']:.2f}); A's round trip "
+                  f"meanwhile median {tt['trainer_round_trips_s'].get('median', 0) * 1000:.0f} ms, max "
+                  f"{tt['trainer_round_trips_s'].get('max', 0):.2f} s", flush=True)
         if name == "ours" and args.sample_repeats > 0:
             result["sampling"] = measure_sampling(users[0], args.sample_repeats)
             print(f"  sample (16 tokens): first {result['sampling']['first_sample_s']:.2f} s, then median "
@@ -552,6 +614,16 @@ def summarize(rounds: list[dict[str, Any]], users: list[int]) -> list[dict[str, 
                         lambda r, n=n: r["concurrent"][str(n)]["median_of_user_medians_s"] * 1000))
         metrics.append((f"{n} user(s): round trips over 2 s in the window", "count", True,
                         lambda r, n=n: r["concurrent"][str(n)]["slow_round_trips_over_2s"]))
+    metrics.append(("two users: B's sample at a new temperature (median)", "s", True,
+                    lambda r: r["two_temperatures"]["new_setting_s"]["median"]))
+    metrics.append(("two users: B's sample at a new temperature (max)", "s", True,
+                    lambda r: r["two_temperatures"]["new_setting_s"]["max"]))
+    metrics.append(("two users: A's round trip meanwhile (median)", "ms", True,
+                    lambda r: r["two_temperatures"]["trainer_round_trips_s"]["median"] * 1000))
+    metrics.append(("two users: A's round trip meanwhile (max)", "s", True,
+                    lambda r: r["two_temperatures"]["trainer_round_trips_s"]["max"]))
+    metrics.append(("two users: A's round trips over 2 s meanwhile", "count", True,
+                    lambda r: r["two_temperatures"]["trainer_round_trips_over_2s"]))
     metrics.append(("ours only: save_weights_and_get_sampling_client", "s", True,
                     lambda r: r["sampling"]["save_weights_and_get_sampling_client_s"]))
     metrics.append(("ours only: first sample, 16 tokens (compiles)", "s", True,
@@ -630,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-warmup", type=int, default=3, help="warm-up round trips per user (default: %(default)s)")
     p.add_argument("--user-steps", type=int, default=10, help="measured round trips per user (default: %(default)s)")
     p.add_argument("--sample-repeats", type=int, default=5, help="ours: timed samples after the first; 0: none")
+    p.add_argument("--new-settings", type=int, default=4,
+                   help="two users: B's samples at temperatures new to the server; 0: skip the phase")
     p.add_argument("--servers", default="ours,skyrl", help="which servers, in the order of each round")
     p.add_argument("--skyrl-venv", type=Path, default=ROOT / ".venv-skyrl", help="skyrl 0.4.0's venv")
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-tinker", help="logs, databases, HF cache")
@@ -676,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(), "versions": versions(args.skyrl_venv),
         "settings": {"rounds": args.rounds, "steady": args.steady, "warmup": args.warmup, "users": args.users,
                      "user_warmup": args.user_warmup, "user_steps": args.user_steps, "base_model": BASE_MODEL,
+                     "new_settings": args.new_settings,
                      "lora_rank": LORA_RANK, "learning_rate": LEARNING_RATE, "ours_config": OURS_CONFIG,
                      "skyrl_backend_config": SKYRL_BACKEND_CONFIG},
         "rounds": [],

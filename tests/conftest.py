@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 # LLVM at its lowest optimisation level for the CPU programs the tests compile, in this process and every process it
-# starts: the tests' programs run for milliseconds and compile for seconds, and -O0 changes no float result (XLA's
-# CPU fast math is off) while it cut tests/trainer/test_model.py from 123 to 96 s. Set before jax is imported.
+# starts: the tests' programs run for milliseconds and compile for seconds (-O0 cut tests/trainer/test_model.py from
+# 123 to 96 s). Results differ from -O2's in the last bits only (XLA's CPU fast math is off), and every bit-for-bit
+# comparison in the suite is between two runs under the same flags. Set before jax is imported.
 CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 if CPU_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAG}".strip()

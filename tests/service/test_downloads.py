@@ -3,9 +3,13 @@ real `tinker checkpoint download` are in tests/service_engine/test_real_clients.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
+
+import pytest
 
 from trainer.service import downloads
 from trainer.service.store import Checkpoint
@@ -53,3 +57,47 @@ def test_file_path_stays_inside_the_checkpoint(tmp_path: Path) -> None:
     assert downloads.file_path(ckpt, "a.json") == (root / "a.json").resolve()
     assert downloads.file_path(ckpt, "../secret") is None
     assert downloads.file_path(ckpt, "missing.json") is None
+
+
+def test_a_non_ascii_signature_is_refused_not_a_server_error(tmp_path: Path) -> None:
+    # hmac.compare_digest raises TypeError on str with non-ASCII characters: that was a 500 on `?signature=%C3%A9`.
+    assert downloads.refusal(KEY, _ckpt(tmp_path), "a.json", 2000, "é" * 64, now=0) == downloads.INVALID
+
+
+def test_unreadable_storage_reads_as_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GCS FUSE mount whose daemon died raises ENOTCONN from stat (Path.is_dir swallows only ENOENT, ENOTDIR,
+    EBADF, ELOOP): the API then answers its 400, not a 500 the SDK retries for minutes."""
+    def dead(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    monkeypatch.setattr(Path, "stat", dead)
+    assert downloads.files(tmp_path) == []
+    assert downloads.file_path(_ckpt(tmp_path), "a.json") is None
+
+
+def test_signed_urls_never_reach_the_access_log(tmp_path: Path) -> None:
+    """uvicorn, configured as the service starts it (its dictConfig runs after the app is made), logs each request's
+    path with its query: a download's signature is dropped from it, other paths keep theirs."""
+    import uvicorn
+
+    from trainer.service.api import BaseModelSpec, ServerConfig, create_app
+    from trainer.service.store import Store
+
+    app = create_app(Store(f"sqlite:///{tmp_path / 'db'}"), ServerConfig([BaseModelSpec("tiny/random")]))
+    uvicorn.Config(app, log_level="info")  # configures uvicorn's loggers, as serve does
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    access = logging.getLogger("uvicorn.access")
+    access.addHandler(keep := Keep())
+    try:
+        fmt = '%s - "%s %s HTTP/%s" %d'  # uvicorn/protocols/http/h11_impl.py's access record
+        access.info(fmt, "10.0.0.1:5", "GET", f"{downloads.ROUTE}/o/m/n/f?expires=1&signature=abc", "1.1", 200)
+        access.info(fmt, "10.0.0.1:5", "GET", "/api/v1/training_runs?limit=5", "1.1", 200)
+    finally:
+        access.removeHandler(keep)
+    assert seen == [f'10.0.0.1:5 - "GET {downloads.ROUTE}/o/m/n/f HTTP/1.1" 200',
+                    '10.0.0.1:5 - "GET /api/v1/training_runs?limit=5 HTTP/1.1" 200']

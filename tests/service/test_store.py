@@ -390,6 +390,10 @@ def test_external_checkpoints_ttl_changes_and_server_secrets(store: Store, owner
         store.set_checkpoint_ttl(bob, ext.tinker_path, 3600)
     assert store.set_checkpoint_ttl(alice, ext.tinker_path, 3600).expires_at is not None
     assert store.set_checkpoint_ttl(alice, ext.tinker_path, None).expires_at is None
+    with pytest.raises(ValueError, match="10 years"):  # a datetime would overflow (a 500 the SDK retries)
+        store.set_checkpoint_ttl(alice, ext.tinker_path, 10**13)
+    with pytest.raises(ValueError, match="10 years"):
+        store.add_checkpoint(alice, ext.model_id, "far", "sampler", "/ckpt/far", ttl_seconds=10**13)
     store.set_checkpoint_ttl(alice, ext.tinker_path, 0)
     with pytest.raises(NotFound):  # expired now
         store.get_checkpoint(alice, ext.tinker_path)

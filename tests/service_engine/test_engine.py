@@ -332,7 +332,7 @@ def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:
     too_long = _data(6, (70,))
     with pytest.raises(tinker.RequestFailedError, match="context is 64"):
         tc.forward_backward(too_long, "cross_entropy").result()
-    with pytest.raises(tinker.RequestFailedError, match="loss_fn"):
+    with pytest.raises(tinker.RequestFailedError, match="stable_reinforce needs provenance on every datum"):
         tc.forward_backward(_data(6), "stable_reinforce").result()
     service = live.engine.service
     live.engine.service = service.model_copy(update={"max_request_tokens": 20})  # _data(6): 32 tokens in 3 datums

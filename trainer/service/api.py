@@ -352,6 +352,7 @@ class _BodyLimit:
 def create_app(store: Store, config: ServerConfig) -> FastAPI:
     """The API over `store`, serving `config.base_models`. No docs routes: every route but healthz needs a key."""
     app = FastAPI(title="gke-tpu-rl Tinker-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    downloads.redact_access_log()
     app.add_middleware(_BodyLimit, config=config)
     app.state.store = store
     watcher = _FinishWatcher(store, config.poll_interval_s)
@@ -772,7 +773,10 @@ def create_app(store: Store, config: ServerConfig) -> FastAPI:
         # `tinker checkpoint download` of a training checkpoint keeps its temporary export alive with it.
         if req.ttl_seconds is not None and req.ttl_seconds < 1:
             raise HTTPException(400, f"ttl_seconds must be >= 1, or null for no expiry (got {req.ttl_seconds})")
-        store.set_checkpoint_ttl(owner, route_path(model_id, segment, name), req.ttl_seconds)
+        try:
+            store.set_checkpoint_ttl(owner, route_path(model_id, segment, name), req.ttl_seconds)
+        except ValueError as e:  # beyond the SDK's documented 10 years
+            raise HTTPException(400, str(e)) from None
         return {}
 
     # -- external weights downloads (downloads.py) ----------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from pathlib import Path
 from typing import Final
 from urllib.parse import quote
@@ -31,10 +32,14 @@ MIN_URL_TTL_S: Final = 600
 
 
 def files(root: Path) -> list[str]:
-    """The checkpoint's files, as paths relative to its directory (the keys of `urls`), in a stable order."""
-    if not root.is_dir():
+    """The checkpoint's files, as paths relative to its directory (the keys of `urls`), in a stable order; none when
+    the storage cannot be read here (not mounted, or a FUSE mount whose daemon died: ENOTCONN, which is_dir raises)."""
+    try:
+        if not root.is_dir():
+            return []
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    except OSError:
         return []
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
 def signature(key: bytes, ckpt: Checkpoint, file: str, expires: int) -> str:
@@ -60,13 +65,37 @@ EXPIRED: Final = "this download URL has expired: ask for new ones (RestClient.ge
 
 def refusal(key: bytes, ckpt: Checkpoint, file: str, expires: int, given: str, now: float) -> str | None:
     """Why this URL does not grant `file` now (None: it does)."""
-    if not hmac.compare_digest(signature(key, ckpt, file, expires), given):
+    # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, i.e. a 500, for `?signature=%C3%A9`).
+    if not hmac.compare_digest(signature(key, ckpt, file, expires).encode(), given.encode("utf-8", "surrogateescape")):
         return INVALID
     return EXPIRED if now >= expires else None
 
 
 def file_path(ckpt: Checkpoint, file: str) -> Path | None:
     """The file on disk, if it is one inside the checkpoint's directory (the signature already pins `file`)."""
-    root = Path(ckpt.storage_path).resolve()
-    path = (root / file).resolve()
-    return path if path.is_relative_to(root) and path.is_file() else None
+    try:
+        root = Path(ckpt.storage_path).resolve()
+        path = (root / file).resolve()
+        return path if path.is_relative_to(root) and path.is_file() else None
+    except OSError:  # storage not readable here (see files)
+        return None
+
+
+class RedactSignatures(logging.Filter):
+    """uvicorn's access log writes each request's path with its query string (uvicorn/protocols/utils.py
+    `get_path_with_query_string`, the third argument of its "%s - \"%s %s HTTP/%s\" %d" record): a download URL's
+    signature, a bearer credential, would land in the pods' logs (Cloud Logging on GKE). This drops the query of
+    those paths."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and args[2].startswith(ROUTE):
+            record.args = (*args[:2], args[2].split("?", 1)[0], *args[3:])
+        return True
+
+
+def redact_access_log() -> None:
+    """Install RedactSignatures on uvicorn's access logger (once; dictConfig keeps a logger's filters)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactSignatures) for f in access.filters):
+        access.addFilter(RedactSignatures())

@@ -76,6 +76,19 @@ def decode(raw: pb.Datum, index: int) -> Spans | None:
     return Spans([_span(m, where) for m in raw.model_input_spans], [_span(m, where) for m in raw.loss_fn_input_spans])
 
 
+def request_ids(spans: Sequence[Spans | None]) -> set[str]:
+    """The sample requests some datums' spans name (ids this server could not have handed out are left out: resolve
+    refuses them)."""
+    out = set()
+    for datum in spans:
+        for span in (datum.model_input + datum.loss_fn_inputs) if datum is not None else ():
+            try:
+                out.add(parse_sequence_id(span.sequence_id)[0])
+            except ValueError:
+                continue
+    return out
+
+
 def parse_sequence_id(sequence_id: str) -> tuple[str, int]:
     """"R.i" -> (R, i); a ValueError for anything this service did not hand out."""
     request_id, _, index = sequence_id.rpartition(".")

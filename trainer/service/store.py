@@ -178,6 +178,18 @@ class DatabaseUnavailable(StoreError):
     """`retry_database` gave up: the database stayed unreachable for its whole window (the cause is chained)."""
 
 
+# The SDK documents checkpoint TTLs from 1 hour to 10 years; far beyond, a datetime overflows.
+MAX_TTL_S: Final = 10 * 366 * 86400
+
+
+def _expiry(now: dt.datetime, ttl_seconds: float | None) -> dt.datetime | None:
+    if ttl_seconds is None:
+        return None
+    if ttl_seconds > MAX_TTL_S:
+        raise ValueError(f"ttl_seconds must be at most {MAX_TTL_S} (10 years), or none (no expiry); got {ttl_seconds}")
+    return now + dt.timedelta(seconds=ttl_seconds)
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -953,6 +965,20 @@ class Store:
                 raise NotFound(f"no request {request_id!r}")
             return row
 
+    def requests_with_session(self, owner_id: str, kind: str, request_ids: Collection[str]
+                              ) -> dict[str, tuple[Request, str]]:
+        """This owner's requests of `kind` among `request_ids`, each with the session of its sampling session, in one
+        read (what a stable_reinforce request's provenance names; ids not found are left out)."""
+        if not request_ids:
+            return {}
+        with self._read() as s:
+            rows = s.execute(
+                select(Request, SamplingSession.session_id)
+                .join(SamplingSession, Request.sampling_session_id == SamplingSession.id)
+                .where(Request.owner_id == owner_id, Request.kind == kind, Request.request_id.in_(list(request_ids)))
+            ).all()
+            return {row.request_id: (row, session_id) for row, session_id in rows}
+
     def wait(self, owner_id: str, request_id: str, timeout_s: float) -> Request:
         """The request once done or failed, or as it stands after timeout_s (queued/running): for long-polling."""
         deadline = time.monotonic() + timeout_s
@@ -1309,7 +1335,7 @@ class Store:
         if not _CHECKPOINT_NAME.fullmatch(name):
             raise ValueError(f"checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (at most 200)")
         now = utcnow()
-        expires = now + dt.timedelta(seconds=ttl_seconds) if ttl_seconds is not None else None
+        expires = _expiry(now, ttl_seconds)
         path = tinker_path(model_id, kind, name)
         with self._write() as s:
             self._owned(s, Model, owner_id, model_id, "model")
@@ -1388,7 +1414,7 @@ class Store:
                 Checkpoint.tinker_path == path, Checkpoint.owner_id == owner_id, self._live(now)))).first()
             if row is None:
                 raise NotFound(f"no checkpoint {path!r}")
-            row.expires_at = now + dt.timedelta(seconds=ttl_seconds) if ttl_seconds is not None else None
+            row.expires_at = _expiry(now, ttl_seconds)
         return row
 
     def expired_checkpoints(self, now: dt.datetime | None = None) -> list[Checkpoint]:
