@@ -74,14 +74,35 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+Bound = jax.Array | float
+
+
+def clamp(x: jax.Array, low: Bound, high: Bound) -> jax.Array:
+    """jnp.clip's value with torch.clamp's gradient: 1 on [low, high], bounds included. jnp.clip (a max, then a min)
+    splits a tie at a bound like any max or min, and passes only 1/2 of the gradient there."""
+    inside = (x >= low) & (x <= high)
+    return jnp.where(inside, x, jax.lax.stop_gradient(jnp.clip(x, low, high)))
+
+
+def clipped_surrogate(ratio: jax.Array, adv: jax.Array, low: Bound, high: Bound) -> tuple[jax.Array, jax.Array]:
+    """PPO's clipped surrogate min(r A, clip(r, low, high) A), to maximise, and where the clip binds (A > 0 and
+    r > high, or A < 0 and r < low: no gradient there). The one copy the trainer and the service share.
+
+    Its gradient is torch's for the usual `torch.min(r * A, torch.clamp(r, low, high) * A)` (the Tinker docs' ppo,
+    and the papers' code): torch.min and jnp.minimum both split a tie evenly, and torch.clamp passes the gradient at
+    a bound, so a ratio exactly on a bound keeps its full gradient (with jnp.clip it would keep 3/4).
+    tests/trainer/test_clipped_surrogate.py checks it against torch.
+    """
+    binds = ((adv > 0) & (ratio > high)) | ((adv < 0) & (ratio < low))
+    return jnp.minimum(ratio * adv, clamp(ratio, low, high) * adv), binds
+
+
 def _clipped_objective(
     ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float
 ) -> tuple[jax.Array, jax.Array]:
     """-min(r A, clip(r) A) and whether the clip is the active term."""
-    unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    is_clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
-    return -jnp.minimum(unclipped, clipped), is_clipped
+    objective, is_clipped = clipped_surrogate(ratio, adv, 1.0 - eps_low, 1.0 + eps_high)
+    return -objective, is_clipped
 
 
 def policy_loss(

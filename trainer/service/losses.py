@@ -31,7 +31,8 @@ their advantages/weights (Tinker docs: "include that in the advantage tensor com
 
 Clip ties follow the torch code in the docs: torch.clamp passes the gradient at a bound and torch.min splits a tie
 evenly, so at r == hi (A > 0) or r == lo (A < 0) the token keeps its full gradient; plain jnp.clip/jnp.minimum
-would give 3/4 of it there, hence the explicit `where` in `_clipped_surrogate`.
+would give 3/4 of it there. ppo and gspo use the RL trainer's own surrogate (trainer/losses.py
+`clipped_surrogate`, checked against torch), so the two cannot drift apart.
 
 stable_reinforce: Tinker's docs define its inputs (a sampler made with record_stability_info=True, provenance spans
 on every datum naming the sampled sequences) but not its objective. This service's is token-level truncated
@@ -73,6 +74,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
+
+from trainer.losses import clipped_surrogate
 
 # Row loss ids; the order is this module's own (skyrl's LOSS_TYPES numbers only the first four the same way).
 LOSS_IDS: Final[dict[str, int]] = {
@@ -238,18 +241,6 @@ def _per_token(x: jax.Array) -> jax.Array:
     return x[:, None] if x.ndim == 1 else x
 
 
-def _clipped_surrogate(ratio: jax.Array, adv: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
-    """min(r A, clip(r, low, high) A) per token, with torch's gradient at the bounds.
-
-    min(r A, clip(r) A) equals clip(r) A exactly when the clip binds against A's sign (A > 0 and r > high, or
-    A < 0 and r < low; there clip(r) is a constant, so no gradient) and r A otherwise, including r == bound, where
-    torch.clamp + torch.min give the full gradient (see the module docstring).
-    """
-    r = jax.lax.stop_gradient(ratio)
-    binds = ((adv > 0) & (r > high)) | ((adv < 0) & (r < low))
-    return jnp.where(binds, jnp.clip(r, low, high) * adv, ratio * adv)
-
-
 # Per-token losses (sign included: minimise). Each is the docs' torch snippet; elementwise, [B, T] or broadcastable.
 
 
@@ -265,7 +256,7 @@ def importance_sampling_loss(logp: jax.Array, q: jax.Array, adv: jax.Array) -> j
 
 def ppo_loss(logp: jax.Array, q: jax.Array, adv: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
     # docs/losses.mdx L212-221: clamp(prob_ratio, clip_low_threshold, clip_high_threshold); -min(unclipped, clipped)
-    return -_clipped_surrogate(jnp.exp(logp - q), adv, low, high)
+    return -clipped_surrogate(jnp.exp(logp - q), adv, low, high)[0]
 
 
 def cispo_loss(logp: jax.Array, q: jax.Array, adv: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
@@ -291,7 +282,7 @@ def gspo_loss(
     log_ratio = jnp.sum(jnp.where(in_ratio, jax.lax.stop_gradient(logp) - q, 0.0), axis=-1, keepdims=True)
     log_s = log_ratio / jnp.maximum(count, 1)
     ratio = jnp.exp(log_s + logp - jax.lax.stop_gradient(logp))
-    return -_clipped_surrogate(ratio, adv, low, high)
+    return -clipped_surrogate(ratio, adv, low, high)[0]
 
 
 def stable_reinforce_loss(logp: jax.Array, q: jax.Array, adv: jax.Array, sampled: jax.Array,
