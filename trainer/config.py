@@ -296,6 +296,22 @@ LORA_LINEAR_TARGETS: tuple[LoraTarget, ...] = ("q_proj", "k_proj", "v_proj", "o_
                                                "down_proj")
 
 
+def lora_scale(alpha: float, rank: int, rslora: bool) -> float:
+    """PEFT's scale of a LoRA update: alpha / rank, or alpha / sqrt(rank) with rslora (peft tuners/lora/layer.py
+    update_layer). The one place the formula is written: the trainer's adapters and the service's slots read it."""
+    return alpha / _rank_divisor(rank, rslora)
+
+
+def lora_alpha(scale: float, rank: int, rslora: bool) -> float:
+    """The alpha that gives `scale` at `rank`: lora_scale's inverse (a service slot keeps a scale, a config alpha)."""
+    return scale * _rank_divisor(rank, rslora)
+
+
+def _rank_divisor(rank: int, rslora: bool) -> float:
+    # rank**0.5, not math.sqrt: the two differ in the last bit from rank 2921 on, and this is what configs always used.
+    return rank**0.5 if rslora else rank
+
+
 class LoraConfig(_Strict):
     """LoRA: the base weights stay frozen (no gradient, no optimizer state) and each target projection W gains
     scale x A B, with A [in, rank], B [rank, out] (B starts at zero) and scale alpha / rank (alpha / sqrt(rank) with
@@ -316,7 +332,7 @@ class LoraConfig(_Strict):
 
     @property
     def scale(self) -> float:
-        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+        return lora_scale(self.alpha, self.rank, self.rslora)
 
     @model_validator(mode="after")
     def _check_targets(self) -> LoraConfig:

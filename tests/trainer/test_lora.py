@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainer import lora as L
 from trainer import model as M
-from trainer.config import ConfigError, LoraConfig, ModelConfig, config_from_dict
+from trainer.config import ConfigError, LoraConfig, ModelConfig, config_from_dict, lora_alpha, lora_scale
 from trainer.hf import export_hf, import_hf, params_to_hf_tensors, read_safetensors
 from trainer.sampler import sample
 from trainer.train import train
@@ -286,6 +286,20 @@ def test_lora_run_on_a_hf_base_trains_only_the_adapters_and_resumes_exactly(tmp_
     export_hf(M.init_params(model, jax.random.PRNGKey(6)), model, tmp_path / "hf")
     with pytest.raises(ConfigError, match="other base weights"):
         run("b", stop_after=1)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_one_scale_for_a_config_and_a_service_slot(rslora: bool) -> None:
+    # PEFT's scale (alpha / r, alpha / sqrt(r) with rslora); a service slot kept by its scale gets the same config
+    # back (programs.slot_config). Rank 2921 is one where math.sqrt and **0.5 differ in the last bit.
+    from trainer.service.programs import slot_config
+
+    for rank, alpha in ((16, 4.0), (7, 3.0), (2921, 5.0)):
+        want = alpha / (rank**0.5 if rslora else rank)
+        assert lora_scale(alpha, rank, rslora) == want == LoraConfig(rank=rank, alpha=alpha, rslora=rslora).scale
+        stack = LoraConfig(rank=rank, alpha=1.0, rslora=rslora, slots=2)
+        assert slot_config(stack, want).scale == pytest.approx(want, rel=1e-15)
+        assert lora_alpha(want, rank, rslora) == pytest.approx(alpha, rel=1e-15)
 
 
 def test_config_and_each_rows_slot() -> None:

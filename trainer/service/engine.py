@@ -40,7 +40,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import queue
 import shutil
 import threading
@@ -59,7 +58,16 @@ from tinker import types
 
 from trainer import compile_cache, hf
 from trainer import lora as L
-from trainer.config import ConfigError, LoraConfig, ServiceConfig, TrainConfig, resolve_mesh, with_model
+from trainer.config import (
+    ConfigError,
+    LoraConfig,
+    ServiceConfig,
+    TrainConfig,
+    lora_alpha,
+    lora_scale,
+    resolve_mesh,
+    with_model,
+)
 from trainer.fit_estimate import service_longest_datum
 from trainer.service import device, losses, protocol, provenance, sampling
 from trainer.service import programs as P
@@ -483,10 +491,10 @@ class Engine:
                             f"{self.stack.rank} (lora.rank)")
 
     def _scale(self, rank: int) -> float:
-        return self.stack.alpha / (math.sqrt(rank) if self.stack.rslora else rank)
+        return lora_scale(self.stack.alpha, rank, self.stack.rslora)
 
     def _single_cfg(self, slot: Slot) -> LoraConfig:
-        return LoraConfig(rank=slot.rank, alpha=slot.scale * (math.sqrt(slot.rank) if self.stack.rslora else slot.rank),
+        return LoraConfig(rank=slot.rank, alpha=lora_alpha(slot.scale, slot.rank, self.stack.rslora),
                           targets=list(slot.targets), rslora=self.stack.rslora, slots=1)
 
     # -- models --------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from trainer import lora as L
 from trainer import model as M
-from trainer.config import LoraConfig, ModelConfig, TrainConfig
+from trainer.config import LoraConfig, ModelConfig, TrainConfig, lora_alpha
 from trainer.sampler import RowSettings, Samples, sample
 from trainer.service.losses import LossInputs, tinker_losses
 from trainer.service.shapes import rows, stack_config
@@ -207,7 +207,7 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
 def slot_config(stack: LoraConfig, scale: float) -> LoraConfig:
     """The stack's config with the scale of one slot (put_slot folds any scale difference into B; a slot written with
     its own scale is copied exactly)."""
-    return stack.model_copy(update={"alpha": scale * (stack.rank**0.5 if stack.rslora else stack.rank)})
+    return stack.model_copy(update={"alpha": lora_alpha(scale, stack.rank, stack.rslora)})
 
 
 def single_adapter(slot_tree: Any, rank: int, targets: Sequence[str]) -> Any:
