@@ -27,7 +27,6 @@ store, and they run when the engine is back.
 
 from __future__ import annotations
 
-import argparse
 import json
 import posixpath
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec, ServiceSpec, SliceGroupSpec
+from trainer.service.engine_args import parse_engine_args
 from trainer.service.store import (
     CLOUDSQL_CREDENTIALS_ENV,
     CLOUDSQL_DATABASE_ENV,
@@ -156,12 +156,12 @@ def storage_dir(spec: EnvironmentSpec) -> str:
 
 
 def _overrides(argv: list[str]) -> list[str]:
-    """The `--set KEY=VALUE` items of an engine command line, in order, as trainer/service/cli.py reads them (its
-    other flags are not the config's)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
-    known, _ = parser.parse_known_args(argv)
-    return list(known.overrides)
+    """The `--set KEY=VALUE` items of an engine command line, in order, read by the engine's own parser (its other
+    options are not the config's). Raises ConfigError where the engine would refuse an option."""
+    try:
+        return list(parse_engine_args(argv).overrides)
+    except ValueError as e:
+        raise ConfigError(f"{NAMESPACE}:service.args: the engine refuses its arguments: {e}") from None
 
 
 def user_overrides(spec: EnvironmentSpec) -> list[str]:

@@ -296,6 +296,20 @@ def test_engine_command_is_what_the_service_cli_takes_and_loads_the_staged_model
     assert service.engine_config(unstaged).init.path == model_dir
 
 
+def test_service_args_are_read_by_the_engines_own_parser() -> None:
+    # An abbreviated --set is one to the engine (argparse), so it is one to the stack too; an option the engine
+    # would refuse fails the plan instead of crash-looping the engine.
+    from trainer.service.cli import build_parser
+
+    spec = _tinker(args=["--se", "service.idle_unload_s=1800"])
+    engine = build_parser().parse_args(["engine", *service.engine_args(spec)])
+    assert engine.overrides[-1] == "service.idle_unload_s=1800"
+    assert service.user_overrides(spec) == ["service.idle_unload_s=1800"]
+    assert service.engine_config(spec).service.idle_unload_s == 1800
+    with pytest.raises(ConfigError, match=r"service\.args: the engine refuses its arguments: .*--local-processes"):
+        service.user_overrides(_tinker(args=["--local-processes", "two"]))
+
+
 def test_service_args_overriding_the_base_model_move_what_is_staged_and_served() -> None:
     spec = _tinker(args=["--set", "service.base_model=Qwen/Qwen3-4B"])
     assert service.model_dir(spec) == "/checkpoints/tinker/models/Qwen3-4B"

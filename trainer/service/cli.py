@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.cli import EXIT_CONFIG, EXIT_STOPPED, EXIT_TRANSIENT, is_transient
 from trainer.config import ConfigError
 from trainer.service import auth
+from trainer.service.engine_args import add_engine_options, add_log_level
 from trainer.service.store import DatabaseUnavailable, NotFound, Store, StoreError, default_db_url, retry_database
 
 if TYPE_CHECKING:  # api.py pulls in fastapi and tinker, the engine JAX: only `serve` and `engine` import them
@@ -55,6 +56,10 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT
 def open_store(args: argparse.Namespace) -> Store:
     """--db, else what Store() resolves: Cloud SQL from the environment, $GKE_TPU_RL_SERVICE_DB, the sqlite file."""
     return Store(args.db) if args.db else Store()
+
+
+def _log_to_stderr(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def _restart_code(err: BaseException) -> int | None:
@@ -135,7 +140,7 @@ def build_parser(prog: str = "python -m trainer.service") -> argparse.ArgumentPa
     serve = commands.add_parser(
         "serve", help="run the Tinker-compatible HTTP API (with --config, and its engine in the same process)")
     _db_option(serve, top=False)
-    _engine_options(serve)
+    add_engine_options(serve)
     serve.add_argument(
         "--base-model", metavar="NAME", action="append", default=None,
         help="a base model clients may train and sample (repeatable; default: the --config's service.base_model); "
@@ -153,28 +158,12 @@ def build_parser(prog: str = "python -m trainer.service") -> argparse.ArgumentPa
         help="how long retrieve_future waits for a result before answering try_again (default: 40; must stay under "
         "the SDK's 45 s timeout)",
     )
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_log_level(serve)
     engine = commands.add_parser("engine", help="run an engine alone: it claims the database's requests and runs them")
     _db_option(engine, top=False)
-    _engine_options(engine, required=True)
-    engine.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(engine, required=True)
+    add_log_level(engine)
     return parser
-
-
-def _engine_options(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
-    parser.add_argument(
-        "--config", metavar="FILE", required=required,
-        help="a trainer config with service and lora sections (e.g. trainer/configs/qwen3-8b-service-v6e-4x4.yaml): "
-        "the engine's base model, adapter slots, mesh and batching")
-    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-                        help="override a config key, e.g. --set service.max_batch_tokens=4096 (repeatable)")
-    parser.add_argument("--local-processes", type=int, default=0, metavar="N",
-                        help="run the engine as N local processes joined by jax.distributed (a multi-host slice on "
-                        "one machine; process 0 serves, the others follow); with --devices-per-process")
-    parser.add_argument("--devices-per-process", type=int, default=0, metavar="M", help="CPU devices per local process")
-    parser.add_argument("--storage", metavar="DIR", default=None,
-                        help="where checkpoints are written (default: service.storage_dir, else checkpoints/ in the "
-                        "service home)")
 
 
 def server_config(args: argparse.Namespace, engine_cfg: TrainConfig | None = None) -> ServerConfig:
@@ -271,7 +260,7 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
     from trainer.service import device
     from trainer.service.engine import run_follower
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_to_stderr(args)
     reason = run_follower(cfg)
     if reason == device.STOPPED:
         return EXIT_STOPPED
@@ -312,7 +301,7 @@ def _serve(store: Store, args: argparse.Namespace) -> int:
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_to_stderr(args)
     engine = _start_engine(store, engine_cfg, args)[:2] if engine_cfg is not None else None
 
     def stop_engine() -> None:
@@ -362,7 +351,7 @@ def _engine(args: argparse.Namespace) -> int:
         if (rc := _restart_code(err)) is None:
             raise
         return rc
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_to_stderr(args)
     # Until the engine thread runs, SIGTERM ends the start-up at once with 143 (a Python handler: with
     # jax.distributed up, its preemption notifier would otherwise take the signal and nothing would act on it).
     signal.signal(signal.SIGTERM, _exit_stopped)
