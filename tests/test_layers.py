@@ -90,6 +90,14 @@ def test_what_the_trainer_image_holds_never_imports_infra_or_workloads(folder: s
     assert violations(folder, ("infra", "workloads")) == []
 
 
+def test_the_service_never_imports_the_fit_tools_above_it() -> None:
+    # `fit` sizes the service's programs, so it stands above them: the pass rule both read is trainer/service/passes.py.
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in sorted((ROOT / "trainer" / "service").rglob("*.py"))
+             for line, module in imports(path) if module == "trainer.fit" or module.startswith("trainer.fit_")]
+    assert found == []
+
+
 def test_the_floor_runs_without_pulumi_or_the_packages_above_it() -> None:
     # Every module imports, and each shipped environment parses, with those packages made unimportable: what a
     # Terraform renderer or the trainer image (which have no Pulumi) get.

@@ -28,8 +28,9 @@ computes no gradient of the frozen weights (only the activations' gradient throu
 
 The service (a `service:` section, trainer/service/programs.py): one base model, `lora.slots` adapters of rank
 lora.rank on every target, float32, each held four times (weights, Adam m and v, the gradient accumulator). Its
-forward_backward passes hold rows x bucketed length tokens; `service_passes` picks the shapes the engine runs (see
-there), `service_memory` and `service_flops` model them as the RL update is modelled.
+forward_backward passes hold rows x bucketed length tokens; `service_passes` (trainer/service/passes.py, the engine's
+own rule) picks the shapes the engine runs, `service_memory` and `service_flops` model them as the RL update is
+modelled.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from trainer.config import ConfigError, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from trainer.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.flops import StepFlops, _fwd_flops, param_count
 from trainer.flops import step_flops as _dense_step_flops
-from trainer.service.shapes import rows as shape_rows
+from trainer.service.passes import Pass
+from trainer.service.passes import service_longest_datum as service_longest_datum
+from trainer.service.passes import service_passes as service_passes  # re-exported: fit sizes the passes here
 from trainer.service.shapes import stack_config
 
 F32 = 4
@@ -337,76 +340,6 @@ def step_flops(cfg: TrainConfig) -> StepFlops:
 
 
 # ---------------------------------------------------------------------------------------------- the service
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One forward_backward shape the service engine runs: `rows` sequences of `length` (bucketed) tokens."""
-
-    kind: str  # "longest": the longest datum a pass holds; "most rows": the shortest bucket, as many rows as fit
-    rows: int
-    length: int
-
-    @property
-    def tokens(self) -> int:
-        return self.rows * self.length
-
-    @property
-    def name(self) -> str:
-        return f"forward_backward {self.rows}x{self.length}"
-
-
-def service_buckets(cfg: TrainConfig) -> list[int]:
-    """The sequence lengths the engine pads to: service.min_bucket x 2^k, the last capped at model.max_seq_len
-    (service/programs.py `bucket`)."""
-    assert cfg.service is not None
-    top, b, out = cfg.model_cfg.max_seq_len, cfg.service.min_bucket, []
-    while b < top:
-        out.append(b)
-        b *= 2
-    return [*out, top]
-
-
-def service_pass(cfg: TrainConfig, length: int, data_parallel: int) -> Pass:
-    """The largest pass the engine runs at one bucketed length: max_batch_tokens // length datums (at least one),
-    rounded up to its row bucket (engine.py `_fused`, programs.py `rows`)."""
-    assert cfg.service is not None
-    rows = shape_rows(max(1, cfg.service.max_batch_tokens // length), data_parallel)
-    return Pass("", rows, length)
-
-
-def service_passes(cfg: TrainConfig, data_parallel: int) -> list[Pass]:
-    """The largest forward_backward pass the engine runs at each bucketed length, shortest first, up to the longest
-    datum `fit` sizes for a service config.
-
-    ServiceConfig's contract: a pass holds rows x bucketed length <= service.max_batch_tokens tokens, padding rows
-    included; rows are a multiple of the data-parallel size (mesh.slices x mesh.fsdp: each device takes whole rows), so
-    one datum fills `data_parallel` rows. The longest datum is then the longest bucket b with data_parallel x b <=
-    max_batch_tokens (capped at model.max_seq_len); at each bucket the engine packs max_batch_tokens // b datums (at
-    least one) into a power-of-two row bucket (engine.py `_fused`, programs.py `rows`; when max_batch_tokens is no
-    power-of-two multiple of the bucket that rounding can exceed max_batch_tokens, and the pass is sized as the engine
-    runs it). Kinds: "longest" (the last: attention's [rows, heads, T, T] scores peak there), "most rows" (the first,
-    service.min_bucket: the [rows, chunk, vocab] log-prob logits peak there). Raises ConfigError when
-    max_batch_tokens holds no datum at all.
-    """
-    assert cfg.service is not None
-    M = cfg.service.max_batch_tokens
-    one = shape_rows(1, data_parallel)
-    held = [b for b in service_buckets(cfg) if one * b <= M]
-    if not held:
-        raise ConfigError(
-            f"service.max_batch_tokens = {M} holds no forward_backward pass: the shortest is {one} rows (the "
-            f"data-parallel devices, mesh.slices x mesh.fsdp) x {cfg.service.min_bucket} tokens (service.min_bucket) "
-            f"= {one * cfg.service.min_bucket}; raise service.max_batch_tokens or lower service.min_bucket")
-    out = [service_pass(cfg, b, data_parallel) for b in held]
-    kinds = ["most rows" if i == 0 else "" for i in range(len(out))]
-    kinds[-1] = "longest" if len(out) > 1 else "longest, most rows"
-    return [Pass(k, p.rows, p.length) for k, p in zip(kinds, out, strict=True)]
-
-
-def service_longest_datum(cfg: TrainConfig, data_parallel: int) -> int:
-    """The longest datum (tokens) a forward_backward pass of service.max_batch_tokens holds (see service_passes)."""
-    return service_passes(cfg, data_parallel)[-1].length
 
 
 @dataclass(frozen=True)

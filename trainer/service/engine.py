@@ -4,7 +4,7 @@ It is the trainer's model, sharding and sampler (service/programs.py) behind the
 What it adds:
 * Batching. A forward/forward_backward claim is topped up with every other runnable forward/forward_backward of any
   model and user; their datums are validated per request (one request's bad input fails that request alone), packed
-  into rows whose length is bucketed (service.min_bucket x 2^k) and run in passes of at most service.max_batch_tokens,
+  into rows whose length is bucketed and run in passes of at most service.max_batch_tokens (the rule: passes.py),
   each row on its model's slot. Gradients add up per slot until that model's optim_step (Tinker's sums).
 * Slots. Each client model holds a slot from create_model (or create-via-load) until its session ends or goes quiet
   for service.idle_unload_s; sampler checkpoints in use are loaded into free slots and evicted first when a model needs
@@ -68,10 +68,10 @@ from trainer.config import (
     resolve_mesh,
     with_model,
 )
-from trainer.fit_estimate import service_longest_datum
 from trainer.service import device, losses, protocol, provenance, sampling
 from trainer.service import programs as P
 from trainer.service.device import DeviceState
+from trainer.service.passes import datum_length, datums_per_pass, service_longest_datum
 from trainer.service.shapes import bucket, tinker_targets
 from trainer.service.store import (
     DONE,
@@ -360,7 +360,7 @@ class Engine:
                                          self.mcfg.vocab_size)
         key = np.asarray(jax.random.key_data(jax.random.PRNGKey(0)))
         self.dev("sample", prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings), (new, 0, chunk))
-        n_rows, length = self.progs.rows(1), bucket(1, self.service.min_bucket, self.mcfg.max_seq_len)
+        n_rows, length = self.progs.rows(1), datum_length(self.service, self.mcfg.max_seq_len, 1)
         packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": np.zeros(1, np.int32),
                                                                 "weights": np.zeros(1, np.float32)})],
                                   length=length, num_rows=n_rows, vocab_size=self.mcfg.vocab_size)
@@ -387,7 +387,7 @@ class Engine:
         if not rows:
             return False
         if rows[0].kind in FWD_KINDS:
-            budget = 8 * max(1, self.service.max_batch_tokens // self.service.min_bucket)
+            budget = 8 * datums_per_pass(self.service, self.service.min_bucket)
             while len(rows) < budget:
                 more = self.store.claim(self.worker_id, kinds=FWD_KINDS, max_batch=64, base_model=base_model,
                                         owner_order=list(self._owners))
@@ -767,10 +767,10 @@ class Engine:
         out_loss: list[np.ndarray] = [np.zeros(len(a.body.data)) for a in accepted]
         groups: dict[tuple[bool, int], list[Any]] = {}
         for item in items:
-            length = bucket(max(len(item[3].tokens), 1), svc.min_bucket, self.mcfg.max_seq_len)
+            length = datum_length(svc, self.mcfg.max_seq_len, len(item[3].tokens))
             groups.setdefault((item[2], length), []).append(item)
         for (backward, length), group in sorted(groups.items()):
-            per_pass = max(1, svc.max_batch_tokens // length)
+            per_pass = datums_per_pass(svc, length)
             for start in range(0, len(group), per_pass):
                 part = group[start:start + per_pass]
                 lp, row_loss = self._pass(part, length, backward)
@@ -1050,7 +1050,7 @@ class Engine:
         """A one-prompt batch for the prompt's own predictions: row 0 holds prompt[:-1] on `slot`, bucketed; the
         other rows (data-parallel padding) are empty on the base model."""
         n = len(prompt) - 1
-        tokens = np.zeros((self.progs.rows(1), bucket(n, self.service.min_bucket, self.mcfg.max_seq_len)), np.int32)
+        tokens = np.zeros((self.progs.rows(1), datum_length(self.service, self.mcfg.max_seq_len, n)), np.int32)
         tokens[0, :n] = prompt[:-1]
         slot_B = np.full((tokens.shape[0],), -1, np.int32)
         slot_B[0] = slot
