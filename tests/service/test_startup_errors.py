@@ -15,6 +15,7 @@ from trainer import hf
 from trainer.config import ConfigError
 from trainer.service import cli
 from trainer.service import store as S
+from trainer.service.store import connection
 
 
 class _Pg8000ServerError(Exception):
@@ -42,7 +43,8 @@ def test_what_counts_as_the_database_unavailable() -> None:
 
 
 def test_retry_database_outlasts_an_outage_and_gives_up_after_its_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(S, "DB_RETRY_FIRST_S", 0.01)
+    # The module that reads it (the package only re-exports the value).
+    monkeypatch.setattr(connection, "DB_RETRY_FIRST_S", 0.01)
     failures = [OperationalError("connect", {}, Exception("refused"))] * 3
     calls: list[int] = []
 
