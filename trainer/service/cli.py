@@ -98,7 +98,7 @@ def _stop_followers(code: int) -> None:
 
     reason = {EXIT_STOPPED: device.STOPPED, EXIT_TRANSIENT: device.FAILED}.get(code, device.BUG)
     try:
-        device.Leader(None).stop(reason)  # no op was sent yet: n starts at 0
+        device.Leader().stop(reason)  # no op was sent yet: n starts at 0
     except Exception:  # noqa: BLE001 - the followers are gone or stuck: the JobSet restarts them with this pod
         log.exception("engine: could not stop the followers")
 

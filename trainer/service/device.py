@@ -6,6 +6,10 @@ per-slot gradient accumulator and the slots' scales. Its ops take and return hos
 values: every jitted program then runs on every process at once, as jax's multi-controller model requires (the
 trainer's multi-host contract, trainer/distributed.py).
 
+The ops are DeviceState's methods marked `_op`: the engine calls them as methods (typed, like any other), and on
+process 0 of several each first sends itself (its name and arguments) to the followers through `Leader`; a follower
+runs the same op from `OPS` by that name. No caller names an op by a string.
+
 The op stream goes through the jax.distributed coordination service's key-value store (the same service
 `jax.distributed.initialize` starts on process 0), not through device collectives: a follower may wait idle for hours
 between requests, which a blocked collective would not survive. Op n is the key `<prefix>/<n>`; process 0 deletes op
@@ -14,10 +18,11 @@ n-2 when it sends op n (every op runs a program over all processes, so everyone 
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
-from collections.abc import Iterator
-from typing import Any, Final
+from collections.abc import Callable, Iterator
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import jax
 import numpy as np
@@ -38,9 +43,32 @@ FAILED: Final = "failed"
 BUG: Final = "bug"  # process 0's start-up failed on a configuration error or a bug: the followers exit 2 too
 STOP_TIMEOUT_MS: Final = 60_000
 
+R = TypeVar("R")
+Args = ParamSpec("Args")
+# The ops by name, as a follower looks them up (the functions themselves, not their sending wrappers).
+OPS: Final[dict[str, Callable[..., Any]]] = {}
+
+
+def _op(fn: Callable[Concatenate[DeviceState, Args], R]) -> Callable[Concatenate[DeviceState, Args], R]:
+    """Mark a DeviceState method as an op: on a state with a leader (process 0 of several) a call is first sent to
+    the followers, which run the same op on the same values; then it runs here."""
+    OPS[fn.__name__] = fn
+
+    @functools.wraps(fn)
+    def run(self: DeviceState, *args: Args.args, **kwargs: Args.kwargs) -> R:
+        if self.leader is not None:
+            self.leader.send(fn.__name__, args, kwargs)
+        return fn(self, *args, **kwargs)
+
+    return run
+
 
 class DeviceState:
+    """What lives on the accelerators, and the ops on it (see the module docstring)."""
+
     def __init__(self, cfg: TrainConfig, progs: P.EnginePrograms, params_host: Any | None) -> None:
+        # Set on process 0 by the engine (`Leader`): every op is then sent to the followers before it runs.
+        self.leader: Leader | None = None
         self.progs = progs
         self.mcfg = progs.mcfg
         self.stack = progs.stack
@@ -59,6 +87,7 @@ class DeviceState:
 
     # Every op: host values in, host values out; the same call on every process.
 
+    @_op
     def write_slot(self, index: int, scale: float, single: Any, single_cfg: LoraConfig,
                    moments: tuple[Any, Any] | None = None) -> None:
         """Slot `index` := `single` (a one-slot adapter of its own rank and targets; {} = zeros), with the given AdamW
@@ -75,6 +104,7 @@ class DeviceState:
         self.grads = put_slot(self.grads, unit, slot, {}, single_cfg)
         self.scale_S[index] = scale
 
+    @_op
     def read_slot(self, index: int, rank: int, targets: tuple[str, ...]) -> tuple[Any, Any, Any]:
         """Slot `index`'s adapter and moments as one-slot adapters of its rank and targets (NumPy, on every process)."""
         idx = self.progs.put(np.int32(index))
@@ -82,12 +112,14 @@ class DeviceState:
                for t in (self.lora, self.m, self.v)]
         return out[0], out[1], out[2]
 
+    @_op
     def optim(self, index: int, step: int, hyper: np.ndarray) -> float:
         put = self.progs.put
         self.lora, self.m, self.v, self.grads, norm = self.progs.optim_step(
             self.lora, self.m, self.v, self.grads, put(np.int32(index)), put(np.int32(step)), put(hyper))
         return float(norm)
 
+    @_op
     def run_pass(self, tokens: np.ndarray, slot_B: np.ndarray, packed: losses.Packed, backward: bool
                  ) -> tuple[np.ndarray, np.ndarray]:
         """One bucketed pass: target log-probs [B, T] and row losses [B]; with backward, gradients accumulate."""
@@ -101,6 +133,7 @@ class DeviceState:
             lp, row_loss = self.progs.logprobs_and_loss(self.params, self.lora, *args)
         return np.asarray(lp), np.asarray(row_loss)
 
+    @_op
     def sample(self, prompt_BP: np.ndarray, valid_BP: np.ndarray, slot_B: np.ndarray, key_data: np.ndarray,
                per_row: tuple[np.ndarray, ...], static: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """per_row: a RowSettings of NumPy arrays (each row's temperature, top-k, top-p, stop ids, token limit);
@@ -112,7 +145,7 @@ class DeviceState:
         tokens, logprobs, mask = (np.asarray(x) for x in out[:3])
         return tokens, logprobs, mask
 
-
+    @_op
     def prompt_topk(self, tokens: np.ndarray, slot_B: np.ndarray, valid: np.ndarray, k: int
                     ) -> tuple[np.ndarray, np.ndarray]:
         put = self.progs.put
@@ -131,32 +164,28 @@ def _client() -> Any:
 
 
 class Leader:
-    """Process 0's side: each op is sent to the followers, then run here. With one process it only runs it."""
+    """Process 0's side of the op stream: the ops send themselves through `send` (see `_op`); `stop` ends the
+    followers. With one process there is no one to send to."""
 
-    def __init__(self, state: DeviceState | None) -> None:
-        """state: None only to stop the followers before any op (process 0's start-up failed)."""
-        self.state = state
+    def __init__(self) -> None:
         self.n = 0
         self.multi = jax.process_count() > 1
 
-    def __call__(self, op: str, *args: Any) -> Any:
-        if self.multi:
-            client = _client()
-            client.key_value_set_bytes(f"{PREFIX}/{self.n}", pickle.dumps((op, args), protocol=5))
-            if self.n >= 2:
-                client.key_value_delete(f"{PREFIX}/{self.n - 2}")
-            self.n += 1
-        if op == STOP:
-            return None
-        assert self.state is not None
-        return getattr(self.state, op)(*args)
+    def send(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.multi:
+            return
+        client = _client()
+        client.key_value_set_bytes(f"{PREFIX}/{self.n}", pickle.dumps((op, args, kwargs), protocol=5))
+        if self.n >= 2:
+            client.key_value_delete(f"{PREFIX}/{self.n - 2}")
+        self.n += 1
 
     def stop(self, reason: str = STOPPED) -> None:
         """Tell the followers to stop (why: STOPPED or FAILED) and wait until they have (so none sees the
         coordinator vanish mid-call)."""
         if self.multi:
             log.info("engine: stopping the followers (%s)", reason)
-            self(STOP, reason)
+            self.send(STOP, (reason,), {})
             _client().wait_at_barrier(f"{PREFIX}/stopped", STOP_TIMEOUT_MS)
             # Every process leaves the coordination service together (its shutdown is a barrier too); a process
             # that outlived the service (on process 0) would abort polling it.
@@ -164,7 +193,7 @@ class Leader:
             jax.distributed.shutdown()
 
 
-def _ops(poll_ms: int = 60_000) -> Iterator[tuple[str, tuple[Any, ...]]]:
+def _ops(poll_ms: int = 60_000) -> Iterator[tuple[str, tuple[Any, ...], dict[str, Any]]]:
     client = _client()
     n = 0
     while True:
@@ -181,12 +210,12 @@ def _ops(poll_ms: int = 60_000) -> Iterator[tuple[str, tuple[Any, ...]]]:
 def follow(state: DeviceState) -> str:
     """A follower process: run process 0's ops until it says stop; returns why it stopped (STOPPED, FAILED or
     BUG)."""
-    for op, args in _ops():
+    for op, args, kwargs in _ops():
         if op == STOP:
             reason = str(args[0]) if args else FAILED
             log.info("engine follower: stop (%s)", reason)
             _client().wait_at_barrier(f"{PREFIX}/stopped", STOP_TIMEOUT_MS)
             jax.distributed.shutdown()
             return reason
-        getattr(state, op)(*args)
+        OPS[op](state, *args, **kwargs)  # the op itself: a follower sends nothing on
     raise AssertionError("unreachable: _ops never ends")

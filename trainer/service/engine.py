@@ -230,7 +230,8 @@ class Engine:
             raise ConfigError("the engine runs on process 0; the other processes run run_follower")
         self.store = store
         self.cfg, self.state, tok_dir = prepare(cfg)
-        self.dev = device.Leader(self.state)
+        self.leader = device.Leader()
+        self.state.leader = self.leader  # every device op is sent to the followers first
         self.service = self.cfg.service
         assert self.service is not None
         self.progs = self.state.progs
@@ -340,7 +341,7 @@ class Engine:
             self._writer.shutdown(wait=True)
             with contextlib.suppress(Exception):
                 self.store.retire_worker(self.worker_id)
-            self.dev.stop(reason)
+            self.leader.stop(reason)
 
     def warm_up(self) -> None:
         """Run the programs of the smallest shapes once, on the base model and on no slot's data, before any request
@@ -359,16 +360,16 @@ class Engine:
         settings = sampling.row_settings(types.SamplingParams(max_tokens=1), rows, self.eos_ids[:1],
                                          self.mcfg.vocab_size)
         key = np.asarray(jax.random.key_data(jax.random.PRNGKey(0)))
-        self.dev("sample", prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings), (new, 0, chunk))
+        self.state.sample(prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings), (new, 0, chunk))
         n_rows, length = self.progs.rows(1), datum_length(self.service, self.mcfg.max_seq_len, 1)
         packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": np.zeros(1, np.int32),
                                                                 "weights": np.zeros(1, np.float32)})],
                                   length=length, num_rows=n_rows, vocab_size=self.mcfg.vocab_size)
         for backward in (False, True):
-            self.dev("run_pass", np.zeros((n_rows, length), np.int32), np.full((n_rows,), -1, np.int32), packed,
-                     backward)
+            self.state.run_pass(np.zeros((n_rows, length), np.int32), np.full((n_rows,), -1, np.int32), packed,
+                                backward)
         if not self.slots:
-            self.dev("optim", 0, 1, P.AdamHyper(0.0, 0.9, 0.95, 1e-8, 0.0, 0.0).array())
+            self.state.optim(0, 1, P.AdamHyper(0.0, 0.9, 0.95, 1e-8, 0.0, 0.0).array())
         log.info("engine: warm-up ran %d programs in %.1f s (%d read from the compile cache)", counts.built,
                  time.monotonic() - start, counts.hits)
 
@@ -483,7 +484,7 @@ class Engine:
 
     def _release(self, index: int) -> None:
         self.slots.pop(index, None)
-        self.dev("write_slot", index, 0.0, {}, LoraConfig(rank=1, slots=1))
+        self.state.write_slot(index, 0.0, {}, LoraConfig(rank=1, slots=1))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 < rank <= self.stack.rank:
@@ -527,7 +528,7 @@ class Engine:
         seed = lc.seed if lc.seed is not None else _stable_int(model.id)
         single = jax.device_get(L.init_lora(self.mcfg, single_cfg, jax.random.PRNGKey(seed)))
         single = jax.tree.map(lambda x: np.asarray(x, np.float32), single)
-        self.dev("write_slot", index, scale, single, single_cfg)
+        self.state.write_slot(index, scale, single, single_cfg)
         slot = Slot(index, lc.rank, targets, scale, model_id=model.id, owner_id=model.owner_id,
                     session_id=model.session_id)
         self.slots[index] = slot
@@ -567,8 +568,8 @@ class Engine:
         self._check_rank(single_cfg.rank)
         moments, step = self._read_moments(root, single_cfg) if with_optimizer else (None, 0)
         scale = single_cfg.scale
-        self.dev("write_slot", index, scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg,
-                 moments)
+        self.state.write_slot(index, scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg,
+                              moments)
         slot = Slot(index, single_cfg.rank, tuple(single_cfg.targets), scale, model_id=model.id,
                     owner_id=model.owner_id, session_id=model.session_id, step=step)
         self.slots[index] = slot
@@ -650,7 +651,7 @@ class Engine:
         slot = self._model_slot(row.model_id or "")
         slot.step += 1
         hyper = P.AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-        norm = self.dev("optim", slot.index, slot.step, hyper.array())
+        norm = self.state.optim(slot.index, slot.step, hyper.array())
         metrics = {"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate}
         return self._persist(row, slot, protocol.json_result(types.OptimStepResponse(metrics=metrics)))
 
@@ -788,7 +789,7 @@ class Engine:
         for k, (*_, d, _loss_row, slot) in enumerate(part):
             tokens[k, :len(d.tokens)] = d.tokens
             slot_B[k] = slot
-        return self.dev("run_pass", tokens, slot_B, packed, backward)
+        return self.state.run_pass(tokens, slot_B, packed, backward)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -849,7 +850,7 @@ class Engine:
 
     def _read_adapter(self, slot: Slot) -> tuple[Any, Any, Any, LoraConfig, int, Slot]:
         """The slot's weights and Adam moments on the host (a device op: the main thread, before the slot changes)."""
-        single, m, v = self.dev("read_slot", slot.index, slot.rank, slot.targets)
+        single, m, v = self.state.read_slot(slot.index, slot.rank, slot.targets)
         return single, m, v, self._single_cfg(slot), slot.step, replace(slot)
 
     def _write_adapter(self, row: Request, kind: str, name: str, host: tuple[Any, Any, Any, LoraConfig, int, Slot], *,
@@ -930,8 +931,8 @@ class Engine:
         single, single_cfg = L.import_peft(ckpt.storage_path, self.mcfg)
         self._check_rank(single_cfg.rank)
         index = self._free_slot()
-        self.dev("write_slot", index, single_cfg.scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single),
-                 single_cfg)
+        self.state.write_slot(index, single_cfg.scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single),
+                              single_cfg)
         self.slots[index] = Slot(index, single_cfg.rank, tuple(single_cfg.targets), single_cfg.scale,
                                  storage_path=ckpt.storage_path)
         return index
@@ -986,8 +987,8 @@ class Engine:
         valid_BP[:, :len(prompt)] = True
         slot_B = np.full((rows,), slot, np.int32)
         per_row = sampling.row_settings(sp, rows, stop_ids, self.mcfg.vocab_size)
-        tokens, logprobs, mask = self.dev("sample", prompt_BP, valid_BP, slot_B, np.asarray(jax.random.key_data(key)),
-                                          tuple(per_row), (new, 0, chunk))
+        tokens, logprobs, mask = self.state.sample(prompt_BP, valid_BP, slot_B, np.asarray(jax.random.key_data(key)),
+                                                   tuple(per_row), (new, 0, chunk))
         sequences = [self._sequence(tokens[b], logprobs[b], mask[b], stop_ids, stop_strs) for b in range(n)]
         prompt_lp = self._prompt_logprobs(prompt, slot) if req.prompt_logprobs else None
         topk = self._prompt_topk(prompt, slot, req.topk_prompt_logprobs) if req.topk_prompt_logprobs > 0 else None
@@ -1015,7 +1016,7 @@ class Engine:
         tokens, slot_B = self._prompt_row(prompt, slot)
         valid = np.zeros(tokens.shape, bool)
         valid[0, :n] = True
-        top_ids, top_lp = self.dev("prompt_topk", tokens, slot_B, valid, k)
+        top_ids, top_lp = self.state.prompt_topk(tokens, slot_B, valid, k)
         ids[1:], logprobs[1:] = top_ids[0, :n], top_lp[0, :n]
         return ids, logprobs
 
@@ -1042,7 +1043,7 @@ class Engine:
         packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": prompt[1:],
                                                                 "weights": np.zeros(n, np.float32)})],
                                   length=tokens.shape[1], num_rows=tokens.shape[0], vocab_size=self.mcfg.vocab_size)
-        lp, _ = self.dev("run_pass", tokens, slot_B, packed, False)
+        lp, _ = self.state.run_pass(tokens, slot_B, packed, False)
         out[1:] = np.asarray(lp)[0, :n]
         return out
 
