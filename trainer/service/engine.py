@@ -6,10 +6,10 @@ What it adds:
   model and user; their datums are validated per request (one request's bad input fails that request alone), packed
   into rows whose length is bucketed and run in passes of at most service.max_batch_tokens (the rule: passes.py),
   each row on its model's slot. Gradients add up per slot until that model's optim_step (Tinker's sums).
-* Slots. Each client model holds a slot from create_model (or create-via-load) until its session ends or goes quiet
-  for service.idle_unload_s; sampler checkpoints in use are loaded into free slots and evicted first when a model needs
-  one. A request that finds no slot, a rank above lora.rank or a sequence above the context fails as a user error
-  naming the limit; the rest of the batch runs.
+* Slots (service/slots.py). Each client model holds a slot from create_model (or create-via-load) until its session
+  ends or goes quiet for service.idle_unload_s; sampler checkpoints in use are loaded into free slots and evicted
+  first when a model needs one. A request that finds no slot, a rank above lora.rank or a sequence above the context
+  fails as a user error naming the limit; the rest of the batch runs.
 * Storage. save_weights writes a PEFT adapter (adapter_config.json + adapter_model.safetensors, lora.export_peft),
   the AdamW moments (optimizer.safetensors, same tensor names under exp_avg./exp_avg_sq.) and state.json (step, rank,
   targets); sampler and external saves are the PEFT adapter alone. Every save goes to a fresh directory, renamed into
@@ -32,6 +32,10 @@ What it adds:
   delivered; only their gradients are wanted). Requests that were running when the engine died are re-queued
   (`Store.recover` with every kind re-runnable), so each request takes effect exactly once. At start the engine
   restores the models of open sessions before it claims anything.
+
+Over ~600 lines for now: the engine is being split into objects with their own state (issue 41, item 3). Done: the
+typed device door (service/device.py: `self.state.run_pass(...)`) and the slot table with the rank and scale policy
+(service/slots.py); still here: the loop, the snapshot writer, the passes and sampling.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -63,8 +67,6 @@ from trainer.config import (
     LoraConfig,
     ServiceConfig,
     TrainConfig,
-    lora_alpha,
-    lora_scale,
     resolve_mesh,
     with_model,
 )
@@ -73,6 +75,7 @@ from trainer.service import programs as P
 from trainer.service.device import DeviceState
 from trainer.service.passes import datum_length, datums_per_pass, service_longest_datum
 from trainer.service.shapes import bucket, tinker_targets
+from trainer.service.slots import Slot, SlotsFull, SlotTable
 from trainer.service.store import (
     DONE,
     ENGINE_HEARTBEAT_S,
@@ -126,22 +129,6 @@ class Accepted(NamedTuple):
     body: protocol.FwdBwdBody
     slot: int
     loss_rows: list[losses.Row]
-
-
-@dataclass
-class Slot:
-    """What occupies an adapter slot: a client's model, or a sampler checkpoint loaded for sampling."""
-
-    index: int
-    rank: int
-    targets: tuple[str, ...]
-    scale: float
-    model_id: str | None = None  # a training model
-    owner_id: str | None = None
-    session_id: str | None = None
-    step: int = 0  # AdamW steps taken
-    storage_path: str | None = None  # a sampler checkpoint
-    last_used: float = field(default_factory=time.monotonic)
 
 
 def resolve_base_model(cfg: TrainConfig) -> TrainConfig:
@@ -245,7 +232,7 @@ class Engine:
         self.eos_ids = self._eos_ids(tok_dir)
         # The longest datum one pass holds (what `fit` sizes): data-parallel rows x its bucket <= max_batch_tokens.
         self.max_datum = service_longest_datum(self.cfg, self.progs.data_parallel)
-        self.slots: dict[int, Slot] = {}
+        self.slots = SlotTable(self.state, self.stack)
         self.storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
         self.storage.mkdir(parents=True, exist_ok=True)
         self.state_root = state_root(self.service, storage_dir)
@@ -255,10 +242,8 @@ class Engine:
                                         "register the engine", within_s=db_retry_s)
         self._last_housekeeping = 0.0
         self._owners: dict[str, None] = {}  # owners by when they were last served, the longest ago first
-        self._pinned: set[int] = set()  # slots a batch being assembled uses: never evicted for another model
-        # Snapshots being written (slot -> model id; never evicted or unloaded meanwhile), one thread writing them in
-        # order, and the ones that failed, for the main loop to settle.
-        self._writing: dict[int, str] = {}
+        # Snapshots being written (self.slots.writing), one thread writing them in order, and the ones that failed, for
+        # the main loop to settle.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._failed_writes: queue.Queue[tuple[Request, int, Exception]] = queue.Queue()
         # Observability (tests and logs read them): snapshot writes and restores, with their seconds.
@@ -434,18 +419,19 @@ class Engine:
         idle = self.service.idle_unload_s
         now = time.time()
         for slot in list(self.slots.values()):
-            if slot.model_id is None or slot.owner_id is None or slot.session_id is None or slot.index in self._writing:
+            if (slot.model_id is None or slot.owner_id is None or slot.session_id is None
+                    or slot.index in self.slots.writing):
                 continue
             try:
                 session = self.store.get_session(slot.owner_id, slot.session_id)
             except NotFound:
-                self._release(slot.index)
+                self.slots.release(slot.index)
                 continue
             quiet = now - session.heartbeat_at.timestamp()
             if session.finished_at is not None or quiet > idle:
                 log.info("unloading %s (session %s)", slot.model_id,
                          "finished" if session.finished_at else f"quiet for {quiet:.0f} s")
-                self._release(slot.index)
+                self.slots.release(slot.index)
         for ckpt in self.store.expired_checkpoints():
             try:
                 self.store.delete_checkpoint(ckpt.owner_id, ckpt.tinker_path)
@@ -455,48 +441,20 @@ class Engine:
 
     # -- slots ---------------------------------------------------------------------------------------------------
 
-    def _find_slot(self, model_id: str) -> Slot | None:
-        for slot in self.slots.values():
-            if slot.model_id == model_id:
-                slot.last_used = time.monotonic()
-                return slot
-        return None
-
     def _model_slot(self, model_id: str) -> Slot:
         """The model's slot, rebuilt from its saved state if it is not in one (see Durability above)."""
-        return self._find_slot(model_id) or self._restore(model_id)
+        return self.slots.find(model_id) or self._restore(model_id)
 
     def _free_slot(self) -> int:
-        """A free slot; else one taken from a sampler, then from the least recently used training model (its state
-        is saved, so it comes back on its next request), never from a slot the batch being assembled uses."""
-        for i in range(self.stack.slots):
-            if i not in self.slots:
-                return i
-        for training in (False, True):
-            victims = [s for s in self.slots.values() if (s.model_id is not None) == training
-                       and s.index not in self._pinned and s.index not in self._writing]
-            if victims:
-                victim = min(victims, key=lambda s: s.last_used)
-                log.info("evicting %s from slot %d", victim.model_id or victim.storage_path, victim.index)
-                self._release(victim.index)
-                return victim.index
-        raise UserError(f"all {self.stack.slots} adapter slots of this server are in use by this batch (lora.slots)")
-
-    def _release(self, index: int) -> None:
-        self.slots.pop(index, None)
-        self.state.write_slot(index, 0.0, {}, LoraConfig(rank=1, slots=1))
+        """A free slot (SlotTable.free: maybe another model's, evicted), or the request fails as the caller's."""
+        try:
+            return self.slots.free()
+        except SlotsFull as e:
+            raise UserError(str(e)) from None
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 < rank <= self.stack.rank:
-            raise UserError(f"LoRA rank {rank} is not supported: this server's adapters have rank at most "
-                            f"{self.stack.rank} (lora.rank)")
-
-    def _scale(self, rank: int) -> float:
-        return lora_scale(self.stack.alpha, rank, self.stack.rslora)
-
-    def _single_cfg(self, slot: Slot) -> LoraConfig:
-        return LoraConfig(rank=slot.rank, alpha=lora_alpha(slot.scale, slot.rank, self.stack.rslora),
-                          targets=list(slot.targets), rslora=self.stack.rslora, slots=1)
+        if (why := self.slots.rank_refused(rank)) is not None:
+            raise UserError(why)
 
     # -- models --------------------------------------------------------------------------------------------------
 
@@ -509,8 +467,8 @@ class Engine:
     def _create_model(self, row: Request) -> Outcome:
         model = self.store.get_model(row.owner_id, row.model_id or "")
         self._served(model.base_model)
-        if (old := self._find_slot(model.id)) is not None:  # a re-run after a restart that restored it
-            self._release(old.index)
+        if (old := self.slots.find(model.id)) is not None:  # a re-run after a restart that restored it
+            self.slots.release(old.index)
         self._init_adapter(model, self._free_slot())
         state = StateUpdate(model.id, row.seq_id or 0, 0, None)
         return Outcome(protocol.json_result(types.CreateModelResponse(model_id=model.id)), state)
@@ -522,7 +480,7 @@ class Engine:
         targets = tinker_targets(lc.train_attn, lc.train_mlp, lc.train_unembed)
         if not targets:
             raise UserError("lora_config trains nothing: set train_attn, train_mlp or train_unembed")
-        scale = self._scale(lc.rank)
+        scale = self.slots.scale(lc.rank)
         single_cfg = LoraConfig(rank=lc.rank, alpha=self.stack.alpha, targets=list(targets),
                                 rslora=self.stack.rslora, slots=1)
         seed = lc.seed if lc.seed is not None else _stable_int(model.id)
@@ -550,12 +508,12 @@ class Engine:
         slot.step = state.step
         replay = self.store.replay_log(model_id, state.seq_id, (protocol.FORWARD_BACKWARD,))
         if replay:
-            self._pinned.add(index)
+            self.slots.pinned.add(index)
             try:
                 bodies = [(r, protocol.decode_forward_backward(r.body)) for r in replay]
                 self._fused([Accepted(r, b, index, self._loss_rows(r, b)) for r, b in bodies])
             finally:
-                self._pinned.discard(index)
+                self.slots.pinned.discard(index)
         seconds = time.perf_counter() - t0
         self.restores.append((model_id, len(replay), seconds))
         log.info("restored %s at step %d (after seq %d) and replayed %d forward_backward in %.2f s", model_id,
@@ -585,7 +543,7 @@ class Engine:
         the request again (`_settle_writes`)."""
         host = self._read_adapter(slot)
         model_id, index = slot.model_id or "", slot.index
-        self._writing[index] = model_id
+        self.slots.writing[index] = model_id
 
         def write_and_commit() -> None:
             t0 = time.perf_counter()
@@ -600,7 +558,7 @@ class Engine:
                 return
             finally:
                 self.persist_seconds.append(time.perf_counter() - t0)
-                self._writing.pop(index, None)
+                self.slots.writing.pop(index, None)
             old = previous.storage_path if previous is not None else None
             if old and self.state_root in Path(old).parents:
                 self._remove_files(old, release=False)
@@ -617,7 +575,7 @@ class Engine:
                 return
             slot = self.slots.get(index)
             if slot is not None and slot.model_id == row.model_id:
-                self._release(index)
+                self.slots.release(index)
             if row.attempts >= MAX_SNAPSHOT_ATTEMPTS:
                 self._fail(row, f"saving the model's state failed {row.attempts} times: {error!r}", "server")
             else:
@@ -633,7 +591,7 @@ class Engine:
         model = self.store.get_model(row.owner_id, row.model_id or "")
         self._served(model.base_model)
         # The load replaces the whole state: no need to rebuild the old one first.
-        old = self._find_slot(model.id)
+        old = self.slots.find(model.id)
         slot = self._load_dir(model, old.index if old is not None else self._free_slot(), root,
                               with_optimizer=req.optimizer)
         # A copy of its own as the model's state: the user may delete the checkpoint it came from.
@@ -663,7 +621,7 @@ class Engine:
         try:
             self._validate_forward(rows, accepted)
         finally:
-            self._pinned.clear()
+            self.slots.pinned.clear()
         if not accepted:
             return
         self.fused_sizes.append(len(accepted))
@@ -689,7 +647,7 @@ class Engine:
                                     f"{self.service.max_request_tokens} per request (service.max_request_tokens): "
                                     "split it into several forward_backward calls before the optim_step")
                 slot = self._model_slot(row.model_id or "")
-                self._pinned.add(slot.index)
+                self.slots.pinned.add(slot.index)
                 for i, d in enumerate(body.data):
                     if len(d.tokens) > self.max_datum:
                         raise UserError(
@@ -817,7 +775,7 @@ class Engine:
         if release:  # a sampler slot loaded from these files (main thread only: a device op)
             for slot in list(self.slots.values()):
                 if slot.storage_path == storage_path:
-                    self._release(slot.index)
+                    self.slots.release(slot.index)
 
     def _record(self, row: Request, name: str, kind: str, path: Path, req: Any, result: bytes,
                 sampler_seq_id: int | None = None) -> Outcome:
@@ -851,7 +809,7 @@ class Engine:
     def _read_adapter(self, slot: Slot) -> tuple[Any, Any, Any, LoraConfig, int, Slot]:
         """The slot's weights and Adam moments on the host (a device op: the main thread, before the slot changes)."""
         single, m, v = self.state.read_slot(slot.index, slot.rank, slot.targets)
-        return single, m, v, self._single_cfg(slot), slot.step, replace(slot)
+        return single, m, v, self.slots.single_cfg(slot), slot.step, replace(slot)
 
     def _write_adapter(self, row: Request, kind: str, name: str, host: tuple[Any, Any, Any, LoraConfig, int, Slot], *,
                        with_optimizer: bool) -> Path:
