@@ -1,7 +1,7 @@
 """`python -m trainer.service` (also `gke-tpu-rl service`):
   keys create NAME | import NAME KEY | list | revoke ID
                                            the service's API keys
-  serve --config FILE [...]                the Tinker-compatible HTTP API (api.py) and the engine (engine.py) in one
+  serve --config FILE [...]                the Tinker-compatible HTTP API (api/) and the engine (engine.py) in one
                                            process, the engine configured by a trainer config with a service section
   serve --base-model NAME [...]            the API alone; engines on the same database run the requests
   engine --config FILE                     an engine alone (the API runs elsewhere on the same database)
@@ -44,7 +44,7 @@ from trainer.service import auth
 from trainer.service.engine_args import add_engine_options, add_log_level
 from trainer.service.store import DatabaseUnavailable, NotFound, Store, StoreError, default_db_url, retry_database
 
-if TYPE_CHECKING:  # api.py pulls in fastapi and tinker, the engine JAX: only `serve` and `engine` import them
+if TYPE_CHECKING:  # api/ pulls in fastapi and tinker, the engine JAX: only `serve` and `engine` import them
     from trainer.config import TrainConfig
     from trainer.service.api import ServerConfig
 

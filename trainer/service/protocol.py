@@ -1,4 +1,4 @@
-"""The contract between the HTTP API (`api.py`) and the engine: what a request row holds and what its result must be.
+"""The contract between the HTTP API (`api/`) and the engine: what a request row holds and what its result must be.
 
 The API accepts a Tinker SDK call, stores it with `Store.submit(owner, kind, body, ...)` and answers with a promise;
 an engine process claims the row (`Store.claim`), runs it, and reports back with `Store.complete(request_id, result,
