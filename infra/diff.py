@@ -21,7 +21,8 @@ from typing import Any
 from infra import cost
 from infra.digests import tree_digest
 from infra.mockrun import IMAGE_TYPE, PlanResult
-from infra.plan import PlanError, is_kubernetes_type
+from infra.plan import is_kubernetes_type
+from infra.stack_file import PlanError
 
 # Runs inside the old revision's tree with its own infra package (self-contained: the old tree may lack any of
 # today's modules). Prints a snapshot as JSON, or {"missing": ...} when the environment did not exist there.

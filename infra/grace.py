@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
+from infra.pod_config import env_job
 
 KEY = f"{NAMESPACE}:trainer.terminationGraceSeconds"
 # Sustained write rate of one host to Cloud Storage through its gcsfuse sidecar, assumed. gcsfuse's own benchmarks
@@ -51,7 +52,6 @@ class GraceEstimate:
 def estimate(spec: EnvironmentSpec) -> GraceEstimate | None:
     """The grace period the environment's JobSet trainer needs, from its config's model; None on the Ray path (no
     SIGTERM checkpoint) and when the model is not one this machine knows (a custom checkpoint not bundled here)."""
-    from infra.fit import env_job
     from trainer.config import ConfigError as TrainerConfigError
     from trainer.fit import param_count, resolve_model
 

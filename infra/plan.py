@@ -1,4 +1,5 @@
-"""The offline plan: find a stack config file, run the program on it under mocks, write what it would apply."""
+"""The offline plan: run the program on a stack config file (infra/stack_file.py finds and reads it) under mocks, and
+write what it would apply."""
 
 from __future__ import annotations
 
@@ -9,57 +10,10 @@ from typing import Any
 import yaml
 
 from infra.mockrun import PlanResult, Resource, run_stack
-from trainer import yamlfile
+from infra.stack_file import PlanError, load_stack_config, repo_root, stack_file
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 NON_OBJECT_PREFIXES = ("kubernetes:helm.sh/", "kubernetes:yaml/", "kubernetes:kustomize/")
 HEAD_KEYS = ("apiVersion", "kind", "metadata")
-
-
-class PlanError(Exception):
-    """A problem with the plan's inputs (missing or unreadable stack file); the message says which."""
-
-
-def repo_root(start: Path | None = None) -> Path:
-    """The nearest directory at or above `start` (the cwd) holding Pulumi.yaml; else this checkout's root."""
-    here = (start or Path.cwd()).resolve()
-    for d in (here, *here.parents):
-        if (d / "Pulumi.yaml").is_file():
-            return d
-    return PACKAGE_ROOT
-
-
-def stack_config_dir(root: Path) -> Path:
-    # Follow Pulumi.yaml's stackConfigDir, as the CLI does.
-    project = yaml.safe_load((root / "Pulumi.yaml").read_text()) if (root / "Pulumi.yaml").is_file() else {}
-    return root / ((project or {}).get("stackConfigDir") or ".")
-
-
-def available_envs(root: Path) -> list[str]:
-    return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in stack_config_dir(root).glob("Pulumi.*.yaml"))
-
-
-def stack_file(env: str, root: Path) -> Path:
-    path = stack_config_dir(root) / f"Pulumi.{env}.yaml"
-    if not path.is_file():
-        known = ", ".join(available_envs(root)) or "none"
-        raise PlanError(f"no stack config for environment {env!r}: {path} does not exist (environments: {known})")
-    return path
-
-
-def load_stack_config(path: Path) -> dict[str, Any]:
-    """The `config:` map of a Pulumi stack config file."""
-    if not path.is_file():
-        raise PlanError(f"cannot read stack config {path}: no such file")
-    try:
-        doc = yamlfile.load(path)
-    except yamlfile.YamlFileError as e:
-        raise PlanError(f"stack config is not valid YAML: {e}") from None
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):
-        raise PlanError(f"{path} is not a Pulumi stack config file (expected a mapping with a `config:` map)")
-    return doc.get("config") or {}
 
 
 def plan(env: str, config_file: Path | None = None, root: Path | None = None) -> PlanResult:

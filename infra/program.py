@@ -7,7 +7,7 @@ import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
 from envspec.config import NAMESPACE, EnvironmentSpec
-from infra import grace, service, system_pool, user_code
+from infra import code_refs, grace, service, system_pool
 from infra.cluster import Cluster, ClusterArgs
 from infra.controllers import Controllers, ControllersArgs
 from infra.database import ServiceDatabase, ServiceDatabaseArgs
@@ -85,6 +85,6 @@ def main() -> None:
         system_pool.check(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
         grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
         stage_targets(spec)  # what trainer.stage fetches has a place on the bucket the trainer config reads
-        user_code.check(spec)  # the trainer config's own tasks and rewards are in trainer.code
+        code_refs.check(spec)  # the trainer config's own tasks and rewards are in trainer.code
         service.check(spec)  # the service's engine config loads with the arguments its pods get
         build(spec, pulumi.Config(NAMESPACE).get_secret("hfToken"))

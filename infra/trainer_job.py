@@ -9,6 +9,7 @@ import pulumi
 
 from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
 from infra.k8s import apply
+from infra.pod_config import env_job
 from workloads import core, dra, jobset, rayjob, stage, trainer_pod
 from workloads.labels import MANAGED_BY
 
@@ -21,8 +22,6 @@ DELETE_MARGIN_S = 300
 def stage_targets(spec: EnvironmentSpec) -> stage.StageTargets | None:
     """Where trainer.stage puts the model and the dataset: the trainer config's own init.path and task.path (as the
     pods get it), which must lie on the bucket's mount. None without trainer.stage. Raises ConfigError."""
-    from infra.fit import env_job
-
     s = spec.trainer.stage
     if not spec.trainer.enabled or s is None:
         return None

@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 
 from infra.mockrun import PlanResult
-from infra.plan import is_kubernetes_object, kubernetes_object, plan, stack_file
+from infra.plan import is_kubernetes_object, kubernetes_object, plan
+from infra.stack_file import stack_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

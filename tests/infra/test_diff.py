@@ -12,7 +12,8 @@ import yaml
 from infra import cost
 from infra.cli import main
 from infra.diff import RESTARTS_TRAINING, Snapshot, changed_inputs, compare, diff_plan, headline, markdown
-from infra.plan import PlanError, plan
+from infra.plan import plan
+from infra.stack_file import PlanError
 from tests.infra.conftest import new_env_name
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from google.auth.exceptions import RefreshError
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from infra.fit import env_spec
+from infra.stack_file import env_spec
 from tests.service.cloudsql_fake import (
     ACCESS_TOKEN_TYPE,
     ADMIN_SCOPE,

@@ -43,7 +43,7 @@ def test_stage_job_fetches_what_the_trainer_config_reads(env: str) -> None:
     cmd = container["command"]
     assert cmd[:3] == ["python", "-m", "trainer.stage"]
     # Into the trainer config's own init.path and task.path, on the bucket's mount.
-    from infra.fit import env_job
+    from infra.pod_config import env_job
 
     cfg = env_job(spec).cfg
     assert cmd[cmd.index("--model-to") + 1] == cfg.init.path
