@@ -1,7 +1,9 @@
 """Data flows one way: config -> envspec (the typed spec, the TPU catalog) -> components (infra/, workloads/) ->
 objects, and each fact lives on the lowest floor that needs it. So envspec/ imports nothing above it, nor Pulumi (a
-Terraform renderer reads it too); workloads/ never imports infra/; and what the trainer image holds (trainer/,
-envspec/) never imports infra/ or workloads/, which the image lacks."""
+Terraform renderer reads it too); workloads/ never imports infra/; what the trainer image holds (trainer/, envspec/)
+never imports infra/ or workloads/, which the image lacks; infra/'s wings (base, checks, components, offline,
+terraform, then the CLI) each import only the wings below them; and no infra module takes part in an import circle.
+Imports inside functions count for every rule."""
 
 from __future__ import annotations
 
@@ -56,6 +58,21 @@ def violations(folder: str, banned: tuple[str, ...], root: Path = ROOT) -> list[
     assert files, f"no Python files under {folder}/"
     return [f"{path.relative_to(root)}:{line} imports {module}"
             for path in files for line, module in sorted(imports(path, root)) if is_banned(module)]
+
+
+# infra/'s wings from the bottom floor up (docs/architecture.md): each imports only the wings below it. The pre-flight
+# checks and the Pulumi components never reach the offline tools, the Terraform renderer or the CLI.
+INFRA_WINGS = ("infra.base", "infra.checks", "infra.components", "infra.offline", "infra.terraform", "infra.cli")
+
+
+def wing_violations(folder: str, banned: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """`file:line imports module` for each import, in the .py files under `folder`, of a module that is or lies in
+    one of `banned` (dotted names; `from infra import cli` imports infra.cli)."""
+    files = sorted((root / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}/"
+    return [f"{path.relative_to(root)}:{line} imports {module}"
+            for path in files for line, module in sorted(imports(path, root, members=True))
+            if any(module == b or module.startswith(b + ".") for b in banned)]
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -147,6 +164,36 @@ def test_the_circle_finder_sees_imports_inside_functions(tmp_path: Path) -> None
     assert circles(graph) == [["infra.a", "infra.c", "infra.sub.b"]]
     (pkg / "c.py").write_text("")
     assert circles(import_graph("infra", tmp_path)) == []
+
+
+def test_the_wing_rule_sees_imports_however_they_are_written(tmp_path: Path) -> None:
+    pkg = tmp_path / "infra" / "components"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text(
+        "import importlib\n"
+        "from infra.base import stack_file\n"  # a floor below: allowed
+        "from infra import cli\n"
+        "def f() -> None:\n"
+        "    from infra.offline import plan\n"
+        "    importlib.import_module('infra.terraform.document')\n"
+        "    from ..offline.mockrun import run_stack\n")
+    assert wing_violations("infra/components", ("infra.offline", "infra.terraform", "infra.cli"), tmp_path) == [
+        "infra/components/x.py:3 imports infra.cli", "infra/components/x.py:5 imports infra.offline.plan",
+        "infra/components/x.py:6 imports infra.terraform.document",
+        "infra/components/x.py:7 imports infra.offline.mockrun.run_stack"]
+
+
+@pytest.mark.parametrize("floor", range(len(INFRA_WINGS) - 1), ids=INFRA_WINGS[:-1])
+def test_each_infra_wing_imports_only_the_wings_below_it(floor: int) -> None:
+    assert wing_violations(INFRA_WINGS[floor].replace(".", "/"), INFRA_WINGS[floor + 1:]) == []
+
+
+def test_every_infra_module_lives_in_a_wing() -> None:
+    # A new file goes into the wing it belongs to (docs/architecture.md); only the entry points stand at the top.
+    top = sorted(p.name for p in (ROOT / "infra").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "cli.py"]
+    wings = sorted(p.name for p in (ROOT / "infra").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert wings == sorted(w.split(".")[1] for w in INFRA_WINGS if w != "infra.cli")
 
 
 def test_no_import_circle_in_infra() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from envspec import machines, zones
-from infra import cost, diff, render
-from infra.mockrun import run_stack
+from infra.offline import cost, diff, render
+from infra.offline.mockrun import run_stack
 from tests.infra.conftest import stack_config
 
 TABLE = cost.parse_table({
@@ -223,7 +223,7 @@ def test_the_service_adds_its_database_beside_the_pool_and_the_fee() -> None:
 
 
 def test_suspending_an_engine_on_a_fixed_size_pool_saves_nothing() -> None:
-    # Every non-flex-start TPU pool has a fixed node count (infra/slices.py node_count = the slice's hosts).
+    # Every non-flex-start TPU pool has a fixed node count (infra/components/slices.py node_count = the slice's hosts).
     running = cost.environment_cost(V6E, "us-east5", TABLE, _service(), GKE, SQL)
     assert running.suspended_usd_per_hour == pytest.approx(running.usd_per_hour)
     assert (f"with service.suspend the same {cost.usd(running.usd_per_hour)}/hour: the engine's slice group a "

@@ -115,7 +115,7 @@ def _small_chip_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple
     something to solve at compiles of seconds. Everything else is the real CLI, catalog and libtpu."""
     import dataclasses
 
-    from infra import pod_config
+    from infra.base import pod_config
 
     real_target = pod_config.target
     monkeypatch.setattr(pod_config, "target", lambda shape, slices: dataclasses.replace(

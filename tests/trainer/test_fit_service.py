@@ -232,7 +232,7 @@ def test_the_cli_refuses_a_service_that_does_not_fit(hf_cache: Path, tmp_path: P
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
 
-    from infra import pod_config
+    from infra.base import pod_config
     from infra.cli import main
 
     original = pod_config.target
