@@ -20,19 +20,12 @@ import pulumi_kubernetes as k8s
 
 from envspec.config import EnvironmentSpec
 from infra.components.k8s import apply, resource_name
-from infra.components.trainer_job import DELETE_MARGIN_S, REPLACE_ON_CHANGES
-from workloads import dra, service, stage, trainer_pod
-from workloads.labels import MANAGED_BY
+from infra.components.trainer_job import REPLACE_ON_CHANGES, delete_timeout_s, hf_token_secret
+from workloads import dra, service, stage
 
 # How long `pulumi up` waits for the base model's staging Job: trainer.stage.timeoutMinutes' default, which covers a
 # 70B model (about 140 GB); the bundled service config's Qwen3-8B is about 16 GB.
 STAGE_TIMEOUT_MINUTES = 180
-
-
-def delete_timeout_s(spec: EnvironmentSpec) -> int:
-    """How long `pulumi up` waits for the old engine to be gone: its pods' grace period, then the margin."""
-    assert spec.service is not None
-    return spec.service.termination_grace_seconds + DELETE_MARGIN_S
 
 
 def check(spec: EnvironmentSpec) -> None:
@@ -111,11 +104,7 @@ class Service(pulumi.ComponentResource):
         if runs:
             deps: list[pulumi.Resource] = [*given, *accounts]
             if hf_secret is not None:
-                deps.append(apply({
-                    "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                    "metadata": {"name": hf_secret, "namespace": ns, "labels": dict(MANAGED_BY)},
-                    "stringData": {trainer_pod.HF_TOKEN_KEY: pulumi.Output.secret(args.hf_token)},
-                }, child))
+                deps.append(apply(hf_token_secret(hf_secret, ns, args.hf_token), child))
             if claim is not None:
                 deps.append(apply(dra.netdev_claim_template(claim, ns, nics), child))
             if (job := service.stage_model_job(spec, refs)) is not None:
@@ -134,7 +123,7 @@ class Service(pulumi.ComponentResource):
             # exit before it creates the new engine: the timeout covers their grace period.
             self.engine = apply(service.engine_jobset(spec, refs), pulumi.ResourceOptions(
                 parent=self, depends_on=deps, replace_on_changes=list(REPLACE_ON_CHANGES), delete_before_replace=True,
-                custom_timeouts=pulumi.CustomTimeouts(delete=f"{delete_timeout_s(spec)}s")))
+                custom_timeouts=pulumi.CustomTimeouts(delete=f"{delete_timeout_s(svc.termination_grace_seconds)}s")))
         self.api_address = service.api_address(spec)
         self.port_forward = service.port_forward_hint(spec)
         self.register_outputs({"api": self.api_address, "engine": None if svc.suspend else engine})

@@ -4,6 +4,7 @@ ray) the RayJob with its head's own service account."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pulumi
 
@@ -42,9 +43,18 @@ def stage_targets(spec: EnvironmentSpec) -> stage.StageTargets | None:
     return stage.StageTargets(model_dir, dataset_file)
 
 
-def delete_timeout_s(spec: EnvironmentSpec) -> int:
-    """How long `pulumi up` waits for the old job to be gone: its pods' SIGTERM checkpoint, then the margin."""
-    return spec.trainer.termination_grace_seconds + DELETE_MARGIN_S
+def delete_timeout_s(grace_seconds: int) -> int:
+    """How long `pulumi up` waits for a replaced job (the trainer's; the service's engine, infra/components/service.py)
+    to be gone: its pods' grace period (the trainer's SIGTERM checkpoint), then the margin."""
+    return grace_seconds + DELETE_MARGIN_S
+
+
+def hf_token_secret(name: str, namespace: str, token: pulumi.Input[str]) -> dict[str, Any]:
+    """The Secret a job's pods read the Hugging Face token from (workloads/trainer_pod.py HF_TOKEN_KEY), for the
+    trainer and the service's staging Job alike; the token stays a secret in the state."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace, "labels": dict(MANAGED_BY)},
+            "stringData": {trainer_pod.HF_TOKEN_KEY: pulumi.Output.secret(token)}}
 
 
 @dataclass(frozen=True)
@@ -64,11 +74,7 @@ class TrainerJob(pulumi.ComponentResource):
         hf_secret = None
         if args.hf_token is not None:
             hf_secret = f"{t.name}-hf-token"
-            deps.append(apply({
-                "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                "metadata": {"name": hf_secret, "namespace": ns, "labels": dict(MANAGED_BY)},
-                "stringData": {trainer_pod.HF_TOKEN_KEY: pulumi.Output.secret(args.hf_token)},
-            }, child))
+            deps.append(apply(hf_token_secret(hf_secret, ns, args.hf_token), child))
         claim = None
         nics = spec.dranet_networks_for(spec.trainer_group) if spec.trainer_group else 0
         if nics:
@@ -99,5 +105,5 @@ class TrainerJob(pulumi.ComponentResource):
         # exit before it creates the new job: the timeout covers their grace period.
         self.workload = apply(obj, pulumi.ResourceOptions(
             parent=self, depends_on=deps, replace_on_changes=list(REPLACE_ON_CHANGES), delete_before_replace=True,
-            custom_timeouts=pulumi.CustomTimeouts(delete=f"{delete_timeout_s(spec)}s")))
+            custom_timeouts=pulumi.CustomTimeouts(delete=f"{delete_timeout_s(t.termination_grace_seconds)}s")))
         self.register_outputs({t.launcher: t.name})
