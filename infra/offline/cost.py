@@ -1,7 +1,7 @@
-"""List prices of an environment: its TPU slices from the price table in infra/tpu_prices.yaml, and what it costs
-besides them (the CPU system pool's VMs and the GKE cluster management fee) from infra/gke_prices.yaml and, with a
-service, its Cloud SQL instance from infra/sql_prices.yaml, all copied from Google's prices with their source and date.
-A combination a table lacks has no price: never a guess."""
+"""List prices of an environment: its TPU slices from the price table in infra/offline/tpu_prices.yaml, and what it
+costs besides them (the CPU system pool's VMs and the GKE cluster management fee) from infra/offline/gke_prices.yaml
+and, with a service, its Cloud SQL instance from infra/offline/sql_prices.yaml, all copied from Google's prices with
+their source and date. A combination a table lacks has no price: never a guess."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ from typing import Any
 
 import yaml
 
-# The tables lie at infra/'s top, where the package data of pyproject.toml names them.
-TABLES = Path(__file__).resolve().parents[1]
-PRICES = TABLES / "tpu_prices.yaml"
-GKE_PRICES = TABLES / "gke_prices.yaml"
-SQL_PRICES = TABLES / "sql_prices.yaml"
+PRICES = Path(__file__).with_name("tpu_prices.yaml")
+GKE_PRICES = Path(__file__).with_name("gke_prices.yaml")
+SQL_PRICES = Path(__file__).with_name("sql_prices.yaml")
 HOURS_PER_MONTH = 730  # Google's price pages convert hourly to monthly with 730 hours
 # The price-table columns each capacity kind is billed at, first found wins. A reservation is billed at the
 # committed-use rate when a commitment covers it, else at the on-demand rate (Compute Engine reservations);
@@ -79,7 +77,7 @@ class SliceGroupCost:
 @dataclass(frozen=True)
 class OtherCost:
     """A cost of the environment besides its TPU slices (the system pool, the GKE cluster fee); usd_per_hour None
-    when infra/gke_prices.yaml has no price for it ("not priced")."""
+    when infra/offline/gke_prices.yaml has no price for it ("not priced")."""
 
     name: str  # "system pool", "GKE cluster fee"
     detail: str  # what is billed, e.g. "2 x e2-standard-8"; "" when the name says it
@@ -285,7 +283,7 @@ def environment_cost(slices: list[dict[str, Any]], region: str, table: PriceTabl
 # ---------------------------------------------------------------- the service's Cloud SQL instance
 
 # A regional (high-availability) instance has a standby in a second zone with the same vCPUs, memory and disk, billed
-# as much again (infra/sql_prices.yaml).
+# as much again (infra/offline/sql_prices.yaml).
 SQL_AVAILABILITY_FACTOR = {"zonal": 1, "regional": 2}
 
 
@@ -312,7 +310,7 @@ def default_sql_table() -> SqlTable:
 
 def database_cost(db: dict[str, Any], region: str, table: SqlTable | None = None) -> OtherCost:
     """The instance's vCPUs, memory and SSD (the configured disk_gb; autoresize may grow it), twice for a regional
-    instance. Backups, point-in-time-recovery logs and egress are not counted (infra/sql_prices.yaml).
+    instance. Backups, point-in-time-recovery logs and egress are not counted (infra/offline/sql_prices.yaml).
     db: {tier, cpus, memory_gib, disk_gb, availability}, as service_record() gives it."""
     table = table or default_sql_table()
     detail = f"{db['tier']} {db['availability']}, {db['disk_gb']} GB SSD"

@@ -262,7 +262,7 @@ def test_the_tinker_plan_prices_its_database_and_says_what_suspending_saves() ->
     line = dict(render.summarize(plan).facts())["Cost"]
     env = cost.environment_cost(cost.slice_groups(plan.spec), "us-central1", pool=record)
     assert line == env.line()
-    # 1 vCPU, 3.75 GiB and 10 GB of SSD at infra/sql_prices.yaml's us-central1 rates.
+    # 1 vCPU, 3.75 GiB and 10 GB of SSD at infra/offline/sql_prices.yaml's us-central1 rates.
     sql_hour = 0.0413 + 3.75 * 0.0070 + 10 * 0.17 / 730
     assert f"Cloud SQL db-custom-1-3840 zonal, 10 GB SSD ${sql_hour:.2f} per hour" in line
     assert "the engine's slice group v6e-svc (spot) is billed all the same (it has a fixed node count" in line
