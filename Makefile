@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed-stamp
 # checkov (tests/infra/test_checkov.py) pins packaging<24, older than the project's: its own venv, inside ours so
 # `make clean` removes it and .gitignore already covers it.
 CHECKOV_VENV := $(VENV)/checkov
-# cdktf (`gke-tpu-rl synth`, infra/cdktf_app.py) is deprecated upstream: its own pinned venv too, nothing imports it.
+# cdktf (`gke-tpu-rl synth`, infra/terraform/cdktf_app.py) is deprecated upstream: its own pinned venv too, nothing
+# imports it.
 CDKTF_VENV := $(VENV)/cdktf
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.

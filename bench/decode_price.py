@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from infra.fit import file_job
+from infra.offline.fit import file_job
 from trainer import fit as F
 from trainer import fit_phases as FP
 from trainer.fit import with_settings

@@ -36,7 +36,7 @@ WORKLOADS = (
 
 
 def run(w: Workload) -> dict:
-    from infra.fit import file_job
+    from infra.offline.fit import file_job
     from trainer.fit import fit
 
     job = file_job(str(CONFIGS / w.config), w.tpu, w.slices)

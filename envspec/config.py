@@ -1,8 +1,8 @@
 """The typed environment spec: stack config in, a validated EnvironmentSpec out, before any resource exists.
 
 No Pulumi here: the Pulumi program (and the offline plan, which runs it under mocks) reads the running stack's
-config (infra/stack_config.py), `gke-tpu-rl fit` reads the stack file (infra/fit.py), and both hand the values to
-parse_spec.
+config (infra/base/stack_config.py), `gke-tpu-rl fit` reads the stack file (infra/base/stack_file.py), and both hand the
+values to parse_spec.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _GKE_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:-gke\.(\d+))?$")
 class ConfigError(ValueError):
     """A stack config problem; the message names the config key, the value and what is allowed.
 
-    A plain ValueError: the Pulumi program turns it into a RunError at its boundary (infra/stack_config.py), so
+    A plain ValueError: the Pulumi program turns it into a RunError at its boundary (infra/base/stack_config.py), so
     `pulumi up` prints the message without a traceback."""
 
 

@@ -1,5 +1,6 @@
 """Compute Engine machine types and what GKE leaves of them to pods: the catalog the stack config validates
-`cluster.systemPool.machineType` against, and GKE's allocatable per node (infra/system_pool.py packs pods onto it)."""
+`cluster.systemPool.machineType` against, and GKE's allocatable per node (infra/checks/system_pool.py packs pods
+onto it)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Paths inside this repository that the spec names (trainer.code, a trainer config inside it).
 
-The stack builds the folder into the trainer image (infra/user_code.py, infra/image.py), so it must be versioned
-with the environment: a relative path below the repository root, where Pulumi.yaml is.
+The stack builds the folder into the trainer image (infra/base/user_code.py, infra/components/image.py), so it must be
+versioned with the environment: a relative path below the repository root, where Pulumi.yaml is.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from envspec.config import EnvironmentSpec
-    from infra.fit import FitJob
+    from infra.base.pod_config import FitJob
     from trainer.fit import FitReport
     from trainer.fit_search import SearchResult
 
@@ -125,7 +125,7 @@ def _env_from_file(path: Path) -> str:
 def _selected_envs(args: argparse.Namespace, root: Path) -> list[str] | None:
     """The environments `plan` or `synth` covers: ENV, the --config-file's, or every environments/ file; None (the
     error printed) for --all with --config-file, or no environment at all."""
-    from infra.plan import available_envs
+    from infra.base.stack_file import available_envs
 
     if args.config_file is not None:
         if args.all:
@@ -169,9 +169,10 @@ SEARCH_BUDGET = 12  # program compiles: the config as given and about ten candid
 
 def _fit(args: argparse.Namespace) -> int:
     from envspec.config import ConfigError
-    from infra import render
-    from infra.fit import env_job, env_spec, file_job
-    from infra.plan import PlanError
+    from infra.base.pod_config import env_job
+    from infra.base.stack_file import PlanError, env_spec
+    from infra.offline import render
+    from infra.offline.fit import file_job
     from trainer.config import ConfigError as TrainerConfigError
 
     try:
@@ -230,11 +231,12 @@ def _no_fit(report: FitReport, env: str | None = None, verbose: bool = True, sea
 
 def _plan(args: argparse.Namespace) -> int:
     from envspec.config import ConfigError
-    from infra import render
-    from infra.diff import diff_plan
-    from infra.diff import markdown as diff_markdown
-    from infra.diff import text as diff_text
-    from infra.plan import PlanError, plan, repo_root, write_out
+    from infra.base.stack_file import PlanError, repo_root
+    from infra.offline import render
+    from infra.offline.diff import diff_plan
+    from infra.offline.diff import markdown as diff_markdown
+    from infra.offline.diff import text as diff_text
+    from infra.offline.plan import plan, write_out
 
     root = repo_root()
     envs = _selected_envs(args, root)
@@ -274,9 +276,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _synth(args: argparse.Namespace) -> int:
     from envspec.config import ConfigError
-    from infra import synth
-    from infra.plan import PlanError, load_stack_config, repo_root, stack_file
-    from infra.terraform import TerraformError, synthesize
+    from infra.base.stack_file import PlanError, load_stack_config, repo_root, stack_file
+    from infra.terraform import synth
+    from infra.terraform.document import TerraformError, synthesize
 
     root = repo_root()
     envs = _selected_envs(args, root)
@@ -300,7 +302,7 @@ def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
     """`plan --fit`: the environment's trainer (or, without one, its service's engine), as `fit ENV` compiles it;
     None when it has neither."""
     from envspec.config import ConfigError
-    from infra.fit import env_job
+    from infra.base.pod_config import env_job
     from trainer.config import ConfigError as TrainerConfigError
 
     if not spec.trainer.enabled and spec.service is None:
@@ -312,8 +314,8 @@ def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
 
 
 def _reference(args: argparse.Namespace) -> int:
-    from infra import reference
-    from infra.plan import repo_root
+    from infra.base.stack_file import repo_root
+    from infra.offline import reference
 
     if args.write:
         for path in reference.write(repo_root(), [args.doc] if args.doc else None):

@@ -121,8 +121,8 @@ def _pulumi_config_set(config: dict[str, object], argv: list[str]) -> None:
 def test_the_walkthroughs_pulumi_config_set_commands_make_a_valid_environment(tmp_path: Path) -> None:
     """Section 3's `pulumi config set` lines, stored as Pulumi stores them, make a stack file that `plan` (the program
     under mocks) and `fit` (the stack file read directly) accept; so do section 7's on top of them."""
-    from infra.fit import env_spec
-    from infra.mockrun import run_stack
+    from infra.base.stack_file import env_spec
+    from infra.offline.mockrun import run_stack
 
     text = (ROOT / "docs" / "walkthrough.md").read_text()
     sections = re.split(r"^## ", text, flags=re.M)

@@ -50,7 +50,7 @@ import pytest
 import yaml
 
 from infra import cli
-from infra.plan import kubernetes_objects
+from infra.offline.plan import kubernetes_objects
 from tests.infra.conftest import ENVIRONMENTS, run_stack, stack_config
 from tests.test_docs import _pulumi_config_set
 
@@ -1455,7 +1455,7 @@ def test_walkthrough(clone: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_pulumi_config_set_with_the_real_cli(tmp_path: Path) -> None:
     """The walkthrough's `pulumi stack init` and `pulumi config set` lines with the real CLI, a local file backend
     and a passphrase: the stack file it writes holds what the emulation above writes, and plans."""
-    from infra.fit import env_spec
+    from infra.base.stack_file import env_spec
 
     project = tmp_path / "project"
     (project / "environments").mkdir(parents=True)

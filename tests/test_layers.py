@@ -1,7 +1,9 @@
 """Data flows one way: config -> envspec (the typed spec, the TPU catalog) -> components (infra/, workloads/) ->
 objects, and each fact lives on the lowest floor that needs it. So envspec/ imports nothing above it, nor Pulumi (a
-Terraform renderer reads it too); workloads/ never imports infra/; and what the trainer image holds (trainer/,
-envspec/) never imports infra/ or workloads/, which the image lacks."""
+Terraform renderer reads it too); workloads/ never imports infra/; what the trainer image holds (trainer/, envspec/)
+never imports infra/ or workloads/, which the image lacks; infra/'s wings (base, checks, components, offline,
+terraform, then the CLI) each import only the wings below them; and no infra module takes part in an import circle.
+Imports inside functions count for every rule."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 _DYNAMIC = ("import_module", "__import__")
 
 
-def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+def imports(path: Path, root: Path = ROOT, members: bool = False) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in a Python file, wherever it is (module level, function
-    bodies, TYPE_CHECKING blocks) and however written (relative, importlib.import_module("...") with a literal)."""
+    bodies, TYPE_CHECKING blocks) and however written (relative, importlib.import_module("...") with a literal).
+    members: `from M import a, b` gives M.a and M.b (a module or a name in M) in place of M."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = path.relative_to(root).parts[:-1]
     found: list[tuple[int, str]] = []
@@ -30,7 +33,10 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
             base = list(package[:len(package) - node.level + 1]) if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
             # `from .. import workloads` from a top-level package imports the package it names.
-            found += [(node.lineno, module)] if module else [(node.lineno, a.name) for a in node.names]
+            if module and members:
+                found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+            else:
+                found += [(node.lineno, module)] if module else [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str):
             func = node.func
@@ -54,6 +60,73 @@ def violations(folder: str, banned: tuple[str, ...], root: Path = ROOT) -> list[
             for path in files for line, module in sorted(imports(path, root)) if is_banned(module)]
 
 
+# infra/'s wings from the bottom floor up (docs/architecture.md): each imports only the wings below it. The pre-flight
+# checks and the Pulumi components never reach the offline tools, the Terraform renderer or the CLI.
+INFRA_WINGS = ("infra.base", "infra.checks", "infra.components", "infra.offline", "infra.terraform", "infra.cli")
+
+
+def wing_violations(folder: str, banned: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """`file:line imports module` for each import, in the .py files under `folder`, of a module that is or lies in
+    one of `banned` (dotted names; `from infra import cli` imports infra.cli)."""
+    files = sorted((root / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}/"
+    return [f"{path.relative_to(root)}:{line} imports {module}"
+            for path in files for line, module in sorted(imports(path, root, members=True))
+            if any(module == b or module.startswith(b + ".") for b in banned)]
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(folder: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of `folder` it imports, wherever the import is (function bodies included): a name
+    imported from a module is an arrow to that module, `from P import m` of a submodule an arrow to m."""
+    paths = {module_name(p, root): p for p in sorted((root / folder).rglob("*.py"))}
+
+    def home(name: str) -> str | None:  # the longest module of the folder that `name` is or lies in
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {name: {m for _, imported in imports(path, root, members=True) if (m := home(imported)) not in (None, name)}
+            for name, path in paths.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a graph: each set of modules that reach one another (Tarjan's strongly connected
+    components of two or more), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def test_the_scanner_finds_imports_however_they_are_written(tmp_path: Path) -> None:
     pkg = tmp_path / "envspec"
     pkg.mkdir()
@@ -75,6 +148,57 @@ def test_the_scanner_finds_imports_however_they_are_written(tmp_path: Path) -> N
                      "envspec/bad.py:9 imports pulumi_gcp", "envspec/bad.py:10 imports trainer.fit",
                      "envspec/bad.py:11 imports workloads"]
     assert violations("envspec", ("tests",), tmp_path) == []
+
+
+def test_the_circle_finder_sees_imports_inside_functions(tmp_path: Path) -> None:
+    pkg = tmp_path / "infra"
+    (pkg / "sub").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "sub" / "__init__.py"):
+        init.write_text("")
+    (pkg / "a.py").write_text("from infra.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f() -> None:\n    from infra.c import thing\n")
+    (pkg / "c.py").write_text("import importlib\nimportlib.import_module('infra.a')\n")
+    (pkg / "d.py").write_text("from . import a\n")  # imports into the circle, not part of it
+    graph = import_graph("infra", tmp_path)
+    assert graph["infra.a"] == {"infra.sub.b"} and graph["infra.sub.b"] == {"infra.c"}
+    assert circles(graph) == [["infra.a", "infra.c", "infra.sub.b"]]
+    (pkg / "c.py").write_text("")
+    assert circles(import_graph("infra", tmp_path)) == []
+
+
+def test_the_wing_rule_sees_imports_however_they_are_written(tmp_path: Path) -> None:
+    pkg = tmp_path / "infra" / "components"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text(
+        "import importlib\n"
+        "from infra.base import stack_file\n"  # a floor below: allowed
+        "from infra import cli\n"
+        "def f() -> None:\n"
+        "    from infra.offline import plan\n"
+        "    importlib.import_module('infra.terraform.document')\n"
+        "    from ..offline.mockrun import run_stack\n")
+    assert wing_violations("infra/components", ("infra.offline", "infra.terraform", "infra.cli"), tmp_path) == [
+        "infra/components/x.py:3 imports infra.cli", "infra/components/x.py:5 imports infra.offline.plan",
+        "infra/components/x.py:6 imports infra.terraform.document",
+        "infra/components/x.py:7 imports infra.offline.mockrun.run_stack"]
+
+
+@pytest.mark.parametrize("floor", range(len(INFRA_WINGS) - 1), ids=INFRA_WINGS[:-1])
+def test_each_infra_wing_imports_only_the_wings_below_it(floor: int) -> None:
+    assert wing_violations(INFRA_WINGS[floor].replace(".", "/"), INFRA_WINGS[floor + 1:]) == []
+
+
+def test_every_infra_module_lives_in_a_wing() -> None:
+    # A new file goes into the wing it belongs to (docs/architecture.md); only the entry points stand at the top.
+    top = sorted(p.name for p in (ROOT / "infra").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "cli.py"]
+    wings = sorted(p.name for p in (ROOT / "infra").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert wings == sorted(w.split(".")[1] for w in INFRA_WINGS if w != "infra.cli")
+
+
+def test_no_import_circle_in_infra() -> None:
+    # Function-level imports count: a circle through them is still two modules that each need the other.
+    assert circles(import_graph("infra")) == []
 
 
 def test_the_floor_imports_nothing_above_it_nor_pulumi() -> None:

@@ -1,4 +1,4 @@
-"""docs/stack-config.md and docs/trainer-config.md are generated from the typed specs (infra/reference.py): the
+"""docs/stack-config.md and docs/trainer-config.md are generated from the typed specs (infra/offline/reference.py): the
 committed files match what the code renders, every key the environments and bundled trainer configs use is in them,
 and a few known facts render right."""
 
@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from envspec.config import NAMESPACE, SECRET_KEYS
-from infra import reference
 from infra.cli import main
+from infra.offline import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

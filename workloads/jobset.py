@@ -171,7 +171,8 @@ def tpu_jobset(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> dict[st
             # at once; anything else (preemption, node loss, a transient runtime error) restarts it from the last
             # checkpoint, up to maxRestarts (xpk's split: its workload template and get_restart_exit_codes), or
             # without limit for an always-on job. Immutable by CEL (the CRD's failurePolicy: self == oldSelf): a
-            # change replaces the JobSet (infra/trainer_job.py, infra/service.py replace_on_changes).
+            # change replaces the JobSet (infra/components/trainer_job.py, infra/components/service.py
+            # replace_on_changes).
             "failurePolicy": {"maxRestarts": job.max_restarts, "restartStrategy": "Recreate",
                               "rules": failure_rules(job)},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},

@@ -22,7 +22,7 @@ GCSFUSE_INJECT = "gke-gcsfuse/volumes"
 GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
 WORKLOAD_IDENTITY_GSA = "iam.gke.io/gcp-service-account"
 
-# infra/cluster.py puts it on the CPU system pool; the Ray head and its Kueue flavor select it.
+# infra/components/cluster.py puts it on the CPU system pool; the Ray head and its Kueue flavor select it.
 SYSTEM_POOL = {"gke-tpu-rl/pool": "system"}
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gke-tpu-rl"}

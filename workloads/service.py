@@ -2,8 +2,8 @@
 on the CPU system pool, its engine as a Kueue-queued JobSet on a TPU slice group, and what they need around them.
 
 - Two Kubernetes service accounts, <service>-api and <service>-engine, each acting as its own Google service account
-  through workload identity (Cloud SQL IAM database users must be service accounts; infra/database.py makes them,
-  their database users and the engine's bucket grant).
+  through workload identity (Cloud SQL IAM database users must be service accounts; infra/components/database.py makes
+  them, their database users and the engine's bucket grant).
 - The API (`python -m trainer.service serve --base-model ...`, API only): stateless, `service.apiReplicas` pods
   spread over the system pool's nodes, rolled one at a time; a ClusterIP Service, and with
   access.internalLoadBalancer an internal passthrough Network Load Balancer for the VPC's allowed ranges.
@@ -18,7 +18,7 @@ on the CPU system pool, its engine as a Kueue-queued JobSet on a TPU slice group
 - The API serves the files of external weights downloads (trainer/service/downloads.py) from the paths the engine
   recorded under its storage dir, so its pods mount that folder of the checkpoint bucket read-only at the same path
   (`api_checkpoint_mount`), as the API's Google service account, which holds roles/storage.objectViewer on the bucket
-  and nothing on the state bucket (infra/database.py).
+  and nothing on the state bucket (infra/components/database.py).
 - NetworkPolicies: who may open a connection to the API's and the engine's pods (see `network_policies`).
 
 With service.suspend the engine JobSet and the staging Job are not rendered: the API keeps taking requests into the
@@ -64,13 +64,13 @@ ROLES = ("api", "engine")
 # memory (measured here: `python -c "import trainer.service.api, trainer.service.cli, uvicorn, sqlalchemy"`, max RSS
 # 329 MB); 1 GiB leaves room for request bodies (a forward_backward carries its tokens and loss inputs) and the
 # connector's pool. Requests = limits: Guaranteed QoS, as the Ray head, so the system pool's controllers are never
-# squeezed by it (infra/system_pool.py packs every pod pinned there by its requests).
+# squeezed by it (infra/checks/system_pool.py packs every pod pinned there by its requests).
 API_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 # uvicorn stops within its own graceful-shutdown timeout (trainer/service/cli.py: timeout_graceful_shutdown=3); an
 # open long-poll is cut, and the SDK retries it on its own. The preStop pause lets the endpoint controller take the
 # pod out of the Services (and the load balancer's backends) before uvicorn stops accepting connections.
 # The rollout's one extra pod (maxSurge): during each rollout apiReplicas + 1 API pods run, so the system pool must
-# hold them all (infra/system_pool.py counts it) or the new pod stays Pending and `pulumi up` times out.
+# hold them all (infra/checks/system_pool.py counts it) or the new pod stays Pending and `pulumi up` times out.
 API_MAX_SURGE = 1
 API_GRACE_S = 30
 API_PRESTOP_S = 5
@@ -86,7 +86,7 @@ API_CHECKPOINTS_VOLUME = "checkpoints"
 # or limit equal to the other). It only reads: a download streams one file at a time, with no file cache and nothing
 # staged for writes, so its temporary folders stay empty (1Gi covers its logs); 512Mi gives gcsfuse's read buffers
 # and metadata caches room over the default. Requests = limits, as the API container's: the pod keeps Guaranteed QoS
-# (every container, the native sidecar too, at requests = limits). infra/system_pool.py counts them per API pod.
+# (every container, the native sidecar too, at requests = limits). infra/checks/system_pool.py counts them per API pod.
 API_GCSFUSE_SIDECAR = {
     "gke-gcsfuse/cpu-request": "250m",
     "gke-gcsfuse/cpu-limit": "250m",
@@ -146,7 +146,7 @@ def service_dir(spec: EnvironmentSpec) -> str:
     return f"{CHECKPOINT_MOUNT}/{_service(spec).name}"
 
 
-# The service's state bucket (infra/storage.py) in the engine's pods: each model's latest state snapshot.
+# The service's state bucket (infra/components/storage.py) in the engine's pods: each model's latest state snapshot.
 STATE_MOUNT = "/service-state"
 
 
@@ -245,8 +245,8 @@ def engine_credentials(spec: EnvironmentSpec) -> dict[str, Any]:
     exchanges its own service account token, projected with the pool as audience, at STS for a federated token
     (audience identitynamespace:<pool>:<the cluster's identity provider>, as gcs-fuse-csi-driver does for host-network
     pods: pkg/cloud_provider/auth/token_sources.go FetchIdentityBindingToken), and impersonates the engine's Google
-    service account with it (roles/iam.workloadIdentityUser, infra/database.py), the account Cloud SQL knows as an
-    IAM user. The same works on the pod network, so the engine always uses it."""
+    service account with it (roles/iam.workloadIdentityUser, infra/components/database.py), the account Cloud SQL knows
+    as an IAM user. The same works on the pod network, so the engine always uses it."""
     pool = f"{spec.project}.svc.id.goog"
     provider = f"https://container.googleapis.com/v1/projects/{spec.project}/locations/{spec.zone}/clusters/" \
                f"{spec.cluster_name}"
@@ -362,7 +362,7 @@ def api_checkpoint_mount(spec: EnvironmentSpec, refs: ServiceRefs) -> tuple[dict
       gid/file-mode/dir-mode win). No rename-dir-limit: nothing is renamed here.
     - On the pod network (the system pool) the driver acts as the Google service account the API's Kubernetes
       account names (pkg/cloud_provider/auth/token_sources.go fetchGCPSAToken): the API's, granted
-      roles/storage.objectViewer on the checkpoint bucket by infra/database.py."""
+      roles/storage.objectViewer on the checkpoint bucket by infra/components/database.py."""
     path = api_storage_dir(spec)
     only_dir = path.removeprefix(f"{CHECKPOINT_MOUNT}/")
     volume = bucket_volume(API_CHECKPOINTS_VOLUME, refs.bucket, read_only=True, mount_options=(
@@ -465,7 +465,7 @@ def api_services(spec: EnvironmentSpec) -> list[dict[str, Any]]:
 
 def network_policies(spec: EnvironmentSpec) -> list[dict[str, Any]]:
     """Who may open a connection to the service's pods (GKE Dataplane V2, i.e. Cilium, enforces NetworkPolicy on
-    every cluster with it; infra/cluster.py turns it on).
+    every cluster with it; infra/components/cluster.py turns it on).
 
     The API: TCP 8000 from access.allowedCidrs when the internal load balancer is on, and from nothing else, in the
     cluster or out. Two paths stay open without a rule. `kubectl port-forward` is not pod network traffic: the API

@@ -37,7 +37,8 @@ BACKOFF_LIMIT = 4
 # Its callers' replace_on_changes: explicit, so both backends replace the Job. pulumi-kubernetes would replace it
 # anyway (a Job's spec.template is immutable), but terraform-provider-kubernetes' kubernetes_manifest replaces only
 # on apiVersion, kind, name or namespace (v2.38.0 manifest/provider/plan.go) and would PATCH the template, which the
-# API server refuses; the synth turns this option into a replace_triggered_by (infra/terraform.py _manifest_entry).
+# API server refuses; the synth turns this option into a replace_triggered_by (infra/terraform/document.py
+# _manifest_entry).
 REPLACE_ON_CHANGES = ("spec",)
 
 

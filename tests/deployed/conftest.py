@@ -88,8 +88,8 @@ def trainer_on_cpu(env: str, work: Path, folder: Path, args: list[str]) -> tuple
 
 @contextmanager
 def provision_database(pg_server: str, rendered: Rendered) -> Iterator[None]:
-    """What the stack declares on Cloud SQL (infra/database.py, read from the plan): the database and each IAM
-    database user with its database_roles (the owner role, here a plain role)."""
+    """What the stack declares on Cloud SQL (infra/components/database.py, read from the plan): the database and each
+    IAM database user with its database_roles (the owner role, here a plain role)."""
     users = rendered.result.of_type("gcp:sql/user:User")
     [database] = rendered.result.of_type("gcp:sql/database:Database")
     roles = sorted({r for u in users for r in u.inputs.get("databaseRoles", [])})

@@ -17,7 +17,7 @@ machine a pod can reach (the pod bridge's address in the root namespace):
     which the SQL Admin API refuses (the real one is meant for IAM bindings on principal:// identities);
   - a host-network pod (`add_pod(..., host_network=True)`): the node's service account, whatever its KSA (GKE
     hands host-network pods' requests to the node's GCE metadata server), by default
-    <cluster>-nodes@<project>.iam.gserviceaccount.com (infra/iam.py's node account);
+    <cluster>-nodes@<project>.iam.gserviceaccount.com (infra/components/iam.py's node account);
   - an address no pod has (not `add_pod`ed): 404 on identity paths. project/project-id and universe/universe-domain
     answer anyone.
   Every request but the root's (google-auth's ping) must carry Metadata-Flavor: Google (else 403); every answer
@@ -95,7 +95,7 @@ class GcpBoundary:
     SQL instance, on `host_ip` (see the module docstring). `cluster_issuer`: the cluster's identity provider URL,
     https://container.googleapis.com/v1/projects/<p>/locations/<l>/clusters/<c> (the issuer of its KSA tokens, in
     the STS audience of workloads/service.py engine_credentials). `node_service_account`: what host-network pods are
-    (default: infra/iam.py's <cluster>-nodes@<project>.iam.gserviceaccount.com). Use as a context manager (or
+    (default: infra/components/iam.py's <cluster>-nodes@<project>.iam.gserviceaccount.com). Use as a context manager (or
     start/stop)."""
 
     def __init__(self, *, host_ip: str, project: str, instance_connection_name: str, pg_unix_socket: str,

@@ -9,8 +9,9 @@ from typing import Any
 
 import yaml
 
-from infra.mockrun import PlanResult
-from infra.plan import is_kubernetes_object, kubernetes_object, plan, stack_file
+from infra.base.stack_file import stack_file
+from infra.offline.mockrun import PlanResult
+from infra.offline.plan import is_kubernetes_object, kubernetes_object, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -80,8 +80,8 @@ def rendered() -> Rendered:
 
 @pytest.fixture(scope="module")
 def database(pg_server_url: str, rendered: Rendered) -> Iterator[Engine]:  # noqa: F811
-    """What infra/database.py makes on Cloud SQL (tests/deployed/conftest.py provision_database, from the plan's
-    sql.User and sql.Database). Yields a superuser engine on the database."""
+    """What infra/components/database.py makes on Cloud SQL (tests/deployed/conftest.py provision_database, from the
+    plan's sql.User and sql.Database). Yields a superuser engine on the database."""
     name = _env(rendered.api_pod, "api")["GKE_TPU_RL_CLOUDSQL_DATABASE"]
     with provision_database(pg_server_url, rendered.plan):
         db = create_engine(normalize_url(pg_server_url).set(database=name), isolation_level="AUTOCOMMIT")
@@ -178,7 +178,7 @@ def _pod_env(rendered_env: dict[str, str], boundary: GcpBoundary) -> dict[str, s
 
 @pytest.fixture(scope="module")
 def api_pod(network: Network, boundary: GcpBoundary, rendered: Rendered) -> tuple[str, str]:
-    """The API pod, its KSA bound to its GSA (infra/database.py's workloadIdentityUser binding)."""
+    """The API pod, its KSA bound to its GSA (infra/components/database.py's workloadIdentityUser binding)."""
     ns, ip = network.pod("api", 2, boundary.hosts)
     ksa = rendered.api_pod["serviceAccountName"]
     boundary.add_pod(ip, "rl", ksa, rendered.gsa(ksa))

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.mockrun import PlanMocks, PlanResult, RecordingMonitor, _unwrap_secrets, run_stack
+from infra.offline.mockrun import PlanMocks, PlanResult, RecordingMonitor, _unwrap_secrets, run_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 # The kit's own example environments, whose properties the tests check. environments/ may hold more (a user copies

@@ -22,7 +22,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infra import cli, mockrun
+from infra import cli
+from infra.offline import mockrun
 from tests.infra.conftest import ENVIRONMENTS, stack_config
 
 NS = "gke-tpu-rl:"

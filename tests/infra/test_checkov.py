@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.mockrun import PlanResult
-from infra.plan import kubernetes_objects, manifest_filenames
+from infra.offline.mockrun import PlanResult
+from infra.offline.plan import kubernetes_objects, manifest_filenames
 from tests.infra.conftest import ENVIRONMENTS, ROOT
 
 BASELINE = Path(__file__).with_name("checkov_baseline.yaml")
@@ -217,8 +217,8 @@ def test_every_finding_is_fixed_or_baselined(report: Report) -> None:
     assert not new, (
         "checkov findings neither fixed nor in the baseline:\n"
         + "\n".join(f"  {f.check} ({f.title}) on {f.resource} [{f.file}]" for f in new)
-        + f"\nFix the object (workloads/, infra/render.py), or, where the check does not fit, add the check and "
-        f"resource to {BASELINE.relative_to(ROOT)} with the reason. (JobSet pod templates are scanned as "
+        + "\nFix the object (workloads/, infra/offline/render.py), or, where the check does not fit, add the check "
+        f"and resource to {BASELINE.relative_to(ROOT)} with the reason. (JobSet pod templates are scanned as "
         "Job.NAMESPACE.JOBSET-REPLICATEDJOB, RayJob ones as Pod.NAMESPACE.RAYJOB-GROUP.)")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.terraform import STAGES
+from infra.terraform.document import STAGES
 from tests.infra import test_checkov as checkov
 from tests.infra.conftest import ENVIRONMENTS, ROOT
 from tests.infra.test_checkov import pinned_version, run_checkov

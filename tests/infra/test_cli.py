@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from infra import cli
-from infra.plan import available_envs
+from infra.base.stack_file import available_envs
 from tests.infra.conftest import ENVIRONMENTS, ROOT, new_env_name, scratch_root, stack_config
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -59,7 +59,7 @@ def test_plan_all_plans_every_environment(tmp_path: Path, capsys: pytest.Capture
     # (The cwd stays this checkout: the image's build context is a path relative to it.)
     new = new_env_name()
     project = scratch_root(tmp_path / "project", {new: "dev"})
-    monkeypatch.setattr("infra.plan.repo_root", lambda start=None: project)
+    monkeypatch.setattr("infra.base.stack_file.repo_root", lambda start=None: project)
     envs = sorted([*ENVIRONMENTS, new])
     out_dir = tmp_path / "out"
     assert cli.main(["plan", "--all", "--out", str(out_dir)]) == 0

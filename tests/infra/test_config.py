@@ -9,8 +9,8 @@ import pytest
 from pulumi.errors import RunError
 
 from envspec.config import ConfigError, EnvironmentSpec, parse_spec
-from infra.mockrun import PlanMocks, RecordingMonitor, run_stack
-from infra.stack_config import StackConfigError
+from infra.base.stack_config import StackConfigError
+from infra.offline.mockrun import PlanMocks, RecordingMonitor, run_stack
 from tests.infra.conftest import stack_config
 from trainer.config import bundled_configs
 
@@ -96,7 +96,7 @@ def test_bad_config_registers_nothing(case: str, env: str, path: str, value: Any
 
 @pytest.mark.parametrize(("env", "path", "value", "message"), [
     ("dev", "slices.0.tpuType", "v9", r"gke-tpu-rl:slices\[0\]\.tpuType: unknown TPU type 'v9'"),  # the spec
-    # A check the program runs on the parsed spec (infra/grace.py), after load_spec.
+    # A check the program runs on the parsed spec (infra/checks/grace.py), after load_spec.
     ("prod", "trainer.terminationGraceSeconds", 600, r"trainer\.terminationGraceSeconds: 600 s is too short"),
 ], ids=["spec", "grace check"])
 def test_pulumi_up_gets_config_errors_as_run_errors(env: str, path: str, value: Any, message: str) -> None:

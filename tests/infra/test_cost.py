@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from envspec import machines, zones
-from infra import cost, diff, render
-from infra.mockrun import run_stack
+from infra.offline import cost, diff, render
+from infra.offline.mockrun import run_stack
 from tests.infra.conftest import stack_config
 
 TABLE = cost.parse_table({
@@ -223,7 +223,7 @@ def test_the_service_adds_its_database_beside_the_pool_and_the_fee() -> None:
 
 
 def test_suspending_an_engine_on_a_fixed_size_pool_saves_nothing() -> None:
-    # Every non-flex-start TPU pool has a fixed node count (infra/slices.py node_count = the slice's hosts).
+    # Every non-flex-start TPU pool has a fixed node count (infra/components/slices.py node_count = the slice's hosts).
     running = cost.environment_cost(V6E, "us-east5", TABLE, _service(), GKE, SQL)
     assert running.suspended_usd_per_hour == pytest.approx(running.usd_per_hour)
     assert (f"with service.suspend the same {cost.usd(running.usd_per_hour)}/hour: the engine's slice group a "
@@ -262,7 +262,7 @@ def test_the_tinker_plan_prices_its_database_and_says_what_suspending_saves() ->
     line = dict(render.summarize(plan).facts())["Cost"]
     env = cost.environment_cost(cost.slice_groups(plan.spec), "us-central1", pool=record)
     assert line == env.line()
-    # 1 vCPU, 3.75 GiB and 10 GB of SSD at infra/sql_prices.yaml's us-central1 rates.
+    # 1 vCPU, 3.75 GiB and 10 GB of SSD at infra/offline/sql_prices.yaml's us-central1 rates.
     sql_hour = 0.0413 + 3.75 * 0.0070 + 10 * 0.17 / 730
     assert f"Cloud SQL db-custom-1-3840 zonal, 10 GB SSD ${sql_hour:.2f} per hour" in line
     assert "the engine's slice group v6e-svc (spot) is billed all the same (it has a fixed node count" in line

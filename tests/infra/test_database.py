@@ -1,8 +1,8 @@
-"""The service's Cloud SQL store (infra/database.py) under Pulumi mocks: private IP only, IAM database authentication
-and no password anywhere, backups with point-in-time recovery, deletion protection as the spec says, and the grants
-of the API's and the engine's Google service accounts (each narrowed to the instance; the bucket for the engine
-alone). The component runs alone in a program of its own, through the plan's harness (infra.mockrun.run_stack, which
-sets pulumi.runtime's mocks and records every registration with its options)."""
+"""The service's Cloud SQL store (infra/components/database.py) under Pulumi mocks: private IP only, IAM database
+authentication and no password anywhere, backups with point-in-time recovery, deletion protection as the spec says, and
+the grants of the API's and the engine's Google service accounts (each narrowed to the instance; the bucket for the
+engine alone). The component runs alone in a program of its own, through the plan's harness
+(infra.offline.mockrun.run_stack, which sets pulumi.runtime's mocks and records every registration with its options)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pulumi_gcp as gcp
 import pytest
 
 from envspec.config import parse_spec
-from infra import database
-from infra.mockrun import PlanResult, run_stack
-from infra.stack_config import load_spec
+from infra.base.stack_config import load_spec
+from infra.components import database
+from infra.offline.mockrun import PlanResult, run_stack
 from tests.infra.conftest import stack_config
 from trainer.config import bundled_configs
 

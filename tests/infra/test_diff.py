@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra import cost
+from infra.base.stack_file import PlanError
 from infra.cli import main
-from infra.diff import RESTARTS_TRAINING, Snapshot, changed_inputs, compare, diff_plan, headline, markdown
-from infra.plan import PlanError, plan
+from infra.offline import cost
+from infra.offline.diff import RESTARTS_TRAINING, Snapshot, changed_inputs, compare, diff_plan, headline, markdown
+from infra.offline.plan import plan
 from tests.infra.conftest import new_env_name
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 
-from infra.diff import _short, changed_inputs, compare, snapshot, text
-from infra.mockrun import run_stack
+from infra.offline.diff import _short, changed_inputs, compare, snapshot, text
+from infra.offline.mockrun import run_stack
 from tests.infra.conftest import stack_config
 
 

@@ -115,10 +115,10 @@ def _small_chip_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple
     something to solve at compiles of seconds. Everything else is the real CLI, catalog and libtpu."""
     import dataclasses
 
-    from infra import fit as infra_fit
+    from infra.base import pod_config
 
-    real_target = infra_fit.target
-    monkeypatch.setattr(infra_fit, "target", lambda shape, slices: dataclasses.replace(
+    real_target = pod_config.target
+    monkeypatch.setattr(pod_config, "target", lambda shape, slices: dataclasses.replace(
         real_target(shape, slices), hbm_bytes_per_chip=13 << 20))
     run = _run_yaml(tmp_path / "run.yaml", {"d_model": 64, "head_dim": 16, "d_ff": 128, "max_seq_len": 512},
                     rl={"group_size": 8, "prompts_per_step": 8},

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra import image as image_module
-from infra.mockrun import SECRET_MASK, PlanResult, run_stack
+from infra.components import image as image_module
+from infra.offline.mockrun import SECRET_MASK, PlanResult, run_stack
 from tests.infra.conftest import raw_inputs, stack_config
 
 IMAGE = "docker-build:index:Image"

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from infra.database import CONNECTOR_ROLES, instance_condition
-from infra.iam import NODE_ROLES
-from infra.mockrun import SECRET_MASK, PlanResult
-from infra.plan import kubernetes_objects
+from infra.components.database import CONNECTOR_ROLES, instance_condition
+from infra.components.iam import NODE_ROLES
+from infra.offline.mockrun import SECRET_MASK, PlanResult
+from infra.offline.plan import kubernetes_objects
 from tests.infra.conftest import ENVIRONMENTS
 from trainer.service.store import CLOUDSQL_CREDENTIALS_ENV
 from workloads import service

@@ -23,7 +23,8 @@ def test_the_wheel_holds_every_data_file_of_infra_and_envspec(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr[-3000:]
     [wheel] = (tmp_path / "w").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    data = sorted(f"{package}/{p.name}" for package in ("infra", "envspec") for p in (ROOT / package).iterdir()
-                  if p.suffix in (".yaml", ".yml", ".json"))
-    assert data and {"infra/tpu_prices.yaml", "envspec/tpu_zones.yaml", "infra/gke_prices.yaml"} <= set(data)
+    data = sorted(p.relative_to(ROOT).as_posix() for package in ("infra", "envspec")
+                  for p in (ROOT / package).rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+    assert data and {"infra/offline/tpu_prices.yaml", "envspec/tpu_zones.yaml",
+                     "infra/offline/gke_prices.yaml"} <= set(data)
     assert [d for d in data if d not in names] == []

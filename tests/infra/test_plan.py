@@ -14,9 +14,15 @@ from pulumi.runtime import config as runtime_config_module
 from pulumi.runtime import settings
 
 from envspec.config import ConfigError
-from infra import mockrun, render
-from infra.mockrun import SECRET_MASK, PlanResult, RecordingMonitor, run_stack
-from infra.plan import is_kubernetes_object, kubernetes_object, kubernetes_objects, manifest_filenames, write_out
+from infra.offline import mockrun, render
+from infra.offline.mockrun import SECRET_MASK, PlanResult, RecordingMonitor, run_stack
+from infra.offline.plan import (
+    is_kubernetes_object,
+    kubernetes_object,
+    kubernetes_objects,
+    manifest_filenames,
+    write_out,
+)
 from tests import k8s_schemas
 from tests.infra.conftest import ENVIRONMENTS, ROOT, stack_config
 

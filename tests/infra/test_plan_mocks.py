@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 
-from infra import render
-from infra.mockrun import run_stack
+from infra.offline import render
+from infra.offline.mockrun import run_stack
 from tests.infra.conftest import stack_config
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from envspec.config import ConfigError, parse_spec
-from infra.mockrun import PlanResult, Resource, run_stack
+from infra.offline.mockrun import PlanResult, Resource, run_stack
 from tests.infra.conftest import ROOT, raw_inputs, stack_config
 from tests.infra.test_config import _raw as _raw_config
 from trainer.config import bundled_configs
@@ -372,7 +372,7 @@ def test_ip_endpoint_is_a_choice_with_no_dns_config() -> None:
 
 
 def test_gke_version_is_a_channel_default_or_a_prefix_never_a_pinned_patch(plans: dict[str, PlanResult]) -> None:
-    from infra.cluster import choose_version
+    from infra.components.cluster import choose_version
 
     # staging/prod: versionPrefix 1.34. -> the channel's newest 1.34 at deploy time (the mock's patch 99).
     for env in ("staging", "prod"):
@@ -450,9 +450,10 @@ def test_the_training_job_is_replaced_on_change_and_waited_for(plans: dict[str, 
 
 
 def test_the_grace_period_covers_a_sigterm_checkpoint() -> None:
-    """infra/grace.py: parameters and Adam's two moments, per writing host, at the assumed write rate, twice, plus
-    the step in flight; a shorter trainer.terminationGraceSeconds is refused with the figures before anything runs."""
-    from infra import grace
+    """infra/checks/grace.py: parameters and Adam's two moments, per writing host, at the assumed write rate, twice,
+    plus the step in flight; a shorter trainer.terminationGraceSeconds is refused with the figures before anything
+    runs."""
+    from infra.checks import grace
 
     spec = parse_spec(_raw_config("prod"), "prod", bundled_configs())
     found = grace.estimate(spec)
@@ -486,7 +487,7 @@ def test_the_engines_new_failure_policy_replaces_it_on_an_existing_stack(plans: 
     (foreground, waiting out its pods' grace) and creates the new one under the same name."""
     import copy
 
-    from infra.diff import compare, snapshot
+    from infra.offline.diff import compare, snapshot
     from workloads.jobset import FAIL_ON_BUG
 
     new = snapshot(plans["tinker"])

@@ -10,8 +10,9 @@ import yaml
 
 from envspec import machines
 from envspec.config import ConfigError, EnvironmentSpec, parse_spec
-from infra import cli, mockrun
-from infra import system_pool as sp
+from infra import cli
+from infra.checks import system_pool as sp
+from infra.offline import mockrun
 from tests.infra.conftest import ROOT, stack_config
 from trainer.config import bundled_configs
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES

@@ -1,7 +1,7 @@
 """`gke-tpu-rl synth`: the Pulumi program's resources as Terraform, through the pinned cdktf bindings.
 
-The synth tests run infra/cdktf_app.py in the cdktf venv `make install` builds ($(VENV)/cdktf): the bindings' own
-constructors check every argument's name and type. The real Terraform CLI then loads every stack: `terraform init
+The synth tests run infra/terraform/cdktf_app.py in the cdktf venv `make install` builds ($(VENV)/cdktf): the bindings'
+own constructors check every argument's name and type. The real Terraform CLI then loads every stack: `terraform init
 -backend=false` checks the whole configuration before it looks for providers, and `terraform console` evaluates the
 preconditions and validations. `validate` and `plan` cannot run here (they need the providers, which are not
 downloadable); tests/infra/test_terraform_parity.py compares what is written with the Pulumi plan, and the checkov
@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 from envspec.config import gke_version_tuple
-from infra import synth
-from infra.mockrun import IMAGE_TYPE
-from infra.plan import is_kubernetes_object
-from infra.terraform import (
+from infra.offline.mockrun import IMAGE_TYPE
+from infra.offline.plan import is_kubernetes_object
+from infra.terraform import synth
+from infra.terraform.document import (
     GCP_TYPES,
     HELM_TYPE,
     HF_TOKEN_VAR,
@@ -136,7 +136,7 @@ def test_the_synthesized_stacks_are_the_golden_ones(written: Path) -> None:
 
 def test_each_override_is_one_the_frozen_bindings_need_and_is_written(written: Path) -> None:
     # Every entry is used by some environment (tinker's store): written raw at its Terraform path.
-    from infra.terraform import OVERRIDES
+    from infra.terraform.document import OVERRIDES
     for tf_type, path in OVERRIDES:
         tf_path = [re.sub(r"(?<=[a-z])(?=[A-Z])", "_", p).lower() for p in path.split(".")]
         found = []
@@ -364,8 +364,9 @@ def test_terraform_console_evaluates_each_precondition_and_validation_on_both_si
         syntheses: dict[str, Synthesis], user_copy: Synthesis, written: Path, terraform_env: dict[str, str],
         tmp_path: Path) -> None:
     """The cluster's precondition (the channel's version is at least managed DRANET's floor, as the program's
-    infra/cluster.py choose_version checks) and the digest variable's validation, evaluated by Terraform itself with
-    the looked-up value replaced by each test value. A precondition or validation this test does not know fails it."""
+    infra/components/cluster.py choose_version checks) and the digest variable's validation, evaluated by Terraform
+    itself with the looked-up value replaced by each test value. A precondition or validation this test does not know
+    fails it."""
     specs = {env: s.plan.spec for env, s in syntheses.items()} | {USER_COPY[0]: user_copy.plan.spec}
     with_floor = set()
     for env, spec in specs.items():

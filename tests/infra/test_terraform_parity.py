@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from infra.mockrun import PlanResult
-from infra.plan import is_kubernetes_object, kubernetes_object
-from infra.terraform import GCP_TYPES, HELM_TYPE, address_of, terraform_values
+from infra.offline.mockrun import PlanResult
+from infra.offline.plan import is_kubernetes_object, kubernetes_object
+from infra.terraform.document import GCP_TYPES, HELM_TYPE, address_of, terraform_values
 from tests import k8s_schemas
 from tests.infra.conftest import ENVIRONMENTS
 from tests.infra.test_terraform import golden_path
@@ -114,7 +114,7 @@ def test_every_gcp_resource_has_its_counterpart_with_the_same_settings(
         assert address is not None
         body = {k: v for k, v in _body(tf, address).items() if k not in META}
         seen.add(address)
-        # A value hashicorp/google lacks is written as its nearest one (infra/terraform.py TERRAFORM_VALUES).
+        # A value hashicorp/google lacks is written as its nearest one (infra/terraform/document.py TERRAFORM_VALUES).
         want, got = leaves(terraform_values(GCP_TYPES[r.type], r.inputs)), leaves(body)
         if "name" not in want and "name" in got:
             want["name"] = r.name  # Pulumi names it (plus a random suffix); Terraform takes this name
@@ -202,7 +202,7 @@ def test_every_manifest_terraform_applies_matches_its_upstream_schema(env: str) 
 def test_no_terraform_value_is_a_name_the_mocks_made_up_review_2026_11_28_6(
         plans: dict[str, PlanResult], env: str) -> None:
     """A GCP resource the program gives no `name` gets its Pulumi resource name as the mocks' `name` output
-    (infra/mockrun.py _fake_state); the provider computes the real one (a service account's is
+    (infra/offline/mockrun.py _fake_state); the provider computes the real one (a service account's is
     projects/P/serviceAccounts/EMAIL). A Terraform value equal to such a resource name is that made-up output
     copied as a literal, unless Terraform names the resource so itself (the synth gives an autonamed resource its
     Pulumi name). Refer to an output Terraform computes instead (the account's id)."""

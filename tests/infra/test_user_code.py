@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from envspec.config import ConfigError
-from infra import image, user_code
-from infra.mockrun import IMAGE_TYPE, PlanResult, run_stack
+from infra.base import user_code
+from infra.components import image
+from infra.offline.mockrun import IMAGE_TYPE, PlanResult, run_stack
 from tests.infra.conftest import stack_config
 from trainer.user_code import USER_CODE_DIR
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.plan import available_envs
+from infra.base.stack_file import available_envs
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from infra.mockrun import PlanResult
-from infra.terraform import synthesize
+from infra.offline.mockrun import PlanResult
+from infra.terraform.document import synthesize
 from tests.infra.conftest import ENVIRONMENTS, stack_config
 
 CLUSTER = "gcp:container/cluster:Cluster"

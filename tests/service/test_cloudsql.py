@@ -19,7 +19,7 @@ from google.auth.exceptions import RefreshError
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from infra.fit import env_spec
+from infra.base.stack_file import env_spec
 from tests.service.cloudsql_fake import (
     ACCESS_TOKEN_TYPE,
     ADMIN_SCOPE,
@@ -73,8 +73,8 @@ def _pg_socket(pg_server_url: str) -> str:
 def iam_db(pg_server_url: str) -> Iterator[Engine]:
     """What the stack makes on Cloud SQL, on the local server: the database, owned by the cloudsqlsuperuser role (as
     a database made through the SQL Admin API is), and the API's and the engine's IAM users, both members of that role
-    (infra/database.py database_roles); yields a superuser engine on that database, for looking at it from the
-    server."""
+    (infra/components/database.py database_roles); yields a superuser engine on that database, for looking at it from
+    the server."""
     server = normalize_url(pg_server_url)
     admin = create_engine(server, isolation_level="AUTOCOMMIT")
 
@@ -306,7 +306,7 @@ def test_the_engine_logs_in_with_its_external_account_credentials(
     assert audience == ("identitynamespace:acme-rl-tinker.svc.id.goog:https://container.googleapis.com/v1/projects/"
                         "acme-rl-tinker/locations/us-central1-b/clusters/rl-tinker")
     assert _jwt_claims(ksa_token)["aud"] == [f"{TINKER.project}.svc.id.goog"]  # the projected volume's audience
-    # The KSA may act as the engine's GSA (roles/iam.workloadIdentityUser, infra/database.py).
+    # The KSA may act as the engine's GSA (roles/iam.workloadIdentityUser, infra/components/database.py).
     principal = f"serviceAccount:{TINKER.project}.svc.id.goog[{TINKER.queues.namespace}/{TINKER.service_engine_name}]"
     fake.allow_impersonation(TINKER_ENGINE_SA, principal)
     impersonation_path = urllib.parse.urlsplit(engine_credentials(TINKER)["service_account_impersonation_url"]).path

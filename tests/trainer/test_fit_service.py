@@ -232,11 +232,11 @@ def test_the_cli_refuses_a_service_that_does_not_fit(hf_cache: Path, tmp_path: P
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
 
-    from infra import fit as infra_fit
+    from infra.base import pod_config
     from infra.cli import main
 
-    original = infra_fit.target
-    monkeypatch.setattr(infra_fit, "target", lambda shape, slices: dataclasses.replace(
+    original = pod_config.target
+    monkeypatch.setattr(pod_config, "target", lambda shape, slices: dataclasses.replace(
         original(shape, slices), hbm_bytes_per_chip=2 * MiB))  # a slice whose catalog HBM is 2 MiB per chip
     path = tmp_path / "service.yaml"
     path.write_text(yaml.safe_dump({"init": {"from": "hf"}, "mesh": {"tensor": 2}, "lora": LORA,

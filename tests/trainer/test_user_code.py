@@ -89,7 +89,7 @@ def test_a_folder_of_modules_goes_on_the_path(tmp_path: Path) -> None:
 
 
 def test_the_empty_stand_in_installs_nothing(tmp_path: Path) -> None:
-    # What the image gets without trainer.code (infra/image.py NO_USER_CODE).
+    # What the image gets without trainer.code (infra/components/image.py NO_USER_CODE).
     assert "nothing to install" in install(ROOT / "trainer" / "no_user_code")
 
 

@@ -1,7 +1,7 @@
-"""The post-training service on the cluster (workloads/service.py, infra/service.py): every object passes the upstream
-schemas, the engine's pods are the trainer's pods but for the process, the API's and the engine's commands are what
-their own parsers take, suspend drops only the engine, the NetworkPolicies select what they mean to, the internal load
-balancer exists only for allowed ranges, and the trainer renders as it did without a service."""
+"""The post-training service on the cluster (workloads/service.py, infra/components/service.py): every object passes the
+upstream schemas, the engine's pods are the trainer's pods but for the process, the API's and the engine's commands are
+what their own parsers take, suspend drops only the engine, the NetworkPolicies select what they mean to, the internal
+load balancer exists only for allowed ranges, and the trainer renders as it did without a service."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from envspec.config import ConfigError, EnvironmentSpec, parse_spec
-from infra.mockrun import PlanResult, run_stack
-from infra.plan import kubernetes_objects
-from infra.trainer_job import DELETE_MARGIN_S
+from infra.components.trainer_job import DELETE_MARGIN_S
+from infra.offline.mockrun import PlanResult, run_stack
+from infra.offline.plan import kubernetes_objects
 from tests import k8s_schemas
 from tests.infra.conftest import stack_config
 from tests.infra.test_config import _raw
@@ -380,12 +380,13 @@ def test_api_pods_mount_the_engines_storage_dir_read_only_where_the_engine_write
     assert ann[L.GCSFUSE_INJECT] == "true"
     for resource in ("cpu", "memory", "ephemeral-storage"):
         assert ann[f"gke-gcsfuse/{resource}-request"] == ann[f"gke-gcsfuse/{resource}-limit"] != "0"
-    # The API's Kubernetes account acts as the API's Google account: the one infra/database.py grants the viewer role.
+    # The API's Kubernetes account acts as the API's Google account: the one infra/components/database.py grants the
+    # viewer role.
     assert pod["serviceAccountName"] == spec.service_api_name
 
 
 def test_service_args_moving_the_storage_dir_move_the_api_mount_and_off_the_bucket_are_refused() -> None:
-    from infra.service import check
+    from infra.components.service import check
 
     spec = _tinker(args=["--set", "service.storage_dir=/checkpoints/elsewhere/ckpts"])
     pod = service.api_deployment(spec, _refs(spec))["spec"]["template"]["spec"]

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from envspec.config import ConfigError, EnvironmentSpec, parse_spec
-from infra import system_pool
-from infra.mockrun import run_stack
-from infra.trainer_job import stage_targets
+from infra.checks import system_pool
+from infra.components.trainer_job import stage_targets
+from infra.offline.mockrun import run_stack
 from tests import k8s_schemas
 from tests.infra.conftest import stack_config
 from tests.infra.test_config import _raw
@@ -43,7 +43,7 @@ def test_stage_job_fetches_what_the_trainer_config_reads(env: str) -> None:
     cmd = container["command"]
     assert cmd[:3] == ["python", "-m", "trainer.stage"]
     # Into the trainer config's own init.path and task.path, on the bucket's mount.
-    from infra.fit import env_job
+    from infra.base.pod_config import env_job
 
     cfg = env_job(spec).cfg
     assert cmd[cmd.index("--model-to") + 1] == cfg.init.path

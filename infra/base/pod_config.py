@@ -1,0 +1,99 @@
+"""The trainer config as the JobSet's pod loads it (or, in an environment with a service and no trainer, the service
+engine's config), and the slice it runs on from the catalog: what the pre-flight checks read (the grace period, the
+staging targets, trainer.code's references) and what `gke-tpu-rl fit ENV` compiles.
+
+No JAX here: the compilation itself is trainer/fit.py, imported only when a fit runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from envspec import tpu
+from envspec.config import ConfigError, EnvironmentSpec
+from infra.base import user_code
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.fit import Target
+
+
+@dataclass(frozen=True)
+class FitJob:
+    """What a fit compiles: the trainer config on its compile target, under a title for the report."""
+
+    title: str
+    cfg: TrainConfig
+    target: Target
+
+
+def target(shape: tpu.SliceShape, slices: int) -> Target:
+    """The trainer's compile target for `slices` slices of `shape`, every figure from the TPU catalog (a seam the
+    tests replace to shrink a chip's HBM)."""
+    from trainer.fit import Target
+
+    return Target.of(shape, slices)
+
+
+def trainer_config(config: str | None, overrides: list[str]) -> TrainConfig:
+    """A trainer config file with overrides, its errors as the stack's (naming the file)."""
+    from trainer.config import ConfigError as TrainerConfigError
+    from trainer.config import load_config
+
+    try:
+        return load_config(config, overrides)
+    except TrainerConfigError as err:
+        raise ConfigError(f"trainer config {config or '(embedded demo)'}: {err}") from None
+
+
+def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[str] | None = None) -> FitJob:
+    """The environment's trainer: its slice group, and its config loaded from the very arguments the JobSet gives
+    the pod (workloads.jobset.trainer_args, parsed by the trainer's own parser), then `overrides`."""
+    from trainer.cli import build_parser
+    from workloads.jobset import trainer_args
+
+    t = spec.trainer
+    group = spec.trainer_group
+    if not t.enabled and spec.service is not None:
+        return service_job(spec, config, overrides)  # a service environment: its engine is what runs on the TPUs
+    if not t.enabled or group is None:
+        raise ConfigError(f"environment {spec.env!r}: trainer.enabled is false and there is no service; there is "
+                          "no trainer to fit")
+    pod, unknown = build_parser().parse_known_args(trainer_args(spec))
+    if unknown:
+        raise ConfigError(f"environment {spec.env!r}: trainer.args has arguments the trainer does not take: {unknown}")
+    name = config or user_code.local_config(spec, pod.config)
+    slices, resized = t.slices, []
+    if t.launcher == "ray":
+        # Ray keeps the global batch when it loses slices, so the fewest slices it may go on with hold the most per
+        # chip: that is the size that must fit.
+        slices, resized = spec.ray_min_slices, [f"mesh.slices={spec.ray_min_slices}"]
+    cfg = trainer_config(name, [*pod.overrides, *resized, *(overrides or [])])
+    at = f", at Ray's minimum of {slices} slice{'s' if slices > 1 else ''}" if resized else ""
+    title = f"{spec.env} (trainer {t.name}, config {config or t.config or 'demo.yaml'}{at})"
+    return FitJob(title, cfg, target(group.shape, slices))
+
+
+def service_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[str] | None = None) -> FitJob:
+    """The environment's service engine: one slice of the service's slice group, and its config loaded from the very
+    arguments the engine JobSet gives the pod (workloads.service.engine_args: service.config, the weights' place on
+    the bucket, a mesh over the one slice, then service.args), parsed by the service CLI's own `engine` parser, then
+    `overrides`; `config` replaces service.config. The estimators size a config with a service section as the
+    engine's programs (trainer/fit.py fit_service)."""
+    from trainer.service.cli import build_parser
+    from workloads.service import engine_args
+
+    svc, group = spec.service, spec.service_group
+    if svc is None or group is None:
+        raise ConfigError(f"environment {spec.env!r}: no service to fit")
+    engine, unknown = build_parser().parse_known_args(["engine", *engine_args(spec)])
+    if unknown:
+        raise ConfigError(f"environment {spec.env!r}: service.args has arguments the engine does not take: {unknown}")
+    name = config or engine.config
+    cfg = trainer_config(name, [*engine.overrides, *(overrides or [])])
+    if cfg.service is None:
+        raise ConfigError(f"--config {name}: no service section; the service's engine needs a service config "
+                          "(e.g. trainer/configs/qwen3-8b-service-v6e-4x4.yaml)")
+    title = f"{spec.env} (service {svc.name} engine on {group.name}, config {name})"
+    return FitJob(title, cfg, target(group.shape, 1))  # one slice: the engine JobSet has one replica

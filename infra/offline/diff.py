@@ -1,0 +1,436 @@
+"""`plan ENV --diff REF`: the environment's plan at another git revision (its program and its stack file, as they
+were there) against today's: resources and Kubernetes objects added, removed and changed, TPU chips and list price."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.base.digests import tree_digest
+from infra.base.stack_file import PlanError
+from infra.offline import cost
+from infra.offline.mockrun import IMAGE_TYPE, PlanResult
+from infra.offline.plan import is_kubernetes_type
+
+# Runs inside the old revision's tree with its own infra package (self-contained: the old tree may lack any of
+# today's modules). Prints a snapshot as JSON, or {"missing": ...} when the environment did not exist there.
+_RUNNER = r"""
+import json, sys
+from pathlib import Path
+root, env = Path(sys.argv[1]), sys.argv[2]
+sys.path.insert(0, str(root))
+import yaml
+project = yaml.safe_load((root / "Pulumi.yaml").read_text()) or {}
+path = root / (project.get("stackConfigDir") or ".") / f"Pulumi.{env}.yaml"
+if not path.is_file():
+    print(json.dumps({"missing": f"no {path.relative_to(root)} at this revision"}))
+    raise SystemExit(0)
+if (root / "infra" / "offline" / "mockrun.py").is_file():
+    from infra.offline.mockrun import run_stack
+else:  # a revision from before infra/ was split into wings
+    from infra.mockrun import run_stack
+result = run_stack(env, (yaml.safe_load(path.read_text()) or {}).get("config") or {})
+spec = result.spec
+slices = [{"name": g.name, "tpu_type": g.tpu_type, "topology": g.topology, "capacity": g.capacity,
+           "count": g.count, "chips": g.count * g.shape.chips} for g in spec.slices]
+pool = getattr(getattr(spec, "cluster", None), "system_pool", None)
+system_pool = None if pool is None else {"machine_type": pool.machine_type, "nodes": pool.nodes}
+svc = getattr(spec, "service", None)  # today's infra.offline.cost.service_record, restated for a tree that may lack it
+if system_pool is not None and svc is not None:
+    db, group = svc.database, spec.service_group
+    trainer = spec.trainer_group if spec.trainer.enabled else None
+    system_pool["service"] = {
+        "slice_group": group.name, "suspend": svc.suspend, "shared": trainer is not None and trainer.name == group.name,
+        "database": {"tier": db.tier, "cpus": db.cpus, "memory_gib": db.memory_gib, "disk_gb": db.disk_gb,
+                     "availability": db.availability}}
+print(json.dumps({"region": spec.region, "slices": slices, "system_pool": system_pool, "outputs": result.outputs,
+                  "resources": [{"urn": r.urn, "type": r.type, "name": r.name, "custom": r.custom,
+                                 "inputs": r.inputs, "options": r.options} for r in result.resources]},
+                 default=str))
+"""
+
+
+IMAGE_OUTPUT = "trainerImage"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a diff compares: resources by URN, and the slice groups that decide chips and cost."""
+
+    region: str
+    slices: list[dict[str, Any]]
+    resources: dict[str, dict[str, Any]]  # urn -> {type, name, custom, inputs, options}
+    missing: str | None = None  # why there is no plan at that revision (the environment did not exist)
+    context: str | None = None  # digest of the image build context the stack builds (None: it builds none)
+    system_pool: dict[str, Any] | None = None  # {machine_type, nodes, service?}; None: the slices alone are priced
+
+    @property
+    def chips_by_type(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.slices:
+            out[s["tpu_type"]] = out.get(s["tpu_type"], 0) + s["chips"]
+        return out
+
+    def cost(self, table: cost.PriceTable | None = None, gke: cost.GkeTable | None = None) -> cost.EnvironmentCost:
+        # A revision without the environment costs nothing: no cluster, no fee.
+        return cost.environment_cost(self.slices, self.region, table, None if self.missing else self.system_pool, gke)
+
+
+# ---------------------------------------------------------------- the image the stack builds
+
+
+@functools.cache
+def _pattern(glob: str) -> re.Pattern[str]:
+    # .dockerignore's glob (Go's filepath.Match plus '**'): '*' stays within a folder, '**/' spans any depth.
+    out, i = "", 0
+    while i < len(glob):
+        if glob.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif glob.startswith("**", i):
+            out, i = out + ".*", i + 2
+        else:
+            out, i = out + {"*": "[^/]*", "?": "[^/]"}.get(glob[i], re.escape(glob[i])), i + 1
+    return re.compile(out + r"\Z")
+
+
+def _dockerignore(tree: Path) -> list[tuple[bool, str]]:
+    """(keep, glob) per line of the tree's .dockerignore, in order."""
+    path = tree / ".dockerignore"
+    lines = [line.strip() for line in (path.read_text().splitlines() if path.is_file() else [])]
+    return [(line.startswith("!"), line.lstrip("!").strip("/")) for line in lines if line and not line.startswith("#")]
+
+
+def _ignored(rel: str, rules: list[tuple[bool, str]]) -> bool:
+    # The last pattern that matches the path or a folder above it decides; '!' keeps what it matches.
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    ignored = False
+    for keep, glob in rules:
+        if any(_pattern(glob).match(p) for p in prefixes):
+            ignored = not keep
+    return ignored
+
+
+def _may_keep_below(folder: str, rules: list[tuple[bool, str]]) -> bool:
+    """Whether a '!' pattern could keep something inside `folder`: its leading segments match the folder's, or it
+    starts with '**' (any depth)."""
+    depth = folder.count("/") + 1
+    return any(keep and (glob.startswith("**") or (len(glob.split("/")) > depth and
+                                                   _pattern("/".join(glob.split("/")[:depth])).match(folder)))
+               for keep, glob in rules)
+
+
+def context_digest(tree: Path) -> str:
+    """A digest of the files the image build sees (the tree's .dockerignore applied): what decides whether
+    pulumi-docker-build rebuilds, and so whether the training job gets a new image digest."""
+    rules = _dockerignore(tree)
+    # An ignored folder is skipped unless a '!' pattern could keep something inside it (not .venv's 10^5 files).
+    return tree_digest(tree, lambda rel: not _ignored(rel, rules) or _may_keep_below(rel, rules),
+                       lambda rel: not _ignored(rel, rules))
+
+
+def _built_image(resources: dict[str, dict[str, Any]], outputs: dict[str, Any], tree: Path
+                 ) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """The plan's mocked image digest (a hash of the build's arguments) stands for the built image; a diff puts the
+    build context's digest in its place, so a change under trainer/ reaches the job's image as it does on `up`."""
+    ref = outputs.get(IMAGE_OUTPUT)
+    if not isinstance(ref, str) or "@sha256:" not in ref or not any(r["type"] == IMAGE_TYPE
+                                                                    for r in resources.values()):
+        return resources, None
+    mocked, real = ref.split("@sha256:", 1)[1], context_digest(tree)
+    # The build arguments carry trainer.code's digest (infra/base/user_code.py): a change there is a new image too.
+    args = [r["inputs"].get("buildArgs") for r in resources.values() if r["type"] == IMAGE_TYPE]
+    if any(args):
+        real = hashlib.sha256((real + json.dumps(args, sort_keys=True)).encode()).hexdigest()
+    return json.loads(json.dumps(resources).replace(mocked, real)), real
+
+
+def snapshot(result: PlanResult, tree: Path | None = None) -> Snapshot:
+    resources = {r.urn: {"type": r.type, "name": r.name, "custom": r.custom, "inputs": r.inputs,
+                         "options": r.options} for r in result.resources}
+    context = None
+    if tree is not None:
+        resources, context = _built_image(resources, result.outputs, tree)
+    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources, context=context,
+                    system_pool=cost.system_pool(result.spec))
+
+
+def _git(root: Path, *args: str, silent_failure: str | None = None) -> bytes:
+    """git's stdout; a failure raises PlanError with git's message, or `silent_failure` when git printed none."""
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True).stdout
+    except FileNotFoundError:
+        raise PlanError("--diff needs git on PATH") from None
+    except subprocess.CalledProcessError as e:
+        detail = e.stderr.decode(errors="replace").strip()
+        if not detail and silent_failure is not None:
+            raise PlanError(silent_failure) from None
+        raise PlanError(f"git {' '.join(args)}: {detail or f'exit status {e.returncode}'}") from None
+
+
+def snapshot_at(env: str, ref: str, root: Path) -> Snapshot:
+    """Runs the program of revision `ref` on its own stack file for `env`, in a separate Python process."""
+    # --quiet: an unknown ref exits 1 with nothing on stderr (outside a repository git still says so itself).
+    commit = _git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}",
+                  silent_failure=f"--diff {ref}: not a commit, branch or tag in this repository").decode().strip()
+    prefix = _git(root, "rev-parse", "--show-prefix").decode().strip()  # Pulumi.yaml may sit below the git root
+    with tempfile.TemporaryDirectory(prefix="gke-tpu-rl-diff-") as tmp:
+        with tarfile.open(fileobj=io.BytesIO(_git(root, "archive", "--format=tar", commit))) as tar:
+            tar.extractall(tmp, filter="data")
+        tree = Path(tmp) / prefix
+        if not (tree / "Pulumi.yaml").is_file():
+            return Snapshot("", [], {}, missing=f"no Pulumi.yaml at {ref}")
+        env_vars = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+        proc = subprocess.run([sys.executable, "-c", _RUNNER, str(tree), env], capture_output=True, text=True,
+                              cwd=tree, env=env_vars)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise PlanError(f"the plan of {env!r} at {ref} ({commit[:12]}) failed: {last}")
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "missing" in doc:
+            return Snapshot("", [], {}, missing=doc["missing"])
+        resources, context = _built_image({r.pop("urn"): r for r in doc["resources"]}, doc["outputs"], tree)
+    return Snapshot(doc["region"], doc["slices"], resources, context=context, system_pool=doc.get("system_pool"))
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(value, list) and value and any(isinstance(v, dict | list) for v in value):
+        out = {}
+        for i, v in enumerate(value):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: value}
+
+
+def _list_changes(path: str, old: list[Any], new: list[Any]) -> list[tuple[str, Any, Any]]:
+    """The elements of a list of scalars (container args, CIDR lists) that changed, by index, rather than the whole
+    list: shown whole, both sides are cut at the same length and a change far inside one looks like none."""
+    out: list[tuple[str, Any, Any]] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        for k in range(max(i2 - i1, j2 - j1)):
+            a = old[i1 + k] if i1 + k < i2 else None
+            b = new[j1 + k] if j1 + k < j2 else None
+            out.append((f"{path}[{(j1 + k) if b is not None else (i1 + k)}]", a, b))
+    return out
+
+
+def changed_inputs(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(path, old, new) for every leaf that differs; a missing side is None. A list of scalars that changed is
+    shown by element (`args[7]: mesh.slices=1 → mesh.slices=2`)."""
+    a, b = _flatten(old), _flatten(new)
+    out: list[tuple[str, Any, Any]] = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if x == y:
+            continue
+        if isinstance(x, list) and isinstance(y, list):
+            out += _list_changes(k, x, y)
+        else:
+            out.append((k, x, y))
+    return out
+
+
+# Kinds whose replacement restarts training (the trainer's JobSet or RayJob, infra/components/trainer_job.py).
+TRAINING_JOB_TYPES = ("kubernetes:jobset.x-k8s.io/v1alpha2:JobSet", "kubernetes:ray.io/v1:RayJob")
+RESTARTS_TRAINING = "training restarts from its last checkpoint"
+
+
+@dataclass(frozen=True)
+class Change:
+    urn: str
+    type: str
+    name: str
+    kubernetes: bool
+    inputs: list[tuple[str, Any, Any]] = field(default_factory=list)
+    replaced: bool = False  # `pulumi up` deletes and re-creates it rather than updating it in place
+
+    @property
+    def consequence(self) -> str | None:
+        if not self.replaced:
+            return None
+        return RESTARTS_TRAINING if self.type in TRAINING_JOB_TYPES else "deleted and created again"
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """A changed input path under a replaceOnChanges property path (Pulumi's rule: the property or anything in it)."""
+    return pattern == "*" or path == pattern or path.startswith((f"{pattern}.", f"{pattern}["))
+
+
+def replaces(options: dict[str, Any], inputs: list[tuple[str, Any, Any]]) -> bool:
+    """Whether the engine replaces a resource whose inputs changed so: any change under one of its replaceOnChanges
+    paths (the new program's options decide, as they do for `pulumi up`)."""
+    patterns = options.get("replaceOnChanges") or []
+    return any(_matches(path, p) for path, _, _ in inputs for p in patterns)
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    env: str
+    ref: str
+    old: Snapshot
+    new: Snapshot
+    added: list[Change]
+    removed: list[Change]
+    changed: list[Change]
+
+    @property
+    def chips_delta(self) -> dict[str, tuple[int, int]]:
+        """tpu type -> (before, after), for every type whose count changed."""
+        a, b = self.old.chips_by_type, self.new.chips_by_type
+        return {t: (a.get(t, 0), b.get(t, 0)) for t in sorted(set(a) | set(b)) if a.get(t, 0) != b.get(t, 0)}
+
+    def cost_delta(self, table: cost.PriceTable | None = None) -> tuple[cost.EnvironmentCost, cost.EnvironmentCost]:
+        return self.old.cost(table), self.new.cost(table)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.removed or self.changed)
+
+    @property
+    def replaced(self) -> list[Change]:
+        return [c for c in self.changed if c.replaced]
+
+
+def compare(env: str, ref: str, old: Snapshot, new: Snapshot) -> PlanDiff:
+    def change(urn: str, r: dict[str, Any], inputs: list[tuple[str, Any, Any]] | None = None,
+               replaced: bool = False) -> Change:
+        return Change(urn, r["type"], r["name"], is_kubernetes_type(r["type"], r["custom"]), inputs or [], replaced)
+
+    added = [change(u, new.resources[u]) for u in new.resources if u not in old.resources]
+    removed = [change(u, old.resources[u]) for u in old.resources if u not in new.resources]
+    changed = []
+    rebuilt = old.context is not None and new.context is not None and old.context != new.context
+    for urn in new.resources:
+        if rebuilt and new.resources[urn]["type"] == IMAGE_TYPE and urn in old.resources:
+            # Its arguments are the same; what it builds changed (pyproject.toml, README.md, envspec/ or trainer/).
+            changed.append(change(urn, new.resources[urn], [("build context (digest)", old.context, new.context)]))
+            continue
+        if urn in old.resources:
+            diff = changed_inputs(old.resources[urn]["inputs"], new.resources[urn]["inputs"])
+            opts = changed_inputs({"options": old.resources[urn]["options"]},
+                                  {"options": new.resources[urn]["options"]})
+            # dependsOn lists URNs that move with any rename; the inputs and protect flags are what matter.
+            opts = [o for o in opts if not o[0].startswith("options.dependsOn")]
+            if diff or opts:
+                changed.append(change(urn, new.resources[urn], diff + opts,
+                                      replaces(new.resources[urn]["options"], diff)))
+    key = lambda c: (c.kubernetes, c.type, c.name)  # noqa: E731
+    return PlanDiff(env, ref, old, new, sorted(added, key=key), sorted(removed, key=key), sorted(changed, key=key))
+
+
+def diff_plan(result: PlanResult, ref: str, root: Path) -> PlanDiff:
+    return compare(result.env, ref, snapshot_at(result.env, ref, root), snapshot(result, root))
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = "∅" if value is None else json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _rate(o: cost.OtherCost) -> str:
+    """What is billed and its price, e.g. '2 x e2-standard-8 $0.54'."""
+    return f"{o.detail} {'not priced' if o.usd_per_hour is None else cost.usd(o.usd_per_hour)}".lstrip()
+
+
+def _changed_others(old: cost.EnvironmentCost, new: cost.EnvironmentCost
+                    ) -> list[tuple[cost.OtherCost, cost.OtherCost]]:
+    """The costs besides the TPU slices (the system pool, the cluster fee) present on both sides that changed."""
+    before = {o.name: o for o in old.others}
+    return [(before[o.name], o) for o in new.others if o.name in before and before[o.name] != o]
+
+
+def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
+    """The delta in a few sentences: chips, price, resource counts."""
+    lines = []
+    if d.old.missing:
+        lines.append(f"New environment: {d.old.missing}.")
+    chips = d.chips_delta
+    if chips:
+        lines.append("TPU chips: " + ", ".join(
+            f"{after - before:+d} {t} ({before} → {after})" for t, (before, after) in chips.items()) + ".")
+    else:
+        lines.append("TPU chips: no change.")
+    old_cost, new_cost = d.cost_delta(table)
+    delta = new_cost.usd_per_hour - old_cost.usd_per_hour
+    line = (f"List price: {cost.usd(delta, signed=True)}/hour, {cost.usd(delta * cost.HOURS_PER_MONTH, signed=True)}"
+            f"/month ({cost.usd(old_cost.usd_per_hour)} → {cost.usd(new_cost.usd_per_hour)} per hour).")
+    line += "".join(f" {o.name[:1].upper()}{o.name[1:]}: {_rate(was)} → {_rate(o)} per hour."
+                    for was, o in _changed_others(old_cost, new_cost))
+    unpriced = {g.group for g in old_cost.unpriced + new_cost.unpriced}
+    unpriced |= {f"{o.label} ({o.lacking})" for o in old_cost.unpriced_others + new_cost.unpriced_others}
+    if unpriced:
+        line += f" No price for {', '.join(sorted(unpriced))}: not counted."
+    lines.append(line)
+    k8s = [c for c in d.added + d.removed + d.changed if c.kubernetes]
+    replaced = f", {len(d.replaced)} of the changes replacements" if d.replaced else ""
+    lines.append(f"Resources: {len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed{replaced} "
+                 f"({len(k8s)} of them Kubernetes objects)." if not d.empty else "Resources: no change.")
+    for c in d.replaced:
+        lines.append(f"Replaced: {c.name} ({c.type.rsplit(':', 1)[-1]}): {c.consequence}.")
+    return lines
+
+
+def _section(title: str, changes: list[Change], with_inputs: bool) -> list[str]:
+    if not changes:
+        return []
+    out = [f"{title}:"]
+    for c in changes:
+        out.append(f"  {c.name}  {c.type}" + (f"  REPLACED: {c.consequence}" if c.replaced else ""))
+        if with_inputs:
+            out += [f"      {path}: {_short(a)} → {_short(b)}" for path, a, b in c.inputs]
+    return out
+
+
+def text(d: PlanDiff, table: cost.PriceTable | None = None) -> str:
+    lines = [f"diff: {d.env}, {d.ref} → working tree", *headline(d, table)]
+    for kube, label in ((False, "cloud resources"), (True, "Kubernetes objects")):
+        for title, changes, inputs in (("added", d.added, False), ("removed", d.removed, False),
+                                       ("changed", d.changed, True)):
+            lines += _section(f"{title} {label}", [c for c in changes if c.kubernetes is kube], inputs)
+    return "\n".join(lines) + "\n"
+
+
+def _md(value: str) -> str:
+    return value.replace("|", "\\|").replace("`", "'")
+
+
+def markdown(d: PlanDiff, table: cost.PriceTable | None = None) -> str:
+    """The delta first (for the PR comment), then every change in a table."""
+    lines = [f"### gke-tpu-rl plan diff: `{d.env}` against `{d.ref}`", ""]
+    lines += [f"- **{line.split(':', 1)[0]}**:{line.split(':', 1)[1]}" if ":" in line else f"- {line}"
+              for line in headline(d, table)]
+    rows = [(c, "added", "") for c in d.added] + [(c, "removed", "") for c in d.removed]
+    def detail(c: Change) -> str:
+        shown = "<br>".join(f"`{_md(p)}`: `{_md(_short(a, 60))}` → `{_md(_short(b, 60))}`" for p, a, b in c.inputs[:12])
+        return shown + (f"<br>… {len(c.inputs) - 12} more" if len(c.inputs) > 12 else "")
+
+    rows += [(c, f"**replaced** ({c.consequence})" if c.replaced else "changed", detail(c)) for c in d.changed]
+    if rows:
+        lines += ["", "| | resource | type | what changed |", "|---|---|---|---|"]
+        lines += [f"| {what} | `{_md(c.name)}` | `{c.type}` | {detail} |" for c, what, detail in rows]
+    return "\n".join(lines) + "\n"
