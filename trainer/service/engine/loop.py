@@ -92,7 +92,7 @@ from trainer.service.store import (
 )
 from trainer.sharding import make_mesh
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("trainer.service.engine")  # the logger name it had as engine.py
 
 MODEL_STATE_LOST: Final = (
     "this model's training state is not in the engine and has no saved state to rebuild it from (it was created "
