@@ -342,7 +342,7 @@ class LoraConfig(_Strict):
 
 
 class ServiceConfig(_Strict):
-    """The Tinker-compatible service's engine (trainer/service/engine.py): one base model, `lora.slots` adapters of
+    """The Tinker-compatible service's engine (trainer/service/engine/): one base model, `lora.slots` adapters of
     rank up to `lora.rank` on it (each client's model, and each sampler checkpoint in use, holds a slot), and how
     requests are batched. The rest of the config (model or init, mesh, compute) is the trainer's own."""
 

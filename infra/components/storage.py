@@ -77,7 +77,7 @@ class Storage(pulumi.ComponentResource):
             # and soft delete would keep every replaced one (TBs a day per active user); here neither is on, so only
             # the latest of each model is stored. Protected as the checkpoint bucket is: it holds the users' state.
             # A hierarchical namespace: the engine publishes each snapshot by renaming its folder
-            # (trainer/service/engine.py _write_dir), which gcsfuse does atomically with one RenameFolder call there,
+            # (service/engine/snapshots.py _write_dir), which gcsfuse does atomically with one RenameFolder call there,
             # and object by object (a copy of every byte, a partial folder if killed) on a flat bucket.
             self.state_bucket = bucket("service-state", spec.service_state_bucket, versioning=False,
                                        soft_delete_days=0, hierarchical=True)

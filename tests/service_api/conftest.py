@@ -1,7 +1,7 @@
 """The API under test: a real uvicorn server (in a thread, on 127.0.0.1, an ephemeral port) over a sqlite store, driven
 by the real tinker SDK, with `FakeEngine` standing in for the JAX engine.
 
-`FakeEngine` is a TEST DOUBLE for the engine (trainer/service/engine.py, tested in tests/service_engine): it claims
+`FakeEngine` is a TEST DOUBLE for the engine (trainer/service/engine/, tested in tests/service_engine): it claims
 requests from the store (its own Store on the same file, as a separate engine process would) and completes or fails
 them with hand-made results in trainer.service.protocol's formats. What these tests check is the API and the contract
 (the promise, the long-poll, the result bytes the SDK parses, the error shape), not any model computation.

@@ -71,7 +71,7 @@ def test_the_passes_are_the_engines_own_shapes() -> None:
     assert [(p.rows, p.length) for p in passes] == [(64, 32), (32, 64), (16, 128), (8, 256), (4, 512), (2, 1024)]
     assert [p.kind for p in passes] == ["most rows", "", "", "", "", "longest"]
     assert E.service_longest_datum(cfg, 2) == 1024 and all(p.tokens <= 2048 for p in passes)
-    for p in passes:  # as engine.py `_fused` packs them: max_batch_tokens // length datums, the programs' row bucket
+    for p in passes:  # as engine/batches.py `_fused` packs: max_batch_tokens // length datums, the programs' row bucket
         assert shapes.bucket(p.length, 32, TINY["max_seq_len"]) == p.length
         assert p.rows == _engine_rows(max(1, 2048 // p.length), 2)
     # 4 data-parallel rows of the longest datum; a max_batch_tokens no power-of-two multiple of a bucket rounds its

@@ -1,7 +1,7 @@
 """`python -m trainer.service` (also `gke-tpu-rl service`):
   keys create NAME | import NAME KEY | list | revoke ID
                                            the service's API keys
-  serve --config FILE [...]                the Tinker-compatible HTTP API (api/) and the engine (engine.py) in one
+  serve --config FILE [...]                the Tinker-compatible HTTP API (api/) and the engine (engine/) in one
                                            process, the engine configured by a trainer config with a service section
   serve --base-model NAME [...]            the API alone; engines on the same database run the requests
   engine --config FILE                     an engine alone (the API runs elsewhere on the same database)

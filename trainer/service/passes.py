@@ -1,4 +1,4 @@
-"""The engine's pass rule as plain Python (no JAX): which forward_backward passes it runs. The engine (engine.py)
+"""The engine's pass rule as plain Python (no JAX): which forward_backward passes it runs. The engine (engine/)
 runs its passes by it and `fit` sizes them by it (fit_estimate.py), so the two cannot drift.
 
 A datum of n tokens is padded to its length bucket (shapes.bucket: service.min_bucket x 2^k, capped at

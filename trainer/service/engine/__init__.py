@@ -1,13 +1,17 @@
 """The engine (see engine/loop.py): the names its callers import (trainer/service/cli.py, the tests)."""
 
-from trainer.service.engine.loop import (
+from trainer.service.engine.common import (
     MODEL_STATE_LOST,
-    Engine,
+    Accepted,
+    Outcome,
     UserError,
+    prepare,
     recover,
     resolve_base_model,
     run_follower,
     state_root,
 )
+from trainer.service.engine.loop import Engine
 
-__all__ = ["MODEL_STATE_LOST", "Engine", "UserError", "recover", "resolve_base_model", "run_follower", "state_root"]
+__all__ = ["MODEL_STATE_LOST", "Accepted", "Engine", "Outcome", "UserError", "prepare", "recover", "resolve_base_model",
+           "run_follower", "state_root"]
