@@ -33,10 +33,10 @@ What it adds:
   (`Store.recover` with every kind re-runnable), so each request takes effect exactly once. At start the engine
   restores the models of open sessions before it claims anything.
 
-The engine's parts (issue 41, item 3): this module is the loop (claiming, dispatching, housekeeping, the slots
-and the models); the snapshot writer (engine/snapshots.py), the passes (engine/batches.py) and sampling
-(engine/sampler.py) are the classes it is composed of; engine/common.py holds what they share; the typed device
-door is service/device.py and the slot table service/slots.py.
+The engine's parts (issue 41, item 3): this module is the loop (claiming, dispatching, housekeeping); the
+models and their slots (engine/models.py), the snapshot writer (engine/snapshots.py), the passes (engine/batches.py)
+and sampling (engine/sampler.py) are the classes it is composed of; engine/common.py holds what they share; the typed
+device door is service/device.py and the slot table service/slots.py.
 """
 
 from __future__ import annotations
@@ -57,10 +57,8 @@ import numpy as np
 from tinker import types
 
 from trainer import compile_cache
-from trainer import lora as L
 from trainer.config import (
     ConfigError,
-    LoraConfig,
     TrainConfig,
 )
 from trainer.service import device, losses, protocol, sampling
@@ -69,34 +67,28 @@ from trainer.service.engine.batches import Passes
 from trainer.service.engine.common import (
     FWD_KINDS,
     MAX_FAIR_OWNERS,
-    MODEL_STATE_LOST,
-    OPTIMIZER_FILE,
-    Accepted,
     Outcome,
     UserError,
-    _stable_int,
     log,
     prepare,
     state_root,
 )
+from trainer.service.engine.models import Models
 from trainer.service.engine.sampler import Sampler
 from trainer.service.engine.snapshots import SnapshotWriter
 from trainer.service.passes import datum_length, datums_per_pass, service_longest_datum
-from trainer.service.shapes import tinker_targets
-from trainer.service.slots import Slot, SlotsFull, SlotTable
+from trainer.service.slots import SlotTable
 from trainer.service.store import (
     ENGINE_HEARTBEAT_S,
-    Model,
     NotFound,
     Request,
-    StateUpdate,
     Store,
     default_data_dir,
     retry_database,
 )
 
 
-class Engine(SnapshotWriter, Passes, Sampler):
+class Engine(Models, SnapshotWriter, Passes, Sampler):
     """The engine on process 0 (see the module docstring): `run(stop)` claims and runs requests until `stop` is set;
     with several processes every device op is also sent to the followers (service/device.py)."""
 
@@ -329,129 +321,3 @@ class Engine(SnapshotWriter, Passes, Sampler):
             except NotFound:
                 continue
             self._remove_files(ckpt.storage_path)
-
-    # -- slots ---------------------------------------------------------------------------------------------------
-
-    def _model_slot(self, model_id: str) -> Slot:
-        """The model's slot, rebuilt from its saved state if it is not in one (see Durability above)."""
-        return self.slots.find(model_id) or self._restore(model_id)
-
-    def _free_slot(self) -> int:
-        """A free slot (SlotTable.free: maybe another model's, evicted), or the request fails as the caller's."""
-        try:
-            return self.slots.free()
-        except SlotsFull as e:
-            raise UserError(str(e)) from None
-
-    def _check_rank(self, rank: int) -> None:
-        if (why := self.slots.rank_refused(rank)) is not None:
-            raise UserError(why)
-
-    # -- models --------------------------------------------------------------------------------------------------
-
-    def _served(self, base_model: str) -> None:
-        # One engine serves one base model; an API that lists more needs an engine for each (issue 19 routes them).
-        if base_model != self.service.base_model:
-            raise UserError(f"base model {base_model!r} is not served by this engine (it serves "
-                            f"{self.service.base_model!r})")
-
-    def _create_model(self, row: Request) -> Outcome:
-        model = self.store.get_model(row.owner_id, row.model_id or "")
-        self._served(model.base_model)
-        if (old := self.slots.find(model.id)) is not None:  # a re-run after a restart that restored it
-            self.slots.release(old.index)
-        self._init_adapter(model, self._free_slot())
-        state = StateUpdate(model.id, row.seq_id or 0, 0, None)
-        return Outcome(protocol.json_result(types.CreateModelResponse(model_id=model.id)), state)
-
-    def _init_adapter(self, model: Model, index: int) -> Slot:
-        """The model's initial adapter (its lora_config and seed) in slot `index`: create_model, and its restore."""
-        lc = types.LoraConfig.model_validate(model.lora_config or {"rank": 32})
-        self._check_rank(lc.rank)
-        targets = tinker_targets(lc.train_attn, lc.train_mlp, lc.train_unembed)
-        if not targets:
-            raise UserError("lora_config trains nothing: set train_attn, train_mlp or train_unembed")
-        scale = self.slots.scale(lc.rank)
-        single_cfg = LoraConfig(rank=lc.rank, alpha=self.stack.alpha, targets=list(targets),
-                                rslora=self.stack.rslora, slots=1)
-        seed = lc.seed if lc.seed is not None else _stable_int(model.id)
-        single = jax.device_get(L.init_lora(self.mcfg, single_cfg, jax.random.PRNGKey(seed)))
-        single = jax.tree.map(lambda x: np.asarray(x, np.float32), single)
-        self.state.write_slot(index, scale, single, single_cfg)
-        slot = Slot(index, lc.rank, targets, scale, model_id=model.id, owner_id=model.owner_id,
-                    session_id=model.session_id)
-        self.slots[index] = slot
-        return slot
-
-    def _restore(self, model_id: str) -> Slot:
-        """Rebuild a model that is in no slot: its saved state, then the forward_backward requests done since."""
-        t0 = time.perf_counter()
-        state = self.store.model_state(model_id)
-        if state is None:
-            raise UserError(MODEL_STATE_LOST)
-        model = self.store.model(model_id)
-        self._served(model.base_model)
-        index = self._free_slot()
-        if state.storage_path is None:
-            slot = self._init_adapter(model, index)
-        else:
-            slot = self._load_dir(model, index, Path(state.storage_path), with_optimizer=True)
-        slot.step = state.step
-        replay = self.store.replay_log(model_id, state.seq_id, (protocol.FORWARD_BACKWARD,))
-        if replay:
-            self.slots.pinned.add(index)
-            try:
-                bodies = [(r, protocol.decode_forward_backward(r.body)) for r in replay]
-                self._fused([Accepted(r, b, index, self._loss_rows(r, b)) for r, b in bodies])
-            finally:
-                self.slots.pinned.discard(index)
-        seconds = time.perf_counter() - t0
-        self.restores.append((model_id, len(replay), seconds))
-        log.info("restored %s at step %d (after seq %d) and replayed %d forward_backward in %.2f s", model_id,
-                 state.step, state.seq_id, len(replay), seconds)
-        return slot
-
-    def _load_dir(self, model: Model, index: int, root: Path, *, with_optimizer: bool) -> Slot:
-        """A saved adapter (and its Adam moments and step) into slot `index` for `model`."""
-        single, single_cfg = L.import_peft(root, self.mcfg)
-        self._check_rank(single_cfg.rank)
-        moments, step = self._read_moments(root, single_cfg) if with_optimizer else (None, 0)
-        scale = single_cfg.scale
-        self.state.write_slot(index, scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg,
-                              moments)
-        slot = Slot(index, single_cfg.rank, tuple(single_cfg.targets), scale, model_id=model.id,
-                    owner_id=model.owner_id, session_id=model.session_id, step=step)
-        self.slots[index] = slot
-        return slot
-
-    def _load_weights(self, row: Request) -> Outcome:
-        req = protocol.decode_json(row.kind, row.body)
-        ckpt = self.store.get_checkpoint(row.owner_id, req.path)
-        root = Path(ckpt.storage_path)
-        if req.optimizer and not (root / OPTIMIZER_FILE).is_file():
-            raise UserError(f"{req.path} holds no optimizer state (a sampler checkpoint); load it without the "
-                            "optimizer")
-        model = self.store.get_model(row.owner_id, row.model_id or "")
-        self._served(model.base_model)
-        # The load replaces the whole state: no need to rebuild the old one first.
-        old = self.slots.find(model.id)
-        slot = self._load_dir(model, old.index if old is not None else self._free_slot(), root,
-                              with_optimizer=req.optimizer)
-        # A copy of its own as the model's state: the user may delete the checkpoint it came from.
-        return self._persist(row, slot, protocol.json_result(types.LoadWeightsResponse(path=req.path,
-                                                                                        model_id=model.id)))
-
-    def _optim_step(self, row: Request) -> Outcome:
-        req = protocol.decode_json(row.kind, row.body)
-        p = req.optim_params
-        if not isinstance(p, types.AdamParams):
-            raise UserError(f"optimizer {getattr(p, 'type', type(p).__name__)!r} is not supported; use AdamParams")
-        if not (p.learning_rate >= 0 and 0 <= p.beta1 < 1 and 0 <= p.beta2 < 1 and p.eps > 0
-                and p.weight_decay >= 0 and p.grad_clip_norm >= 0):
-            raise UserError(f"AdamParams out of range: {p.model_dump()}")
-        slot = self._model_slot(row.model_id or "")
-        slot.step += 1
-        hyper = P.AdamHyper(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-        norm = self.state.optim(slot.index, slot.step, hyper.array())
-        metrics = {"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate}
-        return self._persist(row, slot, protocol.json_result(types.OptimStepResponse(metrics=metrics)))
