@@ -205,8 +205,21 @@ def test_the_floor_imports_nothing_above_it_nor_pulumi() -> None:
     assert violations("envspec", ("infra", "workloads", "trainer", "tests", "pulumi*")) == []
 
 
-def test_workloads_never_import_infra() -> None:
-    assert violations("workloads", ("infra",)) == []
+def test_workloads_never_import_infra_or_the_trainer() -> None:
+    # The pod's side of what workloads/ renders (env names, exit codes, paths, the engine's argument parser) is the
+    # pod contract on the floor (envspec/pod.py, envspec/engine_args.py); what needs the trainer's own code (loading a
+    # trainer config) the caller in infra/ does and hands down (infra/base/engine_config.py).
+    assert violations("workloads", ("infra", "trainer")) == []
+
+
+def test_the_pod_contract_imports_nothing_but_the_standard_library() -> None:
+    # envspec/pod.py and the engine's argument parser: what a pod and its builder share, read by the trainer image and
+    # the stack alike, so nothing of either side (nor of the floor's own YAML and spec code) may come with them.
+    for name in ("pod.py", "engine_args.py"):
+        path = ROOT / "envspec" / name
+        found = [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in imports(path)
+                 if module.split(".")[0] not in sys.stdlib_module_names]
+        assert found == []
 
 
 @pytest.mark.parametrize("folder", ["trainer", "envspec"])

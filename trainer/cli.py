@@ -8,16 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from envspec.pod import EXIT_CONFIG, EXIT_STOPPED, EXIT_TRANSIENT
 from trainer.config import ConfigError, TrainConfig, load_config
 from trainer.ray_train import add_arguments as add_ray_arguments  # imports Ray only once --ray is used
 from trainer.ray_train import options_from_args as ray_options
 
-EXIT_CONFIG = 2
-EXIT_STOPPED = 143  # 128 + SIGTERM: a preempted pod "fails" so the JobSet restarts it and the run resumes
-# A runtime failure worth retrying from the last checkpoint (a lost peer, a DCN or libtpu timeout): the JobSet
-# restarts on it; every other non-signal exit code is a bug and fails the JobSet at once (workloads/jobset.py).
-# 42 is the code xpk and MaxText use for "restart me".
-EXIT_TRANSIENT = 42
+# The exit codes are the pod contract's (envspec/pod.py): EXIT_CONFIG (2) for a bad config, EXIT_STOPPED (143) on
+# SIGTERM so a preempted pod "fails" and the JobSet restarts it, EXIT_TRANSIENT (42) for a runtime failure worth
+# retrying from the last checkpoint (a lost peer, a DCN or libtpu timeout); every other non-signal exit code is a
+# bug and fails the JobSet at once (workloads/jobset.py).
 # Status codes of jax's runtime errors that come from the cluster rather than the program.
 TRANSIENT_STATUS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED")
 

@@ -13,15 +13,16 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from envspec.pod import (
+    ENV_COORDINATOR,
+    ENV_HOST_INDEX,
+    ENV_HOSTS_PER_SLICE,
+    ENV_NUM_SLICES,
+    ENV_SLICE_INDEX,
+)
 from trainer.config import ConfigError
 
-ENV_COORDINATOR = "COORDINATOR_ADDRESS"
-ENV_NUM_SLICES = "NUM_SLICES"
-ENV_SLICE_INDEX = "SLICE_INDEX"
-ENV_HOSTS_PER_SLICE = "HOSTS_PER_SLICE"
-ENV_HOST_INDEX = "HOST_INDEX"
-ENV_CHECKPOINT_DIR = "CHECKPOINT_DIR"
-ENV_HF_TOKEN = "HF_TOKEN"
+# The pod's names (COORDINATOR_ADDRESS, ...) are the pod contract's (envspec/pod.py); these two are the trainer's own.
 ENV_CPU_DEVICES = "TRAINER_CPU_DEVICES"  # set by the local launcher only
 # Seconds every process waits for the whole process group to join at start-up (optional on the pods).
 ENV_INIT_TIMEOUT = "TRAINER_INIT_TIMEOUT_SECONDS"

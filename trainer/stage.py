@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.cli import EXIT_CONFIG, EXIT_TRANSIENT
+from envspec.pod import ENV_HF_TOKEN, EXIT_CONFIG, EXIT_TRANSIENT
 
 MARKER = ".gke-tpu-rl-staged.json"
 JOURNAL = ".gke-tpu-rl-staging.json"
@@ -123,7 +123,7 @@ def _place(src: str | Path, dest: Path) -> int:
 
 
 def _token() -> str | None:
-    return os.environ.get("HF_TOKEN") or None
+    return os.environ.get(ENV_HF_TOKEN) or None
 
 
 def _offline() -> bool:

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from envspec.pod import ENV_CHECKPOINT_DIR
 from trainer import model as M
 from trainer.batch import from_rows, process_rows, read_local_rows, replicate
 from trainer.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
 from trainer.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
-from trainer.distributed import ENV_CHECKPOINT_DIR
 from trainer.metrics import (
     PLOT_FILE,
     MetricsLogger,

@@ -1,9 +1,9 @@
 """A user's own tasks and reward functions, named in the trainer config as `MODULE:NAME` beside the built-in names.
 
-The stack copies the environment's `trainer.code` folder into the image at USER_CODE_DIR and installs it there
-(`python -m trainer.user_code install DIR`, from trainer/Dockerfile): a project with a pyproject.toml (or setup.py) is
-pip-installed with its own dependencies, pinned to the versions the image already has; a plain folder of modules is
-put on the interpreter's path. Locally, `PYTHONPATH=<folder> gke-tpu-rl train ...` does the same.
+The stack copies the environment's `trainer.code` folder into the image at USER_CODE_DIR (envspec/pod.py) and installs
+it there (`python -m trainer.user_code install DIR`, from trainer/Dockerfile): a project with a pyproject.toml (or
+setup.py) is pip-installed with its own dependencies, pinned to the versions the image already has; a plain folder of
+modules is put on the interpreter's path. Locally, `PYTHONPATH=<folder> gke-tpu-rl train ...` does the same.
 
 No JAX here: the preflight resolves and tries every reference before any device is set up.
 """
@@ -22,8 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Where the image holds the environment's trainer.code (trainer/Dockerfile's USER_CODE_DIR; a test checks they agree).
-USER_CODE_DIR = "/opt/user-code"
 # The .pth file that puts a plain folder of modules on the path.
 PTH_NAME = "gke-tpu-rl-user-code.pth"
 

@@ -9,6 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from envspec.config import REPLICATED_JOB, EnvironmentSpec
+from envspec.pod import (
+    ENV_CHECKPOINT_DIR,
+    ENV_COORDINATOR,
+    ENV_HOST_INDEX,
+    ENV_HOSTS_PER_SLICE,
+    ENV_NUM_SLICES,
+    ENV_SLICE_INDEX,
+    EXIT_TRANSIENT,
+    RESTART_EXIT_CODES,
+)
 from workloads import labels as L
 from workloads.trainer_pod import (
     CONTAINER_SECURITY,
@@ -27,16 +37,15 @@ from workloads.trainer_pod import (
     volume_mounts,
 )
 
-__all__ = ["HF_TOKEN_KEY", "TRAINER_UID", "TrainerRefs", "trainer_jobset", "tpu_jobset", "pod_env", "job_env",
-           "trainer_args"]
+__all__ = ["HF_TOKEN_KEY", "RESTART_EXIT_CODES", "TRAINER_UID", "TrainerRefs", "trainer_jobset", "tpu_jobset",
+           "pod_env", "job_env", "trainer_args"]
 
 COORDINATOR_PORT = 8476  # jax.distributed coordinator on process 0
 MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
-# Exit codes the JobSet restarts on: the trainer's transient-failure code, and death by a signal (128 + n: SIGTERM
-# on preemption is the trainer's own 143, SIGKILL 137, a libtpu abort 134). Pods lost with their node fail without
-# an exit code, so they count against backoffLimit 0 and restart the JobSet too. trainer/cli.py owns the codes.
-EXIT_TRANSIENT = 42
-RESTART_EXIT_CODES = (EXIT_TRANSIENT, *range(128, 256))
+# Exit codes the JobSet restarts on (RESTART_EXIT_CODES, the pod contract's, envspec/pod.py): the trainer's
+# transient-failure code EXIT_TRANSIENT, and death by a signal (128 + n: SIGTERM on preemption is the trainer's own
+# 143, SIGKILL 137, a libtpu abort 134). Pods lost with their node fail without an exit code, so they count against
+# backoffLimit 0 and restart the JobSet too.
 
 # The JobSet's failurePolicy rules, judged by JobSet v0.12.0 pkg/controllers/failure_policy.go: executeFailurePolicy
 # takes the first rule, in order, that matches any failed Job (findFirstFailedPolicyRuleAndJob; ruleIsApplicable
@@ -93,17 +102,17 @@ def coordinator_host(jobset: str) -> str:
 
 
 def job_env(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> list[dict[str, Any]]:
-    """The env contract the trainer and the engine read (trainer/distributed.py) plus libtpu's multislice variables,
-    then the job's own extras."""
+    """The env contract the trainer and the engine read (envspec/pod.py; trainer/distributed.py reads it) plus
+    libtpu's multislice variables, then the job's own extras."""
     host = coordinator_host(job.name)
     slice_index = _field(f"metadata.annotations['{L.JOBSET_JOB_INDEX}']")
     env: list[dict[str, Any]] = [
-        {"name": "COORDINATOR_ADDRESS", "value": f"{host}:{COORDINATOR_PORT}"},
-        {"name": "NUM_SLICES", "value": str(job.slices)},
-        {"name": "SLICE_INDEX", **slice_index},
-        {"name": "HOSTS_PER_SLICE", "value": str(job.group.shape.hosts)},
-        {"name": "HOST_INDEX", **_field(f"metadata.annotations['{L.JOB_COMPLETION_INDEX}']")},
-        {"name": "CHECKPOINT_DIR", "value": job.checkpoint_dir},
+        {"name": ENV_COORDINATOR, "value": f"{host}:{COORDINATOR_PORT}"},
+        {"name": ENV_NUM_SLICES, "value": str(job.slices)},
+        {"name": ENV_SLICE_INDEX, **slice_index},
+        {"name": ENV_HOSTS_PER_SLICE, "value": str(job.group.shape.hosts)},
+        {"name": ENV_HOST_INDEX, **_field(f"metadata.annotations['{L.JOB_COMPLETION_INDEX}']")},
+        {"name": ENV_CHECKPOINT_DIR, "value": job.checkpoint_dir},
         {"name": "JOBSET_NAME", **_field(f"metadata.labels['{L.JOBSET_NAME}']")},
     ]
     if job.slices > 1:

@@ -14,6 +14,7 @@ from typing import Any
 
 from envspec.config import EnvironmentSpec
 from envspec.machines import Requests, requests_of
+from envspec.pod import ENV_CHECKPOINT_DIR
 from workloads import labels as L
 from workloads.trainer_pod import (
     CONTAINER_SECURITY,
@@ -90,7 +91,7 @@ def entrypoint(spec: EnvironmentSpec) -> list[str]:
 def _worker_env(spec: EnvironmentSpec, refs: TrainerRefs) -> list[dict[str, Any]]:
     # No coordinator or slice variables: Ray Train's JaxTrainer initializes jax.distributed and sets MEGASCALE_*
     # for the workers each attempt has (ray/train/v2/jax/config.py).
-    env: list[dict[str, Any]] = [{"name": "CHECKPOINT_DIR", "value": checkpoint_dir(spec)}]
+    env: list[dict[str, Any]] = [{"name": ENV_CHECKPOINT_DIR, "value": checkpoint_dir(spec)}]
     if spec.trainer.slices > 1 and (nics := dranet_nics(spec, refs)):
         env.append(megascale_interfaces(nics))
     return env + hf_token_env(refs)

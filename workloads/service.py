@@ -9,7 +9,7 @@ on the CPU system pool, its engine as a Kueue-queued JobSet on a TPU slice group
   access.internalLoadBalancer an internal passthrough Network Load Balancer for the VPC's allowed ranges.
 - The engine (`python -m trainer.service engine --config ...`): the same pod contract as the trainer JobSet
   (workloads/jobset.py tpu_jobset on a TpuJob), on one slice of service.sliceGroup. On a multi-host slice its
-  processes join jax.distributed through the trainer's env contract (COORDINATOR_ADDRESS, HOST_INDEX, ...).
+  processes join jax.distributed through the pod contract (envspec/pod.py: COORDINATOR_ADDRESS, HOST_INDEX, ...).
 - Both reach the store (Cloud SQL for PostgreSQL, private IP, IAM database authentication through the Cloud SQL Python
   Connector, trainer/service/store.py cloudsql_settings) through GKE_TPU_RL_CLOUDSQL_INSTANCE, _USER and _DATABASE.
 - The engine loads the base model from `model_dir` on the bucket. With service.stageModel a staging Job
@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec, ServiceSpec, SliceGroupSpec
-from trainer.service.engine_args import parse_engine_args
-from trainer.service.store import (
+from envspec.engine_args import parse_engine_args
+from envspec.pod import (
+    CHECKPOINT_MOUNT,
     CLOUDSQL_CREDENTIALS_ENV,
     CLOUDSQL_DATABASE_ENV,
     CLOUDSQL_INSTANCE_ENV,
@@ -45,7 +46,6 @@ from workloads import core, stage
 from workloads import labels as L
 from workloads.jobset import tpu_jobset
 from workloads.trainer_pod import (
-    CHECKPOINT_MOUNT,
     CONTAINER_SECURITY,
     TRAINER_UID,
     TpuJob,
@@ -104,8 +104,20 @@ ENGINE_COMMAND = ("python", "-m", "trainer.service", "engine")
 
 
 @dataclass(frozen=True)
+class EngineFacts:
+    """What the service's objects need from the engine's trainer config, as the engine's pods load it (service.args
+    applied): the base model the API serves and the staging Job fetches, and the storage dir the engine writes the
+    users' checkpoints to. The config is the trainer's (trainer/config.py), so the caller loads it
+    (infra/base/engine_config.py engine_facts): workloads/ does not import the trainer."""
+
+    base_model: str  # service.base_model, e.g. Qwen/Qwen3-8B
+    storage_dir: str | None  # service.storage_dir
+
+
+@dataclass(frozen=True)
 class ServiceRefs:
-    """What the service's objects point at, created elsewhere in the stack (Pulumi Outputs under `pulumi up`)."""
+    """What the service's objects point at, created elsewhere in the stack (Pulumi Outputs under `pulumi up`), and
+    what they read from the engine's config."""
 
     image: Any  # the trainer image by digest (it holds trainer.service too)
     bucket: str
@@ -113,6 +125,7 @@ class ServiceRefs:
     database: str  # the database's name
     users: Mapping[str, Any]  # "api" / "engine" -> IAM database user (the GSA's e-mail less .gserviceaccount.com)
     accounts: Mapping[str, Any]  # "api" / "engine" -> Google service account e-mail (workload identity)
+    engine: EngineFacts
     hf_secret: str | None = None  # the Hugging Face token for the staging Job (gated repos)
     claim_template: str | None = None  # the engine pods' DRANET claim, when its slice group has NICs to claim
 
@@ -155,7 +168,7 @@ def storage_dir(spec: EnvironmentSpec) -> str:
     return f"{service_dir(spec)}/store"
 
 
-def _overrides(argv: list[str]) -> list[str]:
+def engine_overrides(argv: list[str]) -> list[str]:
     """The `--set KEY=VALUE` items of an engine command line, in order, read by the engine's own parser (its other
     options are not the config's). Raises ConfigError where the engine would refuse an option."""
     try:
@@ -166,51 +179,24 @@ def _overrides(argv: list[str]) -> list[str]:
 
 def user_overrides(spec: EnvironmentSpec) -> list[str]:
     """The `--set` items of service.args."""
-    return _overrides(list(_service(spec).args))
+    return engine_overrides(list(_service(spec).args))
 
 
-def base_model(spec: EnvironmentSpec) -> str:
-    """service.base_model of the engine's config, with service.args' overrides: what the API serves and the staging
-    Job fetches. Raises ConfigError naming the key when the config does not load."""
-    from trainer.config import ConfigError as TrainerConfigError
-    from trainer.config import load_config
-
-    svc = _service(spec)
-    try:
-        cfg = load_config(svc.config, user_overrides(spec))
-    except TrainerConfigError as e:
-        raise ConfigError(f"{NAMESPACE}:service.args: the engine config {svc.config} with them does not load: "
-                          f"{e}") from None
-    assert cfg.service is not None  # service.config is validated to be a bundled config with a service section
-    return cfg.service.base_model
-
-
-def model_dir(spec: EnvironmentSpec) -> str:
+def model_dir(spec: EnvironmentSpec, base_model: str) -> str:
     """The base model's directory on the bucket (the engine's init.path): models/<repo name> in the service's
     directory. Staged there by the staging Job with service.stageModel; put there by hand without it."""
-    return f"{service_dir(spec)}/models/{base_model(spec).rsplit('/', 1)[-1]}"
+    return f"{service_dir(spec)}/models/{base_model.rsplit('/', 1)[-1]}"
 
 
-def engine_args(spec: EnvironmentSpec) -> list[str]:
-    """After `python -m trainer.service engine`: the bundled config, its storage and weights on the bucket, a mesh
-    over the one slice; service.args last, so they can override any of it."""
+def engine_args(spec: EnvironmentSpec, base_model: str) -> list[str]:
+    """After `python -m trainer.service engine`: the bundled config, its storage and weights (of `base_model`, the
+    config's service.base_model with service.args' overrides) on the bucket, a mesh over the one slice; service.args
+    last, so they can override any of it."""
     svc = _service(spec)
     return ["--config", svc.config, "--set", f"service.storage_dir={storage_dir(spec)}",
             "--set", f"service.state_dir={STATE_MOUNT}",
-            "--set", f"init.path={model_dir(spec)}", "--set", "mesh.slices=1", "--set", "mesh.fsdp=-1", *svc.args]
-
-
-def engine_config(spec: EnvironmentSpec) -> Any:
-    """The engine's TrainConfig as its pods load it (every `--set` of engine_args, in order). Raises ConfigError."""
-    from trainer.config import ConfigError as TrainerConfigError
-    from trainer.config import load_config
-
-    svc = _service(spec)
-    try:
-        return load_config(svc.config, _overrides(engine_args(spec)))
-    except TrainerConfigError as e:
-        raise ConfigError(f"{NAMESPACE}:service.args: the engine config {svc.config} as its pods load it does not "
-                          f"load: {e}") from None
+            "--set", f"init.path={model_dir(spec, base_model)}", "--set", "mesh.slices=1", "--set", "mesh.fsdp=-1",
+            *svc.args]
 
 
 def db_env(refs: ServiceRefs, role: str) -> list[dict[str, Any]]:
@@ -280,7 +266,7 @@ def engine_job(spec: EnvironmentSpec, refs: ServiceRefs) -> TpuJob:
     return TpuJob(name=spec.service_engine_name, group=_group(spec), service_account=spec.service_engine_name,
                   priority=svc.priority, max_restarts=svc.max_restarts,
                   termination_grace_seconds=svc.termination_grace_seconds, checkpoint_dir=service_dir(spec), slices=1,
-                  container="engine", command=ENGINE_COMMAND, args=tuple(engine_args(spec)),
+                  container="engine", command=ENGINE_COMMAND, args=tuple(engine_args(spec, refs.engine.base_model)),
                   env=(*db_env(refs, "engine"),
                        {"name": CLOUDSQL_CREDENTIALS_ENV, "value": json.dumps(engine_credentials(spec))}),
                   buckets=(("service-state", spec.service_state_bucket, STATE_MOUNT),),
@@ -297,7 +283,8 @@ def stage_model_job(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any] 
     svc = _service(spec)
     if not svc.stage_model:
         return None
-    fetch = stage.Fetch(model=base_model(spec), model_to=model_dir(spec))
+    base = refs.engine.base_model
+    fetch = stage.Fetch(model=base, model_to=model_dir(spec, base))
     return stage.fetch_job(f"{spec.service_engine_name}-stage", spec.queues.namespace, _tpu_refs(spec, refs, hf=True),
                            fetch, svc.termination_grace_seconds)
 
@@ -318,9 +305,10 @@ def service_accounts(spec: EnvironmentSpec, refs: ServiceRefs) -> list[dict[str,
     return out
 
 
-def api_command(spec: EnvironmentSpec) -> list[str]:
-    """The API alone (no --config: the engine runs elsewhere on the same store), on every address of the pod."""
-    return ["python", "-m", "trainer.service", "serve", "--base-model", base_model(spec), "--host", "0.0.0.0",
+def api_command(spec: EnvironmentSpec, base_model: str) -> list[str]:
+    """The API alone (no --config: the engine runs elsewhere on the same store) serving `base_model` (the engine
+    config's), on every address of the pod."""
+    return ["python", "-m", "trainer.service", "serve", "--base-model", base_model, "--host", "0.0.0.0",
             "--port", str(API_PORT)]
 
 
@@ -329,11 +317,11 @@ def _probe(period_s: int, failures: int) -> dict[str, Any]:
             "failureThreshold": failures}
 
 
-def api_storage_dir(spec: EnvironmentSpec) -> str:
-    """The engine's storage dir as its pods load it (service.storage_dir of engine_config: service.args may move it),
+def api_storage_dir(spec: EnvironmentSpec, engine: EngineFacts) -> str:
+    """The engine's storage dir as its pods load it (service.storage_dir of its config: service.args may move it),
     normalized. Raises ConfigError naming service.args when it is not on the checkpoint bucket's mount: the API pods
     could not read what the engine saves there (and the engine's saves would die with its pod)."""
-    where = engine_config(spec).service.storage_dir
+    where = engine.storage_dir
     path = posixpath.normpath(where or "")
     if not where or not path.startswith(f"{CHECKPOINT_MOUNT}/"):
         raise ConfigError(f"{NAMESPACE}:service.args: service.storage_dir={where} is not in the checkpoint bucket's "
@@ -363,7 +351,7 @@ def api_checkpoint_mount(spec: EnvironmentSpec, refs: ServiceRefs) -> tuple[dict
     - On the pod network (the system pool) the driver acts as the Google service account the API's Kubernetes
       account names (pkg/cloud_provider/auth/token_sources.go fetchGCPSAToken): the API's, granted
       roles/storage.objectViewer on the checkpoint bucket by infra/components/database.py."""
-    path = api_storage_dir(spec)
+    path = api_storage_dir(spec, refs.engine)
     only_dir = path.removeprefix(f"{CHECKPOINT_MOUNT}/")
     volume = bucket_volume(API_CHECKPOINTS_VOLUME, refs.bucket, read_only=True, mount_options=(
         f"implicit-dirs,uid={TRAINER_UID},gid={TRAINER_UID},file-mode=444,dir-mode=555,only-dir={only_dir}"))
@@ -377,7 +365,7 @@ def api_deployment(spec: EnvironmentSpec, refs: ServiceRefs) -> dict[str, Any]:
         "name": "api",
         "image": refs.image,
         # The image's ENTRYPOINT is the trainer (trainer/Dockerfile): the command replaces it.
-        "command": api_command(spec),
+        "command": api_command(spec, refs.engine.base_model),
         # A read-only image: anything that caches under $HOME (google-auth, huggingface_hub) gets the emptyDir.
         "env": [*db_env(refs, "api"), {"name": "HOME", "value": SCRATCH}],
         "ports": [{"name": PORT_NAME, "containerPort": API_PORT, "protocol": "TCP"}],

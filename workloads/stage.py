@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from envspec.config import EnvironmentSpec
+from envspec.pod import CHECKPOINT_MOUNT, EXIT_CONFIG
 from workloads import labels as L
 from workloads.trainer_pod import (
-    CHECKPOINT_MOUNT,
     CONTAINER_SECURITY,
     TrainerRefs,
     hf_token_env,
@@ -29,9 +29,8 @@ from workloads.trainer_pod import (
 # Downloads are network- and file-bound: a core for the client and memory for its buffers (the gcsfuse sidecar,
 # with its own requests, does the writes to the bucket).
 STAGE_RESOURCES = {"cpu": "1", "memory": "4Gi"}
-# trainer/stage.py's exit code for what a retry cannot fix (a wrong repo, a refused token, a bad checkpoint): the Job
-# fails at once instead of spending its retries; 42 (transient) and deaths by signal are retried.
-EXIT_CONFIG = 2
+# trainer/stage.py exits EXIT_CONFIG (envspec/pod.py) for what a retry cannot fix (a wrong repo, a refused token, a bad
+# checkpoint): the Job fails at once instead of spending its retries; 42 (transient) and deaths by signal are retried.
 SCRATCH = "/tmp"
 BACKOFF_LIMIT = 4
 # Its callers' replace_on_changes: explicit, so both backends replace the Job. pulumi-kubernetes would replace it

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from envspec.config import EnvironmentSpec, SliceGroupSpec
+from envspec.pod import CHECKPOINT_MOUNT, ENV_HF_TOKEN, USER_CODE_DIR
 from workloads import labels as L
 
-CHECKPOINT_MOUNT = "/checkpoints"
 # The `trainer` user of trainer/Dockerfile; above 10000, so it is no account of the host's (checkov CKV_K8S_40).
 TRAINER_UID = 10001
 # gcsfuse mounts a bucket for root unless told otherwise: the non-root trainer needs uid/gid to write checkpoints
@@ -107,7 +107,7 @@ def megascale_interfaces(nics: int) -> dict[str, Any]:
 def hf_token_env(refs: TrainerRefs) -> list[dict[str, Any]]:
     if not refs.hf_secret:
         return []
-    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": refs.hf_secret, "key": HF_TOKEN_KEY}}}]
+    return [{"name": ENV_HF_TOKEN, "valueFrom": {"secretKeyRef": {"name": refs.hf_secret, "key": HF_TOKEN_KEY}}}]
 
 
 def checkpoint_dir(spec: EnvironmentSpec) -> str:
@@ -221,8 +221,6 @@ def job_pod(job: TpuJob, refs: TrainerRefs, container: dict[str, Any], *, host_n
 def config_args(spec: EnvironmentSpec) -> list[str]:
     """`--config` as the pod reads it: a bundled config by name, or a file of trainer.code where the image holds
     that folder."""
-    from trainer.user_code import USER_CODE_DIR
-
     t = spec.trainer
     if t.config is None:
         return []

@@ -81,8 +81,8 @@ def service_job(spec: EnvironmentSpec, config: str | None = None, overrides: lis
     the bucket, a mesh over the one slice, then service.args), parsed by the service CLI's own `engine` parser, then
     `overrides`; `config` replaces service.config. The estimators size a config with a service section as the
     engine's programs (trainer/fit.py fit_service)."""
+    from infra.base.engine_config import engine_args
     from trainer.service.cli import build_parser
-    from workloads.service import engine_args
 
     svc, group = spec.service, spec.service_group
     if svc is None or group is None:

@@ -30,7 +30,7 @@ def folder(spec: EnvironmentSpec) -> Path | None:
 
 def local_config(spec: EnvironmentSpec, pod_config: str | None) -> str | None:
     """The pod's --config as a path here: a file of trainer.code is in the image at USER_CODE_DIR."""
-    from trainer.user_code import USER_CODE_DIR
+    from envspec.pod import USER_CODE_DIR
 
     root = folder(spec)
     if root is None or pod_config is None or not pod_config.startswith(USER_CODE_DIR + "/"):

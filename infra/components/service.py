@@ -19,6 +19,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from envspec.config import EnvironmentSpec
+from infra.base.engine_config import engine_facts
 from infra.components.k8s import apply, resource_name
 from infra.components.trainer_job import REPLACE_ON_CHANGES, delete_timeout_s, hf_token_secret
 from workloads import dra, service, stage
@@ -33,8 +34,7 @@ def check(spec: EnvironmentSpec) -> None:
     included), so a typo there fails `pulumi up` and `plan` instead of crash-looping the engine, and its storage dir
     is on the checkpoint bucket, where the API pods' mount reads it. Raises ConfigError."""
     if spec.service is not None:
-        service.engine_config(spec)
-        service.api_storage_dir(spec)
+        service.api_storage_dir(spec, engine_facts(spec))
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Service(pulumi.ComponentResource):
         hf_secret = f"{engine}-hf-token" if runs and svc.stage_model and args.hf_token is not None else None
         refs = service.ServiceRefs(image=args.image, bucket=spec.bucket_name, instance=args.instance,
                                    database=args.database, users=args.users, accounts=args.accounts,
-                                   hf_secret=hf_secret, claim_template=claim)
+                                   engine=engine_facts(spec), hf_secret=hf_secret, claim_template=claim)
 
         accounts = [_apply(obj, child) for obj in service.service_accounts(spec, refs)]
         after_accounts = pulumi.ResourceOptions(parent=self, depends_on=[*given, *accounts])

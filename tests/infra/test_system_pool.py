@@ -205,13 +205,15 @@ def test_the_api_rollouts_surge_pod_is_packed_too() -> None:
     Kueue 0.5 + JobSet 0.5 + add-ons 0.7 + API 1.25 (its container 1, the gcsfuse sidecar of its checkpoint mount
     0.25) = 2.95 vCPU fits, but every rollout runs a second API pod (maxSurge 1, maxUnavailable 0): 4.2 vCPU, so the
     new pod would stay Pending and `pulumi up` time out."""
+    from infra.base.engine_config import engine_facts
     from workloads import service
 
     config = _with_pool(stack_config("tinker"), "e2-standard-4", 1)
     config[NS + "service"] = {**config[NS + "service"], "apiReplicas": 1, "stageModel": False}
     spec = _spec("tinker", config)
     api = service.api_deployment(spec, service.ServiceRefs(image="i", bucket="b", instance="p:r:i", database="d",
-                                                           users={"api": "u"}, accounts={"api": "a", "engine": "e"}))
+                                                           users={"api": "u"}, accounts={"api": "a", "engine": "e"},
+                                                           engine=engine_facts(spec)))
     surge = api["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
     assert surge == service.API_MAX_SURGE == 1
     names = [p.name for p in sp.pinned_pods(spec)]

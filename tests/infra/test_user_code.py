@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from envspec.config import ConfigError
+from envspec.pod import USER_CODE_DIR
 from infra.base import user_code
 from infra.components import image
 from infra.offline.mockrun import IMAGE_TYPE, PlanResult, run_stack
 from tests.infra.conftest import stack_config
-from trainer.user_code import USER_CODE_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = "examples/my_tasks"

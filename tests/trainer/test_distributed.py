@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from envspec import pod
 from trainer import distributed as D
 from trainer.config import ConfigError, config_from_dict
 from trainer.launch import child_env, run_local
@@ -22,8 +23,8 @@ POD = {
 
 def test_env_contract_names() -> None:
     assert D.POD_ENV_VARS == ("COORDINATOR_ADDRESS", "NUM_SLICES", "SLICE_INDEX", "HOSTS_PER_SLICE", "HOST_INDEX")
-    assert (D.ENV_CHECKPOINT_DIR, D.ENV_HF_TOKEN, D.ENV_CPU_DEVICES) == ("CHECKPOINT_DIR", "HF_TOKEN",
-                                                                       "TRAINER_CPU_DEVICES")
+    assert (pod.ENV_CHECKPOINT_DIR, pod.ENV_HF_TOKEN, D.ENV_CPU_DEVICES) == ("CHECKPOINT_DIR", "HF_TOKEN",
+                                                                           "TRAINER_CPU_DEVICES")
 
 
 def test_process_info_from_pod_env() -> None:

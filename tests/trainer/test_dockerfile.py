@@ -114,8 +114,8 @@ def test_the_image_context_builds_a_complete_trainer_package(tmp_path: Path) -> 
 
 
 def test_user_code_comes_from_the_named_context_the_stack_passes() -> None:
+    from envspec.pod import USER_CODE_DIR
     from infra.components import image
-    from trainer.user_code import USER_CODE_DIR
 
     [copy] = [rest for op, rest in _instructions() if op == "COPY" and rest.startswith("--from=")]
     assert copy.split() == [f"--from={image.USER_CODE_CONTEXT}", ".", "${USER_CODE_DIR}"]

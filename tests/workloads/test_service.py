@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from envspec.config import ConfigError, EnvironmentSpec, parse_spec
+from infra.base.engine_config import base_model, engine_args, engine_config, engine_facts
 from infra.components.trainer_job import DELETE_MARGIN_S
 from infra.offline.mockrun import PlanResult, run_stack
 from infra.offline.plan import kubernetes_objects
@@ -66,7 +67,8 @@ def _refs(spec: EnvironmentSpec, *, claim: str | None = "auto", hf: str | None =
         users={"api": "tinker-tinker-api@acme-rl-tinker.iam", "engine": "tinker-tinker-eng@acme-rl-tinker.iam"},
         accounts={"api": "tinker-tinker-api@acme-rl-tinker.iam.gserviceaccount.com",
                   "engine": "tinker-tinker-eng@acme-rl-tinker.iam.gserviceaccount.com"},
-        hf_secret=hf, claim_template=("netdev" if nics else None) if claim == "auto" else claim)
+        engine=engine_facts(spec), hf_secret=hf,
+        claim_template=("netdev" if nics else None) if claim == "auto" else claim)
 
 
 def _pod(obj: dict[str, Any]) -> dict[str, Any]:
@@ -278,7 +280,7 @@ def test_engine_command_is_what_the_service_cli_takes_and_loads_the_staged_model
     assert cmd[:4] == ["python", "-m", "trainer.service", "engine"]
     args = build_parser().parse_args(cmd[3:])
     assert args.command == "engine" and args.config == "qwen3-8b-service-v6e-4x4.yaml" and args.log_level == "debug"
-    cfg = service.engine_config(spec)
+    cfg = engine_config(spec)
     model_dir = "/checkpoints/tinker/models/Qwen3-8B"
     assert cfg.init.path == model_dir and cfg.service.storage_dir == "/checkpoints/tinker/store"
     assert (cfg.mesh.slices, cfg.mesh.tensor) == (1, 4) and cfg.service.idle_unload_s == 1800
@@ -293,7 +295,7 @@ def test_engine_command_is_what_the_service_cli_takes_and_loads_the_staged_model
     # Without staging the engine reads the same directory (the team puts the model there).
     unstaged = _tinker(stageModel=False)
     assert service.stage_model_job(unstaged, _refs(unstaged)) is None
-    assert service.engine_config(unstaged).init.path == model_dir
+    assert engine_config(unstaged).init.path == model_dir
 
 
 def test_service_args_are_read_by_the_engines_own_parser() -> None:
@@ -302,20 +304,23 @@ def test_service_args_are_read_by_the_engines_own_parser() -> None:
     from trainer.service.cli import build_parser
 
     spec = _tinker(args=["--se", "service.idle_unload_s=1800"])
-    engine = build_parser().parse_args(["engine", *service.engine_args(spec)])
+    engine = build_parser().parse_args(["engine", *engine_args(spec)])
     assert engine.overrides[-1] == "service.idle_unload_s=1800"
     assert service.user_overrides(spec) == ["service.idle_unload_s=1800"]
-    assert service.engine_config(spec).service.idle_unload_s == 1800
+    assert engine_config(spec).service.idle_unload_s == 1800
     with pytest.raises(ConfigError, match=r"service\.args: the engine refuses its arguments: .*--local-processes"):
         service.user_overrides(_tinker(args=["--local-processes", "two"]))
 
 
 def test_service_args_overriding_the_base_model_move_what_is_staged_and_served() -> None:
     spec = _tinker(args=["--set", "service.base_model=Qwen/Qwen3-4B"])
-    assert service.model_dir(spec) == "/checkpoints/tinker/models/Qwen3-4B"
-    assert "Qwen/Qwen3-4B" in service.api_command(spec)
+    assert base_model(spec) == engine_facts(spec).base_model == "Qwen/Qwen3-4B"
+    assert service.model_dir(spec, base_model(spec)) == "/checkpoints/tinker/models/Qwen3-4B"
+    assert "Qwen/Qwen3-4B" in service.api_deployment(spec, _refs(spec))["spec"]["template"]["spec"]["containers"][0][
+        "command"]
+    assert engine_config(spec).init.path == "/checkpoints/tinker/models/Qwen3-4B"
     with pytest.raises(ConfigError, match=r"service\.args: .*does not load"):
-        service.engine_config(_tinker(args=["--set", "service.max_batch_tokens=-1"]))
+        engine_config(_tinker(args=["--set", "service.max_batch_tokens=-1"]))
 
 
 def test_api_command_is_what_the_service_cli_takes_and_its_probe_answers_without_a_key(tmp_path: Any) -> None:
@@ -332,7 +337,7 @@ def test_api_command_is_what_the_service_cli_takes_and_its_probe_answers_without
     args = build_parser().parse_args(container["command"][3:])
     assert (args.command, args.host, args.port, args.config) == ("serve", "0.0.0.0", service.API_PORT, None)
     config = server_config(args)  # the API alone: the base model it serves is the engine config's
-    assert [m.name for m in config.base_models] == [service.engine_config(spec).service.base_model]
+    assert [m.name for m in config.base_models] == [engine_config(spec).service.base_model]
     # Every probe asks the route that needs no key, on the port the container opens.
     [port] = container["ports"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -364,7 +369,7 @@ def test_api_pods_mount_the_engines_storage_dir_read_only_where_the_engine_write
     # Read-only twice over: the CSI volume (the driver's `ro` kernel mount) and the container's mount.
     assert csi["readOnly"] is True and mount["readOnly"] is True
     # Where the engine writes (its pods' config, service.args applied) and nothing above it: only-dir is that folder.
-    engine_dir = service.engine_config(spec).service.storage_dir
+    engine_dir = engine_config(spec).service.storage_dir
     assert mount["mountPath"] == engine_dir == service.storage_dir(spec) == "/checkpoints/tinker/store"
     engine_pod = _pod(service.engine_jobset(spec, refs))
     [engine_checkpoints] = [m for m in engine_pod["containers"][0]["volumeMounts"] if m["name"] == "checkpoints"]

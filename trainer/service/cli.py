@@ -38,10 +38,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from trainer.cli import EXIT_CONFIG, EXIT_STOPPED, EXIT_TRANSIENT, is_transient
+from envspec.engine_args import add_engine_options, add_log_level
+from envspec.pod import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_TRANSIENT
+from trainer.cli import is_transient
 from trainer.config import ConfigError
 from trainer.service import auth
-from trainer.service.engine_args import add_engine_options, add_log_level
 from trainer.service.store import DatabaseUnavailable, NotFound, Store, StoreError, default_db_url, retry_database
 
 if TYPE_CHECKING:  # api/ pulls in fastapi and tinker, the engine JAX: only `serve` and `engine` import them
@@ -49,8 +50,6 @@ if TYPE_CHECKING:  # api/ pulls in fastapi and tinker, the engine JAX: only `ser
     from trainer.service.api import ServerConfig
 
 log = logging.getLogger(__name__)
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
 def open_store(args: argparse.Namespace) -> Store:

@@ -1,9 +1,11 @@
 """The engine's command line, defined once: the options of `python -m trainer.service engine` (and of `serve`, which
 can run an engine in its own process), with the one parser every reader of that line uses.
 
-The service CLI (cli.py) parses the pod's arguments with it; the stack reads the arguments it gives the engine pod
-(workloads/service.py: the config they load) and `gke-tpu-rl fit` sizes the engine from them (infra/fit.py, through
-cli.build_parser), so what they load is what the pod loads. Standard library only: the stack imports it without JAX.
+The service CLI (trainer/service/cli.py) parses the pod's arguments with it; the stack reads the arguments it gives the
+engine pod (workloads/service.py: the config they load) and `gke-tpu-rl fit` sizes the engine from them (infra/fit.py,
+through the service CLI's build_parser), so what they load is what the pod loads. Part of the pod contract, so on the
+lowest floor beside envspec/pod.py, which both the image and the stack hold: standard library only, the stack imports
+it without JAX.
 """
 
 from __future__ import annotations
