@@ -26,6 +26,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql import Select
 
+from envspec.pod import CLOUDSQL_CREDENTIALS_ENV, CLOUDSQL_DATABASE_ENV, CLOUDSQL_INSTANCE_ENV, CLOUDSQL_USER_ENV
 from trainer.service.store import schema
 from trainer.service.store.errors import DatabaseUnavailable, NotFound, StoreError
 
@@ -33,18 +34,11 @@ log = logging.getLogger(__name__)
 
 DB_ENV: Final = "GKE_TPU_RL_SERVICE_DB"
 DATA_DIR_ENV: Final = "GKE_TPU_RL_SERVICE_HOME"
-# Cloud SQL through the connector (what the stack's pods set): the instance connection name PROJECT:REGION:INSTANCE,
-# the IAM database user (the Google service account's email without ".gserviceaccount.com") and the database.
-CLOUDSQL_INSTANCE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_INSTANCE"
-CLOUDSQL_USER_ENV: Final = "GKE_TPU_RL_CLOUDSQL_USER"
-CLOUDSQL_DATABASE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_DATABASE"
-# Another SQL Admin API endpoint and IP type (tests run the connector against a local stand-in of the API).
+# Cloud SQL through the connector: what the stack's pods set (CLOUDSQL_INSTANCE_ENV, _USER_ENV, _DATABASE_ENV and
+# _CREDENTIALS_ENV) are the pod contract's names (envspec/pod.py, imported above). Another SQL Admin API endpoint and
+# IP type are this module's own (tests run the connector against a local stand-in of the API).
 CLOUDSQL_ADMIN_ENDPOINT_ENV: Final = "GKE_TPU_RL_CLOUDSQL_ADMIN_ENDPOINT"
 CLOUDSQL_IP_TYPE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_IP_TYPE"
-# A google-auth credential configuration (JSON) the connector authenticates with instead of Application Default
-# Credentials: what a pod on the host network needs, where the GKE metadata server cannot tell the pod from its node
-# and would hand out the node's identity (the stack's engine pods on a multi-host slice without DRANET).
-CLOUDSQL_CREDENTIALS_ENV: Final = "GKE_TPU_RL_CLOUDSQL_CREDENTIALS"
 # The role that owns the tables on Cloud SQL: the API's and the engine's IAM users are both members of it (the stack
 # grants it, infra/database.py), and a table belongs to whoever creates it, so each creates as this role, or the other
 # would be refused the tables it did not create.
