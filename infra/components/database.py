@@ -191,7 +191,7 @@ class ServiceDatabase(pulumi.ComponentResource):
             # there is nobody to run GRANT, so the grant is the user's database_roles (pulumi-gcp 10.2 sql.User:
             # "predefined Cloud SQL roles, like cloudsqlsuperuser, or your own custom roles", the latter needing a
             # CREATE ROLE first, which again needs someone logged in). Both users get it because both processes
-            # create and migrate the schema (trainer/service/store.py create_schema: "the API and the engine
+            # create and migrate the schema (trainer/service/store/schema.py create_schema: "the API and the engine
             # processes may start at the same moment"). A table belongs to whoever created it and other members of
             # cloudsqlsuperuser cannot use it, so the store must `SET ROLE cloudsqlsuperuser` (OWNER_ROLE) before its
             # DDL: then every table is the shared role's and both users can read, write and migrate it. Broader than

@@ -1,6 +1,6 @@
 """GCP at its boundary, for pods that run as local processes in network namespaces (the as-deployed harness).
 
-The pods' own code runs unchanged (google-auth, the Cloud SQL Python Connector, pg8000, trainer/service/store.py);
+The pods' own code runs unchanged (google-auth, the Cloud SQL Python Connector, pg8000, trainer/service/store/);
 only names, addresses and trust anchors point it here. Everything listens on HOST_IP, the one address of this
 machine a pod can reach (the pod bridge's address in the root namespace):
 
