@@ -26,7 +26,8 @@ ENV_CHECKPOINT_DIR: Final = "CHECKPOINT_DIR"
 ENV_HF_TOKEN: Final = "HF_TOKEN"
 
 # The service's store: a Cloud SQL instance, reached through the Cloud SQL Python Connector as an IAM database user
-# (trainer/service/store/connection.py cloudsql_settings reads them; workloads/service.py db_env and engine_job write them).
+# (trainer/service/store/connection.py cloudsql_settings reads them; workloads/service.py db_env and engine_job
+# write them).
 CLOUDSQL_INSTANCE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_INSTANCE"  # PROJECT:REGION:INSTANCE
 CLOUDSQL_USER_ENV: Final = "GKE_TPU_RL_CLOUDSQL_USER"
 CLOUDSQL_DATABASE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_DATABASE"

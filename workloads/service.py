@@ -11,7 +11,8 @@ on the CPU system pool, its engine as a Kueue-queued JobSet on a TPU slice group
   (workloads/jobset.py tpu_jobset on a TpuJob), on one slice of service.sliceGroup. On a multi-host slice its
   processes join jax.distributed through the pod contract (envspec/pod.py: COORDINATOR_ADDRESS, HOST_INDEX, ...).
 - Both reach the store (Cloud SQL for PostgreSQL, private IP, IAM database authentication through the Cloud SQL Python
-  Connector, trainer/service/store/connection.py cloudsql_settings) through GKE_TPU_RL_CLOUDSQL_INSTANCE, _USER and _DATABASE.
+  Connector, trainer/service/store/connection.py cloudsql_settings) through GKE_TPU_RL_CLOUDSQL_INSTANCE, _USER and
+  _DATABASE.
 - The engine loads the base model from `model_dir` on the bucket. With service.stageModel a staging Job
   (workloads/stage.py) fetches service.base_model there before the engine starts; without it the engine still reads
   that directory, and the team puts the model there itself.
