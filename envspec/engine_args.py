@@ -2,8 +2,9 @@
 can run an engine in its own process), with the one parser every reader of that line uses.
 
 The service CLI (trainer/service/cli.py) parses the pod's arguments with it; the stack reads the arguments it gives the
-engine pod (workloads/service.py: the config they load) and `gke-tpu-rl fit` sizes the engine from them (infra/fit.py,
-through the service CLI's build_parser), so what they load is what the pod loads. Part of the pod contract, so on the
+engine pod (workloads/service.py; infra/base/engine_config.py loads the config they name) and `gke-tpu-rl fit` sizes
+the engine from them (infra/base/pod_config.py, through the service CLI's build_parser), so what they load is what the
+pod loads. Part of the pod contract, so on the
 lowest floor beside envspec/pod.py, which both the image and the stack hold: standard library only, the stack imports
 it without JAX.
 """
@@ -44,11 +45,19 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+def add_db_option(parser: argparse.ArgumentParser, *, top: bool, help: str | None = None) -> None:
+    """--db, accepted before or after the subcommand; the leaf's SUPPRESS default keeps a top-level --db from being
+    reset. The service CLI gives the help (it names the store's defaults)."""
+    parser.add_argument("--db", metavar="URL", default=None if top else argparse.SUPPRESS, help=help)
+
+
 def parse_engine_args(argv: Sequence[str]) -> argparse.Namespace:
-    """The engine options in an engine command line (the arguments after `engine`), as the engine reads them; what
-    is not an engine option is left alone (the engine's own parser refuses it at start). Raises ValueError where the
-    engine would refuse an option (a missing value, a value of the wrong type)."""
+    """An engine command line (the arguments after `engine`), read as the engine's own parser reads it: the same
+    options, so an abbreviation is as ambiguous here as there (--d: --db or --devices-per-process), and nothing else.
+    Raises ValueError where the engine would refuse it at start (an unknown option or argument, a missing value, a
+    value of the wrong type; -h, which would print the help and exit 0)."""
     parser = _Parser(add_help=False)
+    add_db_option(parser, top=False)
     add_engine_options(parser)
-    add_log_level(parser)  # so an abbreviation (--lo) is as ambiguous here as it is to the engine
-    return parser.parse_known_args(list(argv))[0]
+    add_log_level(parser)
+    return parser.parse_args(list(argv))

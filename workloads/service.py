@@ -28,6 +28,7 @@ store, and they run when the engine is back.
 
 from __future__ import annotations
 
+import argparse
 import json
 import posixpath
 from collections.abc import Mapping
@@ -169,18 +170,35 @@ def storage_dir(spec: EnvironmentSpec) -> str:
     return f"{service_dir(spec)}/store"
 
 
-def engine_overrides(argv: list[str]) -> list[str]:
-    """The `--set KEY=VALUE` items of an engine command line, in order, read by the engine's own parser (its other
-    options are not the config's). Raises ConfigError where the engine would refuse an option."""
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    """An engine command line as the engine reads it. Raises ConfigError where the engine would refuse it."""
     try:
-        return list(parse_engine_args(argv).overrides)
+        return parse_engine_args(argv)
     except ValueError as e:
         raise ConfigError(f"{NAMESPACE}:service.args: the engine refuses its arguments: {e}") from None
 
 
+def engine_overrides(argv: list[str]) -> list[str]:
+    """The `--set KEY=VALUE` items of an engine command line, in order, read by the engine's own parser (its other
+    options are not the config's). Raises ConfigError where the engine would refuse an option."""
+    return list(_parsed(argv).overrides)
+
+
+# Engine options the stack itself sets, with what a team sets instead: the same option again in service.args would win
+# in the engine's pods (the last one counts) while the API's pods, the staging Job and the plan went on reading the
+# stack's (another base model, another checkpoint folder than the API mounts, another database than the API's).
+_STACK_OWNED = {"config": "service.config", "storage": "--set service.storage_dir=DIR",
+                "db": "nothing: the stack gives both the API and the engine its Cloud SQL database"}
+
+
 def user_overrides(spec: EnvironmentSpec) -> list[str]:
-    """The `--set` items of service.args."""
-    return engine_overrides(list(_service(spec).args))
+    """The `--set` items of service.args. Raises ConfigError for an engine option the stack sets itself."""
+    parsed = _parsed(list(_service(spec).args))
+    for dest, instead in _STACK_OWNED.items():
+        if getattr(parsed, dest, None) is not None:
+            raise ConfigError(f"{NAMESPACE}:service.args: --{dest} is the stack's to set (the API and the engine "
+                              f"must read the same one); use {instead}")
+    return list(parsed.overrides)
 
 
 def model_dir(spec: EnvironmentSpec, base_model: str) -> str:

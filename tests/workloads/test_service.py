@@ -310,6 +310,24 @@ def test_service_args_are_read_by_the_engines_own_parser() -> None:
     assert engine_config(spec).service.idle_unload_s == 1800
     with pytest.raises(ConfigError, match=r"service\.args: the engine refuses its arguments: .*--local-processes"):
         service.user_overrides(_tinker(args=["--local-processes", "two"]))
+    # What the engine's own parser would refuse at start (exit 2: FailJobSet) fails the plan: an ambiguous
+    # abbreviation, an unknown option, a stray argument, -h (which would print the help and exit 0: Complete).
+    for bad, reason in ((["--d", "4"], "ambiguous option: --d could match --db, --devices-per-process"),
+                        (["--sett", "a=1"], "unrecognized arguments: --sett a=1"),
+                        (["stray"], "unrecognized arguments: stray"), (["-h"], "unrecognized arguments: -h")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["engine", "--config", "c.yaml", *bad])
+        with pytest.raises(ConfigError, match=f"the engine refuses its arguments: {re.escape(reason)}"):
+            service.user_overrides(_tinker(args=bad))
+
+
+@pytest.mark.parametrize(("args", "instead"), [(["--config", "x.yaml"], "service.config"),
+                                               (["--stor", "/tmp/x"], "--set service.storage_dir=DIR"),
+                                               (["--db", "sqlite:///x.db"], "the stack gives both")])
+def test_service_args_cannot_repoint_what_the_api_reads_too(args: list[str], instead: str) -> None:
+    # The engine would take the last --config/--storage/--db; the API, the staging Job and the plan read the stack's.
+    with pytest.raises(ConfigError, match=rf"service\.args: --\w+ is the stack's to set .*{re.escape(instead)}"):
+        service.user_overrides(_tinker(args=args))
 
 
 def test_service_args_overriding_the_base_model_move_what_is_staged_and_served() -> None:

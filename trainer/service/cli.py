@@ -38,7 +38,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from envspec.engine_args import add_engine_options, add_log_level
+from envspec.engine_args import add_db_option, add_engine_options, add_log_level
 from envspec.pod import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_TRANSIENT
 from trainer.cli import is_transient
 from trainer.config import ConfigError
@@ -103,12 +103,9 @@ def _stop_followers(code: int) -> None:
 
 
 def _db_option(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    # Accepted before or after the subcommand; the leaf's SUPPRESS default keeps a top-level --db from being reset.
-    parser.add_argument(
-        "--db", metavar="URL", default=None if top else argparse.SUPPRESS,
-        help="database URL or sqlite file path (default: Cloud SQL from $GKE_TPU_RL_CLOUDSQL_INSTANCE, _USER and "
-        f"_DATABASE, else $GKE_TPU_RL_SERVICE_DB, else {default_db_url()})",
-    )
+    add_db_option(parser, top=top, help="database URL or sqlite file path (default: Cloud SQL from "
+                  "$GKE_TPU_RL_CLOUDSQL_INSTANCE, _USER and _DATABASE, else $GKE_TPU_RL_SERVICE_DB, else "
+                  f"{default_db_url()})")
 
 
 def build_parser(prog: str = "python -m trainer.service") -> argparse.ArgumentParser:

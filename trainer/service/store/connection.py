@@ -40,8 +40,8 @@ DATA_DIR_ENV: Final = "GKE_TPU_RL_SERVICE_HOME"
 CLOUDSQL_ADMIN_ENDPOINT_ENV: Final = "GKE_TPU_RL_CLOUDSQL_ADMIN_ENDPOINT"
 CLOUDSQL_IP_TYPE_ENV: Final = "GKE_TPU_RL_CLOUDSQL_IP_TYPE"
 # The role that owns the tables on Cloud SQL: the API's and the engine's IAM users are both members of it (the stack
-# grants it, infra/database.py), and a table belongs to whoever creates it, so each creates as this role, or the other
-# would be refused the tables it did not create.
+# grants it, infra/components/database.py), and a table belongs to whoever creates it, so each creates as this role,
+# or the other would be refused the tables it did not create.
 CLOUDSQL_OWNER_ROLE: Final = "cloudsqlsuperuser"
 # retry_database's backoff: the first wait, doubling up to the cap (jittered: restarted pods do not retry in step).
 DB_RETRY_FIRST_S: Final = 1.0
