@@ -572,6 +572,11 @@ class Cluster:
                 src = os.path.join(src, m["subPath"])
             mounts.append((src, m["mountPath"], ro or bool(m.get("readOnly"))))
         mounts += [(src, dst, False) for dst, src in self.mounts.items()]
+        for _, dst, _ in mounts:  # the checkout and its venv stand in for the image's code: nothing may cover them
+            hidden = [p for p in S.exposed() if Path(p) == Path(dst) or Path(dst) in Path(p).parents]
+            if hidden:
+                raise HarnessError(f"pod {pod.name}: container {c['name']} mounts {dst} over {hidden[0]}, which holds "
+                                   f"the code it runs; run the harness from a checkout outside {dst}")
         sec = {**pod.spec.get("securityContext", {}), **c.get("securityContext", {})}
         uid = int(sec.get("runAsUser", S.IMAGE_UID))
         gid = int(sec.get("runAsGroup", S.IMAGE_UID))

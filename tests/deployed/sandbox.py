@@ -39,6 +39,12 @@ IMAGE_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PIP_NO_CA
              "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HOME": IMAGE_WORKDIR}
 
 
+def exposed() -> list[str]:
+    """What the image holds for a pod's user, here: the interpreter's install, the virtual environment, this
+    checkout."""
+    return [sys.base_prefix, sys.prefix, str(ROOT)]
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
@@ -119,7 +125,7 @@ class Container:
     def _init(self, namespace: str, spec: Path, argv: list[str]) -> list[str]:
         spec.write_text(json.dumps({"mounts": self.mounts, "read_only_root": self.read_only_root, "uid": self.uid,
                                     "gid": self.gid, "groups": self.groups, "workdir": self.workdir,
-                                    "argv": argv, "env": self.env, "expose": [sys.base_prefix, sys.prefix, str(ROOT)],
+                                    "argv": argv, "env": self.env, "expose": exposed(),
                                     "hostname": self.hostname}))
         # Its own UTS namespace too: the pod's hostname, as the runtime sets it (gloo resolves gethostname()).
         return ["ip", "netns", "exec", namespace, "unshare", "--uts", sys.executable, "-m",

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deployed.cluster import Cluster
+from tests.deployed import sandbox
+from tests.deployed.cluster import Cluster, HarnessError
 from tests.deployed.render import render, user_copy
 from workloads.jobset import COORDINATOR_PORT
 
@@ -36,3 +37,12 @@ def test_every_container_resolves(env: str, tmp_path: Path) -> None:
             if "COORDINATOR_ADDRESS" in c.env:
                 assert c.env["COORDINATOR_ADDRESS"].endswith(f":{COORDINATOR_PORT}")
                 assert c.env["HOST_INDEX"].isdigit() and c.env["SLICE_INDEX"].isdigit()
+
+
+def test_a_checkout_a_pod_would_cover_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every container gets its own /tmp (its writable layer, or the emptyDir the pod mounts there), so a checkout
+    # under /tmp is hidden from the pods it would run: the harness says so instead of every pod failing with
+    # "No such file or directory: b'/bin/python'".
+    monkeypatch.setattr(sandbox, "exposed", lambda: ["/usr", "/tmp/cc/repo"])
+    with pytest.raises(HarnessError, match=r"mounts /tmp over /tmp/cc/repo, which holds the code it runs"):
+        Cluster(render("tinker").objects, tmp_path / "work", secrets={}).dry_run()
