@@ -9,33 +9,27 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from trainer.config import ModelConfig, ServiceConfig
+from trainer.config import ServiceConfig
 from trainer.service import losses, protocol, provenance
-from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
     Accepted,
+    EnginePart,
     UserError,
     log,
 )
 from trainer.service.passes import datum_length, datums_per_pass
 from trainer.service.programs import EnginePrograms
-from trainer.service.slots import SlotTable
 from trainer.service.store import (
     DONE,
     NotFound,
     Request,
-    Store,
 )
 
 
-class Passes:
+class Passes(EnginePart):
     """Part of the Engine (engine/loop.py): the state it reads (store, slots, device state) is the engine's."""
 
-    # The engine's state this part reads (set in Engine.__init__, engine/loop.py).
-    store: Store
-    slots: SlotTable
-    state: DeviceState
-    mcfg: ModelConfig
+    # The rest of the engine's state this part reads (set in Engine.__init__, engine/loop.py).
     service: ServiceConfig
     progs: EnginePrograms
     worker_id: str

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import jax
 
@@ -44,6 +44,21 @@ OPTIMIZER_FILE: Final = "optimizer.safetensors"
 STATE_FILE: Final = "state.json"
 FWD_KINDS: Final = (protocol.FORWARD, protocol.FORWARD_BACKWARD)
 MAX_FAIR_OWNERS: Final = 256  # owners the fair share remembers (one not among them counts as never served)
+
+
+if TYPE_CHECKING:
+    from trainer.config import ModelConfig
+    from trainer.service.slots import SlotTable
+
+
+class EnginePart:
+    """A part of the Engine (engine/loop.py) as a mixin: the state every part reads, set in Engine.__init__. Each
+    part declares the rest it reads itself."""
+
+    store: Store
+    slots: SlotTable
+    state: DeviceState
+    mcfg: ModelConfig
 
 
 class UserError(Exception):

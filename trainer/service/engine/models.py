@@ -13,39 +13,33 @@ from tinker import types
 from trainer import lora as L
 from trainer.config import (
     LoraConfig,
-    ModelConfig,
     ServiceConfig,
 )
 from trainer.service import programs as P
 from trainer.service import protocol
-from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
     MODEL_STATE_LOST,
     OPTIMIZER_FILE,
     Accepted,
+    EnginePart,
     Outcome,
     UserError,
     _stable_int,
     log,
 )
 from trainer.service.shapes import tinker_targets
-from trainer.service.slots import Slot, SlotsFull, SlotTable
+from trainer.service.slots import Slot, SlotsFull
 from trainer.service.store import (
     Model,
     Request,
     StateUpdate,
-    Store,
 )
 
 
-class Models:
+class Models(EnginePart):
     """Part of the Engine (engine/loop.py): the state it reads (store, slots, device state) is the engine's."""
 
-    # The engine's state this part reads (set in Engine.__init__, engine/loop.py).
-    store: Store
-    slots: SlotTable
-    state: DeviceState
-    mcfg: ModelConfig
+    # The rest of the engine's state this part reads (set in Engine.__init__, engine/loop.py).
     service: ServiceConfig
     stack: LoraConfig
     restores: list[tuple[str, int, float]]

@@ -12,29 +12,25 @@ import numpy as np
 from tinker import types
 
 from trainer import lora as L
-from trainer.config import ModelConfig, ServiceConfig
+from trainer.config import ServiceConfig
 from trainer.service import losses, protocol, sampling
-from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
+    EnginePart,
     UserError,
     _stable_int,
 )
 from trainer.service.passes import datum_length
 from trainer.service.programs import EnginePrograms
 from trainer.service.shapes import bucket
-from trainer.service.slots import Slot, SlotTable
-from trainer.service.store import Request, Store
+from trainer.service.slots import Slot
+from trainer.service.store import Request
 
 
-class Sampler:
+class Sampler(EnginePart):
     """Part of the Engine (engine/loop.py): the state it reads (store, slots, device state, tokenizer) is the
     engine's."""
 
-    # The engine's state this part reads (set in Engine.__init__, engine/loop.py).
-    store: Store
-    slots: SlotTable
-    state: DeviceState
-    mcfg: ModelConfig
+    # The rest of the engine's state this part reads (set in Engine.__init__, engine/loop.py).
     service: ServiceConfig
     progs: EnginePrograms
     eos_ids: tuple[int, ...]

@@ -23,40 +23,35 @@ from tinker import types
 
 from trainer import hf
 from trainer import lora as L
-from trainer.config import LoraConfig, ModelConfig
+from trainer.config import LoraConfig
 from trainer.service import protocol
-from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
     MAX_SNAPSHOT_ATTEMPTS,
     OPTIMIZER_FILE,
     STATE_FILE,
     STATE_KIND,
+    EnginePart,
     Outcome,
     UserError,
     _dir_size,
     log,
 )
-from trainer.service.slots import Slot, SlotTable
+from trainer.service.slots import Slot
 from trainer.service.store import (
     Conflict,
     NotFound,
     Request,
     StateUpdate,
-    Store,
     sampling_session_id_for,
     tinker_path,
 )
 
 
-class SnapshotWriter:
+class SnapshotWriter(EnginePart):
     """Part of the Engine (engine/loop.py): the state it reads (store, slots, storage, the writer thread) is the
     engine's."""
 
-    # The engine's state this part reads (set in Engine.__init__, engine/loop.py).
-    store: Store
-    slots: SlotTable
-    state: DeviceState
-    mcfg: ModelConfig
+    # The rest of the engine's state this part reads (set in Engine.__init__, engine/loop.py).
     worker_id: str
     storage: Path
     state_root: Path
