@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails
 
 from envspec import machines, repo, rules, tpu, zones
 
@@ -81,7 +82,8 @@ def gke_version_tuple(version: str) -> tuple[int, int, int, int]:
     m = _GKE_VERSION.match(version)
     if not m:
         raise ValueError(f"{version!r} is not a GKE version like 1.34.1-gke.1829001")
-    return tuple(int(g or 0) for g in m.groups())  # type: ignore[return-value]
+    major, minor, patch, gke = (int(g or 0) for g in m.groups())
+    return major, minor, patch, gke
 
 
 def prefix_can_reach(prefix: str, version: str) -> bool:
@@ -546,10 +548,12 @@ class DatabaseSpec(_Model):
 
     @property
     def cpus(self) -> int:
+        # The field's validator matched _SQL_TIER already.
         return int(_SQL_TIER.match(self.tier)[1])  # type: ignore[index]
 
     @property
     def memory_gib(self) -> float:
+        # The field's validator matched _SQL_TIER already.
         return int(_SQL_TIER.match(self.tier)[2]) / 1024  # type: ignore[index]
 
 
@@ -961,7 +965,7 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: ErrorDetails) -> str:
     key = _format_loc(tuple(err["loc"]))
     msg = err["msg"].removeprefix("Value error, ")
     if not key:  # cross-field checks name their own key at the start of the message
