@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
@@ -143,7 +144,7 @@ class Cluster(pulumi.ComponentResource):
         self.register_outputs({"name": self.cluster.name, "endpoint": self.api_endpoint})
 
 
-def choose_version(defaults: dict[str, str] | None, latest: dict[str, str] | None, channel: str,
+def choose_version(defaults: Mapping[str, str] | None, latest: Mapping[str, str] | None, channel: str,
                    prefix: str | None, floor: str | None) -> str | None:
     """The cluster's starting version: with a prefix, the channel's newest under it; else None (GKE's channel
     default). Fails the deploy, naming the setting, when it is older than the environment's floor."""

@@ -234,13 +234,13 @@ class ServiceDatabase(pulumi.ComponentResource):
                     members["-ksa"] = workload_principal(args.project_number, spec.project, spec.queues.namespace,
                                                          ksas[role])
                 for suffix, who in members.items():
-                    grant = in_pool if suffix else child
+                    grant_opts = in_pool if suffix else child
                     gcp.storage.BucketIAMMember(
                         f"{name}-engine{suffix}-object-user", bucket=args.bucket or spec.bucket_name,
-                        role=CHECKPOINT_ROLE, member=who, opts=grant)
+                        role=CHECKPOINT_ROLE, member=who, opts=grant_opts)
                     gcp.storage.BucketIAMMember(
                         f"{name}-engine{suffix}-state-user", bucket=args.state_bucket or spec.service_state_bucket,
-                        role=CHECKPOINT_ROLE, member=who, opts=grant)
+                        role=CHECKPOINT_ROLE, member=who, opts=grant_opts)
         self.owner_role = OWNER_ROLE
         # What the connector dials; built from the inputs so it is known at preview (Cloud SQL's connectionName).
         self.connection_name = pulumi.Output.concat(spec.project, ":", spec.region, ":", self.instance.name)

@@ -103,7 +103,7 @@ class Service(pulumi.ComponentResource):
         self.engine: pulumi.CustomResource | None = None
         if runs:
             deps: list[pulumi.Resource] = [*given, *accounts]
-            if hf_secret is not None:
+            if hf_secret is not None and args.hf_token is not None:  # hf_secret is set only with a token
                 deps.append(apply(hf_token_secret(hf_secret, ns, args.hf_token), child))
             if claim is not None:
                 deps.append(apply(dra.netdev_claim_template(claim, ns, nics), child))

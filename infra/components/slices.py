@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pulumi
 import pulumi_gcp as gcp
@@ -23,11 +24,12 @@ class TpuSlicesArgs:
     dranet_subnets: list[pulumi.Input[str]]
 
 
-def _capacity(group: SliceGroupSpec) -> dict[str, object]:
+def _capacity(group: SliceGroupSpec) -> dict[str, dict[str, Any]]:
     """Node-pool arguments that express where the capacity comes from."""
     if group.capacity == "spot":
         return {"node": {"spot": True}}
     if group.capacity == "reservation":
+        assert group.reservation is not None  # envspec requires one with capacity: reservation
         return {"node": {"reservation_affinity": gcp.container.NodePoolNodeConfigReservationAffinityArgs(
             consume_reservation_type="SPECIFIC_RESERVATION", key=RESERVATION_KEY, values=[group.reservation])}}
     if group.capacity == "flex-start":

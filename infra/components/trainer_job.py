@@ -83,6 +83,7 @@ class TrainerJob(pulumi.ComponentResource):
         refs = trainer_pod.TrainerRefs(image=args.image, bucket=spec.bucket_name,
                                        service_account=t.service_account, hf_secret=hf_secret, claim_template=claim)
         if (targets := stage_targets(spec)) is not None:
+            assert spec.trainer.stage is not None  # stage_targets returns targets only with one
             # Created, and completed, before the trainer: `pulumi up` waits on the Job (pulumi-kubernetes awaits a
             # batch/v1 Job's Complete condition) up to trainer.stage.timeoutMinutes.
             deps.append(apply(stage.stage_job(spec, refs, targets), pulumi.ResourceOptions(

@@ -351,7 +351,7 @@ def _run_in_fresh_context(env: str, values: dict[str, str], secrets: list[str], 
     set_all_config(values, secrets)
     # set_mocks creates and finishes a root Stack of its own when none is set; a placeholder prevents
     # that, so the only Stack is the one run_in_stack makes (as for `pulumi up`), which registers outputs.
-    settings.ROOT.set(_NOT_A_STACK)  # type: ignore[arg-type]
+    settings.ROOT.set(_NOT_A_STACK)  # type: ignore[arg-type]  # a placeholder, not a Stack
     pulumi.runtime.set_mocks(monitor.mocks, project=PROJECT, stack=env, preview=False, monitor=monitor)
     settings.ROOT.set(None)
     settings.SETTINGS.outputs = set()  # MockSettings leaves this unset; never share the caller's

@@ -71,7 +71,8 @@ def binding(tf_type: str, data: bool = False) -> type:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls.__init__)
+    # A class's own __init__ (mypy's misc check is for an instance's, which a subclass may have replaced).
+    return typing.get_type_hints(cls.__init__)  # type: ignore[misc]
 
 
 def _struct(hint: Any) -> tuple[type | None, bool]:
@@ -122,7 +123,7 @@ class Renderer:
 
     def _token(self, address: str, attribute: str) -> str:
         if address.startswith("var."):
-            return typing.cast(str, self.local[address].string_value)  # type: ignore[attr-defined]
+            return typing.cast(str, self.local[address].string_value)
         node: Any = self.local.get(address) or self.constructs.get(address)
         if node is None:
             raise SynthError(f"a value refers to {address}, which is not declared")
@@ -186,7 +187,8 @@ class Renderer:
         overrides: dict[str, Any] = {}
         if entry["naming"] == "pulumi":
             args = dict(entry["args"])
-            if "name" not in args and "name" in inspect.signature(cls.__init__).parameters:
+            # cls is a class: its own __init__ (as in _hints).
+            if "name" not in args and "name" in inspect.signature(cls.__init__).parameters:  # type: ignore[misc]
                 # Pulumi names this resource itself (its name plus a random suffix); Terraform gets that name
                 # without the suffix rather than a random one of its own.
                 args["name"] = entry["autoname"]

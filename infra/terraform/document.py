@@ -121,9 +121,10 @@ def _set_path(state: dict[str, Any], path: str, value: Any) -> None:
     *parents, leaf = path.split(".")
     node = state
     for key in parents:
-        node = node.get(key)
-        if not isinstance(node, dict):
+        child = node.get(key)
+        if not isinstance(child, dict):
             return  # not in this resource (the cluster's DNS endpoint, say)
+        node = child
     if leaf in node:
         node[leaf] = value
 
@@ -148,6 +149,7 @@ class TerraformMocks(PlanMocks):
             _set_path(state, path, ref(address, path))
         return ref(address, "id"), state
 
+    # A plain dict, as mockrun.PlanMocks.call returns (MockMonitor.Invoke cannot take (result, None)).
     def call(self, args: pmocks.MockCallArgs) -> dict[str, Any]:  # type: ignore[override]
         out = super().call(args)
         type_ = DATA_SOURCES.get(args.token)
@@ -260,7 +262,8 @@ def _manifest_entry(resource: Resource) -> tuple[dict[str, Any], list[dict[str, 
 
 
 def _lifecycle(resource: Resource) -> dict[str, Any]:
-    opts, life = resource.options, {}
+    opts = resource.options
+    life: dict[str, Any] = {}
     # Terraform has no retain-on-delete: a resource that must outlive the stack refuses `destroy` instead, until it
     # is taken out of the state (the README says how).
     if opts.get("protect") or opts.get("retainOnDelete"):
