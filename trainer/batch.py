@@ -19,6 +19,7 @@ def local_rows(sharding: NamedSharding, n_rows: int) -> list[int]:
     """Rows of a [n_rows, ...] array with this sharding that live on this process's devices."""
     rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map((n_rows,)).values():
+        assert index is not None  # typed Optional in jax, but taken from devices_indices_map (never None)
         rows.update(range(*index[0].indices(n_rows)))
     return sorted(rows)
 
@@ -36,7 +37,7 @@ def from_rows(mesh: Mesh, rows: list[int], values: np.ndarray, shape: Sequence[i
     return jax.make_array_from_callback(tuple(shape), batch_sharding(mesh, len(shape)), lambda idx: full[idx])
 
 
-def replicate(mesh: Mesh, value: np.ndarray) -> jax.Array:
+def replicate(mesh: Mesh, value: np.ndarray | np.generic) -> jax.Array:
     """The same host value on every device (every process must pass the same value)."""
     arr = np.asarray(value)
     return jax.make_array_from_callback(arr.shape, replicated(mesh), lambda idx: arr[idx])

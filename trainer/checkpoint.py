@@ -122,7 +122,7 @@ class Checkpointer:
         state, meta, reason = self._attempt(target, step)
         if reason is not None:
             raise CheckpointDamaged(step, reason)
-        return state, meta  # type: ignore[return-value]
+        return state, meta  # type: ignore[return-value]  # meta is set when reason is None
 
     def resume(self, target: Any) -> tuple[Any, Meta, list[SetAside]] | None:
         """The newest intact step (None if there is no step at all), and the damaged newer ones, now moved aside.
@@ -134,7 +134,7 @@ class Checkpointer:
         for step in sorted(_step_folders(self.directory), reverse=True):  # not all_steps(): it skips unfinished saves
             state, meta, reason = self._attempt(target, step)
             if reason is None:
-                return state, meta, self._set_aside(damaged)  # type: ignore[return-value]
+                return state, meta, self._set_aside(damaged)  # type: ignore[return-value]  # meta is set here
             damaged.append((step, reason))
         if len(damaged) == 1 and damaged[0][1] == _UNFINISHED:
             # One save runs at a time and each resume moves an unfinished one aside: no save ever finished here.
@@ -251,7 +251,7 @@ class _AbandonedReads(logging.Filter):
             else:
                 previous(unraisable)
 
-        hook.drops_abandoned_reads = True  # type: ignore[attr-defined]
+        hook.drops_abandoned_reads = True  # type: ignore[attr-defined]  # a marker on the function, read by getattr
         sys.unraisablehook = hook
         logging.getLogger("asyncio").addFilter(_ABANDONED_READS)
 

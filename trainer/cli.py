@@ -83,7 +83,7 @@ def check_cpu_mesh(cfg: TrainConfig) -> None:
     before the run starts (only the CPU backend is started here, which prints nothing)."""
     import jax
 
-    if jax.config.jax_platforms != "cpu":
+    if jax.config.jax_platforms != "cpu":  # type: ignore[attr-defined]  # an option jax sets at run time
         return  # TPU/GPU or undecided: train() checks the mesh against whatever backend JAX picks
     n = jax.device_count()
     axes = cfg.mesh.axes()

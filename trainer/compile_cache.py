@@ -79,12 +79,12 @@ class Counts:
                 return
             cls._installed = True
 
-        def on_event(name: str, **_kw: object) -> None:
-            if name == _HIT_EVENT:
+        def on_event(event: str, **_kw: str | int) -> None:
+            if event == _HIT_EVENT:
                 cls._hits += 1
 
-        def on_duration(name: str, _secs: float, **_kw: object) -> None:
-            if name == _COMPILE_EVENT:
+        def on_duration(event: str, duration_secs: float, **_kw: str | int) -> None:
+            if event == _COMPILE_EVENT:
                 cls._compiles += 1
 
         jax.monitoring.register_event_listener(on_event)

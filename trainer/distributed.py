@@ -158,7 +158,8 @@ def cpu_only_host(env: Mapping[str, str] | None = None) -> bool:
     import jax
 
     env = os.environ if env is None else env
-    if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
+    # jax's Config sets its options as attributes at run time: no declaration for mypy to read.
+    if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:  # type: ignore[attr-defined]
         return False
     return not _visible_accelerator(env)
 

@@ -663,6 +663,7 @@ def fit_service(
     m = cfg.model_cfg
     est = E.service_state(cfg, lay)
     svc = cfg.service
+    assert svc is not None and cfg.lora is not None  # checked above; _resolve_mesh keeps both
     report = FitReport(
         title=title, target=target, model=source, params=param_count(m), param_dtype=m.param_dtype,
         compute_dtype=cfg.compute_dtype, mesh={k: getattr(cfg.mesh, k) for k in ("slices", "fsdp", "tensor")},
@@ -674,9 +675,9 @@ def fit_service(
             longest_datum=E.service_longest_datum(cfg, progs.data_parallel), passes={ps.name: ps.kind for ps in passes},
             base=base_b, stack=stack_b, stack_params=est.stack_params, base_estimate=int(est.base),
             stack_estimate=int(est.stack)))
-    for ps, p in zip([*passes, None], programs, strict=True):
+    for pass_, p in zip([*passes, None], programs, strict=True):
         if p.skipped is None:
-            report.suggestions[p.name] = estimate_service_savings(p, ps, cfg, service_suggestions(ps, cfg))
+            report.suggestions[p.name] = estimate_service_savings(p, pass_, cfg, service_suggestions(pass_, cfg))
     return report
 
 

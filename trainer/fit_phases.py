@@ -197,7 +197,8 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
     kv_sh = NamedSharding(mesh, kv_spec)
     kv_fmt = Format(Layout.AUTO, kv_sh)
     kv = sds((mcfg.n_layers, c, P + N, mcfg.n_kv_heads, mcfg.head_dim), dt, kv_sh)
-    cache = M.KVCache(kv, kv, sds((c, P + N), bool, b2))
+    # KVCache as a tree of ShapeDtypeStructs, and below of layouts (its fields are typed as the arrays).
+    cache = M.KVCache(kv, kv, sds((c, P + N), bool, b2))  # type: ignore[arg-type]
     eos = jnp.asarray(0, jnp.int32)
 
     def decode(w: Any, cache: M.KVCache, logits_CV: Any, keys_C: Any, i_C: Any, n_prompt_C: Any, *rest: Any) -> Any:
@@ -214,7 +215,7 @@ def phases(cfg: TrainConfig, mesh: Any) -> list[Phase]:
     v_sh = NamedSharding(mesh, logical_to_spec(("batch", "vocab"), (c, mcfg.vocab_size), mesh, rules))
     args = (weights, cache, sds((c, mcfg.vocab_size), jnp.float32, v_sh), keys, sds((c,), jnp.int32, b1),
             sds((c,), jnp.int32, b1), *lora, *slot_arg(c))
-    fmt = M.KVCache(kv_fmt, kv_fmt, b2)
+    fmt = M.KVCache(kv_fmt, kv_fmt, b2)  # type: ignore[arg-type]
     in_fmt = (w_fmt, fmt, *(a.sharding for a in args[2:6]), *lora_sh, *(a.sharding for a in slot_arg(c)))
     jitted = jax.jit(decode, in_shardings=in_fmt, out_shardings=(v_sh, fmt, None), donate_argnums=(1,))
     out.append(Phase("decode", jitted, args, runs["decode"], decode_blocks(cfg), mesh))

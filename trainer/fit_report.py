@@ -45,6 +45,7 @@ class Target:
             tpu_type=gen.name, topology=shape.topology, slices=slices, chips_per_slice=shape.chips,
             hbm_bytes_per_chip=gen.hbm_gib_per_chip << 30, peak_flops_per_chip=gen.peak_bf16_tflops_per_chip * 1e12,
             hbm_bytes_per_s_per_chip=gen.hbm_gbps_per_chip * 1e9,
+            # 1 to 3 dims, padded to 3: a tuple of 3 ints that mypy sees as tuple[int, ...].
             host_bounds=None if shape.multi_host else (*dims, *(1,) * (3 - len(dims))),  # type: ignore[arg-type]
         )
 
@@ -516,6 +517,7 @@ class FitReport:
                        "chips")
         for p in self.failures:
             libtpu = p.oom_available is not None and p.oom_available != self.hbm_limit
+            # libtpu: oom_available is not None.
             avail = f"{_gib(p.oom_available)} available (libtpu)" if libtpu else self.hbm_basis  # type: ignore[arg-type]
             src = "the compiler ran out of HBM" if p.oom_message is not None else "peak exceeds it"
             unparsed = p.oom_message is not None and p.oom_required is None

@@ -304,7 +304,7 @@ def model_config_from_hf(hf: Mapping[str, Any], param_dtype: str = "float32") ->
         qk_norm=model_type == "qwen3",
         qkv_bias=model_type == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        param_dtype=param_dtype,  # type: ignore[arg-type]
+        param_dtype=param_dtype,
         max_seq_len=max_pos,
         family=model_type,
         **_rope_settings(dict(hf, max_position_embeddings=max_pos)),

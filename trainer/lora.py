@@ -398,7 +398,7 @@ def put_slot(stack: Params, lcfg: LoraConfig, slot: int | jax.Array, single: Par
     return jax.tree_util.tree_map_with_path(place, stack)
 
 
-def _set_slot(x: jax.Array, axis: int, slot: int, value: jax.Array) -> jax.Array:
+def _set_slot(x: jax.Array, axis: int, slot: int | jax.Array, value: jax.Array) -> jax.Array:
     index = (slice(None),) * axis + (slot,)
     return jnp.asarray(x).at[index].set(value)
 

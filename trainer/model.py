@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -338,7 +338,7 @@ def packed_attention(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, le
         spec = jax.sharding.PartitionSpec(rows, None, heads, None)
         q_BTHE, k_BTKE, v_BTKE = (jax.lax.with_sharding_constraint(x, spec) for x in (q_BTHE, k_BTKE, v_BTKE))
     cudnn = jax.default_backend() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16)  # its dtypes
-    impl = "cudnn" if cudnn else "xla"
+    impl: Literal["cudnn", "xla"] = "cudnn" if cudnn else "xla"
     out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, query_seq_lengths=lengths_B,
                                        key_value_seq_lengths=lengths_B, implementation=impl)
     live_BT = jnp.arange(q_BTHE.shape[1])[None, :] < lengths_B[:, None]
@@ -397,7 +397,7 @@ def _layer(
             return token_dense(x, p[key])
         y = jnp.einsum(spec, x, p[key])
         if lora is not None and key in lora:
-            y = y + lora_delta(x, lora[key], gate_BS, key)  # type: ignore[arg-type]
+            y = y + lora_delta(x, lora[key], gate_BS, key)  # type: ignore[arg-type]  # gate_BS comes with lora
         return y
 
     h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
@@ -606,7 +606,7 @@ def forward(
     rope_tab = rope_tables(positions_BT, cfg, dt)
 
     # The cache rides in the carry (updated in place); the layers' weights are the scanned inputs.
-    def body(carry: tuple[jax.Array, Any], xs: tuple[Params, Params | None, jax.Array]) -> tuple[Any, None]:
+    def body(carry: tuple[jax.Array, Any], xs: tuple[Params, Params | None, jax.Array | int]) -> tuple[Any, None]:
         x, kv = carry
         p, lp, layer = xs
         lp = None if lp is None else cast_weights(lp, dt)
@@ -634,7 +634,7 @@ def forward(
     if kind == "cudnn":  # back to the rows' own order
         x_BTD = jnp.take_along_axis(x_BTD, back_BT[:, :, None], axis=1)
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
-    new_cache = None if cache is None else KVCache(kv_out[0], kv_out[1], valid_BS)
+    new_cache = None if cache is None or kv_out is None else KVCache(kv_out[0], kv_out[1], valid_BS)
     return x_BTD, new_cache
 
 
@@ -650,6 +650,7 @@ def logits_from_head(w: jax.Array, cfg: ModelConfig, x_BTD: jax.Array, head_lora
     spec = "btd,vd->btv" if cfg.tie_embeddings else "btd,dv->btv"
     out = jnp.einsum(spec, x_BTD, w.astype(x_BTD.dtype), preferred_element_type=f32)
     if head_lora is not None:
+        # gate_BS comes with head_lora (the callers pass both or neither).
         out = out + lora_delta(x_BTD, head_lora, gate_BS, "lm_head").astype(f32)  # type: ignore[arg-type]
     return constrain(out, ("batch", "seq", "vocab"))
 

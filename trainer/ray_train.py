@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from trainer.config import ConfigError, TrainConfig, config_from_dict, resolve_mesh
 
@@ -248,14 +248,14 @@ def _worker_failures(err: BaseException) -> list[tuple[int, BaseException]]:
     if not isinstance(failures, dict):
         return []
     # Ray wraps a worker's exception with its traceback text; the original is kept as `_base_exc`.
-    return [(rank, getattr(e, "_base_exc", e)) for rank, e in sorted(failures.items())]
+    return [(rank, cast(BaseException, getattr(e, "_base_exc", e))) for rank, e in sorted(failures.items())]
 
 
 def config_error_of(err: BaseException) -> ConfigError | None:
     """The ConfigError every failed worker raised, if that is what ended the run."""
     failures = [e for _, e in _worker_failures(err)]
     if failures and all(isinstance(e, ConfigError) for e in failures):
-        return failures[0]  # type: ignore[return-value]
+        return failures[0]  # type: ignore[return-value]  # all() above found each a ConfigError
     return None
 
 

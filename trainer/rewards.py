@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 RewardFn = Callable[..., list[float]]
@@ -127,7 +127,7 @@ def get_reward(name: str) -> RewardFn:
 
 
 def compute_rewards(
-    names: Sequence[str], prompts: Sequence[str], completions: Sequence[str], fields: dict[str, Sequence[Any]]
+    names: Sequence[str], prompts: Sequence[str], completions: Sequence[str], fields: Mapping[str, Sequence[Any]]
 ) -> dict[str, list[float]]:
     """Score a batch with each named reward; the total is their sum (the caller adds them up)."""
     if len(prompts) != len(completions):

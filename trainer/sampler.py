@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,32 +167,32 @@ def sample(
     its own token limit, at most `max_new_tokens`.
     """
     B, P = prompt_BP.shape
-    kw = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k,
-              top_p=top_p, cc=cc)
+    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature,
+                              top_k=top_k, top_p=top_p, cc=cc)
     rows_B = jnp.arange(B, dtype=jnp.int32)
     c = min(max_num_sequences or B, B)
     gate_BS = None if adapter is None else adapter.gate_BS
     if c == B:
-        return _sample_rows(params, cfg, prompt_BP, prompt_valid_BP, rows_B, key, adapter, per_row,
-                            **kw)  # type: ignore[arg-type]
+        return _sample_rows(params, cfg, prompt_BP, prompt_valid_BP, rows_B, key, adapter, per_row, **kw)
     if B % c:
         raise ValueError(f"max_num_sequences={c} must divide the batch of {B} rows")
     n = B // c
     if continuous:
         return _sample_continuous(params, cfg, prompt_BP, prompt_valid_BP, key, adapter, per_row, slots=c,
-                                  refill_rows=refill_rows, **kw)  # type: ignore[arg-type]
+                                  refill_rows=refill_rows, **kw)
 
     def one(xs: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, RowSettings | None]) -> Samples:
         prompt, valid, rows, gate, settings = xs
+        # gate is None only without an adapter.
         chunk_adapter = None if adapter is None else Adapter(adapter.weights, gate)  # type: ignore[arg-type]
-        return _sample_rows(params, cfg, prompt, valid, rows, key, chunk_adapter, settings,
-                            **kw)  # type: ignore[arg-type]
+        return _sample_rows(params, cfg, prompt, valid, rows, key, chunk_adapter, settings, **kw)
 
     gate_n = None if gate_BS is None else split_strided(gate_BS, n)
     per_row_n = None if per_row is None else RowSettings(*(split_strided(x, n) for x in per_row))
     out = jax.lax.map(one, (*(split_strided(x, n) for x in (prompt_BP, prompt_valid_BP, rows_B)), gate_n,
                             per_row_n))
-    return Samples(*(join_strided(x) for x in out[:3]), jnp.sum(out.steps))
+    tokens_BN, logprobs_BN, mask_BN = (join_strided(x) for x in out[:3])
+    return Samples(tokens_BN, logprobs_BN, mask_BN, jnp.sum(out.steps))
 
 
 def refill_size(refill_rows: int, slots: int) -> int:
@@ -250,11 +250,12 @@ def prefill(params: Params, cfg: ModelConfig, prompt_BP: jax.Array, valid_BP: ja
     B, _ = prompt_BP.shape
     x_BPD, cache = forward(params, cfg, prompt_BP, valid_BP, cache=init_cache(cfg, B, cache_len, cc), index=0, cc=cc,
                            adapter=adapter)
+    # forward returns a cache (KVCache | None) when it is given one.
     return logits(params, cfg, x_BPD[:, -1:], adapter)[:, 0], cache  # type: ignore[return-value]
 
 
 def decode_step(params: Params, cfg: ModelConfig, tok_B: jax.Array, live_B: jax.Array, pos_B: jax.Array,
-                slot: jax.Array, cache: KVCache, cc: ComputeConfig, adapter: Adapter | None
+                slot: jax.Array | int, cache: KVCache, cc: ComputeConfig, adapter: Adapter | None
                 ) -> tuple[jax.Array, KVCache]:
     """One token per row into cache slot `slot` (one for all rows, or one per row) at RoPE position pos_B; a row
     that is not live writes an invalid slot, which nothing attends to. Returns the next logits and the cache.
@@ -263,6 +264,7 @@ def decode_step(params: Params, cfg: ModelConfig, tok_B: jax.Array, live_B: jax.
     exactly that many (unrolled), and `lax.switch` runs the one this step needs: no loop inside the step."""
 
     def run(cache: KVCache) -> tuple[jax.Array, KVCache]:
+        # forward returns a cache (KVCache | None) when it is given one.
         x_B1D, cache = forward(params, cfg, tok_B[:, None], live_B[:, None], pos_B[:, None], cache=cache,  # type: ignore[assignment]
                                index=slot, cc=cc, adapter=adapter)
         return logits(params, cfg, x_B1D, adapter)[:, 0], cache
@@ -406,6 +408,7 @@ def _sample_continuous(
     gate_BS = None if adapter is None else adapter.gate_BS
 
     def adapter_for(rows: jax.Array) -> Adapter | None:
+        # gate_BS is None only without an adapter.
         return None if adapter is None else Adapter(adapter.weights, gate_BS[jnp.minimum(rows, B - 1)])  # type: ignore[index]
 
     first_C = queue_Q[:C]

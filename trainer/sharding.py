@@ -105,7 +105,7 @@ class MeshJit:
             return self.jitted.lower(*args, **kw)
 
 
-def _mesh_size(mesh: Mesh, axes: MeshAxes) -> int:
+def _mesh_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: MeshAxes) -> int:
     if axes is None:
         return 1
     names = (axes,) if isinstance(axes, str) else axes
@@ -114,7 +114,7 @@ def _mesh_size(mesh: Mesh, axes: MeshAxes) -> int:
 
 def data_size(mesh: Mesh | jax.sharding.AbstractMesh) -> int:
     """Devices the batch is split over (slices x fsdp): the data-parallel groups."""
-    return _mesh_size(mesh, DATA_AXES)  # type: ignore[arg-type]
+    return _mesh_size(mesh, DATA_AXES)
 
 
 def kernel_shard_axes(mesh: Mesh | jax.sharding.AbstractMesh, rows: int, q_heads: int, kv_heads: int
@@ -129,7 +129,7 @@ def kernel_shard_axes(mesh: Mesh | jax.sharding.AbstractMesh, rows: int, q_heads
 def logical_to_spec(
     logical: Sequence[str | None],
     shape: Sequence[int] | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | jax.sharding.AbstractMesh | None = None,
     rules: Sequence[tuple[str, MeshAxes]] = RULES,
 ) -> P:
     """Map logical axis names to a PartitionSpec via `rules` (default RULES).
@@ -223,5 +223,5 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = logical_to_spec(logical, x.shape, mesh)  # type: ignore[arg-type]
+    spec = logical_to_spec(logical, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, spec)

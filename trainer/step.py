@@ -258,7 +258,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
 
     batch_sh = {k: b2 for k in BATCH_KEYS} | ({"slot": b1} if lcfg is not None else {})
     sample_in = (param_sh, b2, b2, rep, rep) + ((b1,) if lcfg is not None else ())
-    sample_kw = dict(in_shardings=sample_in, out_shardings=Samples(b2, b2, b2, rep))
+    # Samples as a tree of shardings, not of arrays.
+    sample_kw: dict[str, Any] = dict(in_shardings=sample_in, out_shardings=Samples(b2, b2, b2, rep))  # type: ignore[arg-type]
     sample_jit = jax.jit(sample_fn, **sample_kw) if smesh is mesh else MeshJit(smesh, sample_fn, **sample_kw)
     # The reference policy: the initial weights, which with lora are the base model alone (fresh adapters are 0).
     ref_jit = jax.jit(lambda p, b: logprobs(p, b, with_adapter=False)[0], in_shardings=(param_sh, batch_sh),
@@ -268,6 +269,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
                          out_shardings=(param_sh, opt_sh, rep), donate_argnums=(0, 1))
 
     def fresh_lora(key: jax.Array) -> M.Params:
+        # Called only with lora (lcfg is not None).
         return L.init_lora(mcfg, lcfg, jax.random.fold_in(key, LORA_STREAM))  # type: ignore[arg-type]
 
     def fresh(key: jax.Array) -> M.Params:

@@ -115,8 +115,8 @@ class HFTokenizer:
             # Token strings in tokenizer_config.json win: they describe this tokenizer, while
             # config.json ids can belong to a base model whose chat EOS differs.
             content = _token_content(tcfg.get(f"{name}_token"))
-            if content is not None and tok.token_to_id(content) is not None:
-                return int(tok.token_to_id(content))
+            if content is not None and (tid := tok.token_to_id(content)) is not None:
+                return int(tid)
             for cfg in (mcfg, gcfg):
                 tid = _first_id(cfg.get(f"{name}_token_id"))
                 if tid is not None:
@@ -126,8 +126,8 @@ class HFTokenizer:
         eos = resolve("eos")
         if eos is None:
             for cand in _EOS_FALLBACKS:
-                if tok.token_to_id(cand) is not None:
-                    eos = int(tok.token_to_id(cand))
+                if (tid := tok.token_to_id(cand)) is not None:
+                    eos = int(tid)
                     break
         if eos is None:
             raise ValueError(

@@ -175,7 +175,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     key_arr = replicate(mesh, key_data)
     logger = MetricsLogger(run_dir, cfg.steps, start, enabled=primary, progress=cfg.progress, log_every=cfg.log_every)
     own_stop = stop is None
-    stop = (stop or StopFlag()).install() if own_stop else stop
+    stop = StopFlag().install() if stop is None else stop
     B, P, R = cfg.batch_size, cfg.prompt_len, len(data.reward_names)
     rows = process_rows(mesh, B)
     records: list[dict[str, Any]] = []
@@ -190,7 +190,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             prompt = from_rows(mesh, rows, prompt_np, (B, P))
             prompt_valid = from_rows(mesh, rows, valid_np, (B, P))
             G = cfg.rl.group_size
-            slot = () if lcfg is None else (from_rows(mesh, rows, _slots(examples, rows, G, lcfg.slots), (B,)),)
+            slot: tuple[jax.Array, ...] = (
+                () if lcfg is None else (from_rows(mesh, rows, _slots(examples, rows, G, lcfg.slots), (B,)),))
             with jax.set_mesh(mesh):
                 samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)),
                                           *slot)
