@@ -26,6 +26,7 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import jax
 import numpy as np
+from numpy.typing import ArrayLike
 
 from trainer import model as M
 from trainer.config import LoraConfig, TrainConfig
@@ -77,7 +78,7 @@ class DeviceState:
             self.params = init(jax.random.PRNGKey(cfg.seed))
         else:
             self.params = jax.tree.map(
-                lambda x, sh: jax.make_array_from_callback(np.shape(x), sh, lambda idx, x=x: np.asarray(x)[idx]),
+                lambda x, sh: jax.make_array_from_callback(np.shape(x), sh, lambda idx: np.asarray(x)[idx]),
                 params_host, progs.param_sh)
         self.lora = progs.zeros_like_stack()
         self.m = progs.zeros_like_stack()
@@ -135,7 +136,7 @@ class DeviceState:
 
     @_op
     def sample(self, prompt_BP: np.ndarray, valid_BP: np.ndarray, slot_B: np.ndarray, key_data: np.ndarray,
-               per_row: tuple[np.ndarray, ...], static: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               per_row: tuple[ArrayLike, ...], static: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """per_row: a RowSettings of NumPy arrays (each row's temperature, top-k, top-p, stop ids, token limit);
         static: (the token bucket, the pad id, the chunk), the only values that pick a program."""
         put = self.progs.put

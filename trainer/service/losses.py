@@ -455,7 +455,8 @@ def pack_rows(
             out["sampling_logprobs"][i, :n] = row.provenance.logprobs
             out["ratio_mask"][i, :n] = row.provenance.sampled
             out["clip_high"][i, :n] = config.clip_high  # C, whatever per-token clips the datum carries
-    inputs = LossInputs(loss_id=ids, beta=beta, **out)  # numpy arrays; jax.jit takes them as they are
+    # numpy arrays; jax.jit takes them as they are (the fields are typed as the jax arrays they become).
+    inputs = LossInputs(loss_id=ids, beta=beta, **out)  # type: ignore[arg-type]
     return Packed(inputs=inputs, targets=targets, lengths=lengths)
 
 

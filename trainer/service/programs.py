@@ -76,7 +76,7 @@ class EnginePrograms:
     sample: Any
     prompt_topk: Any
 
-    def put(self, value: np.ndarray, *, batch: bool = False) -> jax.Array:
+    def put(self, value: np.ndarray | np.generic, *, batch: bool = False) -> jax.Array:
         """A host array as a global array: rows over the data axes (batch) or replicated. Every process passes the
         same value (process 0's work, broadcast)."""
         arr = np.asarray(value)
@@ -112,8 +112,9 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
     lora_sh = named_shardings(mesh, L.lora_axes(mcfg, stack), lora_abstract, rules)
     rep = replicated(mesh)
     b1, b2 = batch_sharding(mesh, 1), batch_sharding(mesh, 2)
-    inputs_sh = LossInputs(loss_id=b1, mask=b2, weights=b2, sampling_logprobs=b2, advantages=b2, ratio_mask=b2,
-                           clip_low=b2, clip_high=b2, beta=b1)
+    # LossInputs, RowSettings and Samples below as trees of shardings (their fields are typed as the arrays).
+    inputs_sh = LossInputs(loss_id=b1, mask=b2, weights=b2, sampling_logprobs=b2, advantages=b2, ratio_mask=b2,  # type: ignore[arg-type]
+                           clip_low=b2, clip_high=b2, beta=b1)  # type: ignore[arg-type]
     data_parallel = data_size(mesh)
 
     def logp(params: Any, lora: Any, scale_S: jax.Array, tokens_BT: jax.Array, slot_B: jax.Array,
@@ -197,8 +198,8 @@ def _build(mcfg: ModelConfig, cc: Any, stack: LoraConfig, mesh: Mesh, rules: tup
                            out_shardings=(lora_sh, lora_sh, lora_sh, lora_sh, rep), donate_argnums=(0, 1, 2, 3)),
         put_slot=jit(L.put_slot, static_argnums=(1, 4), donate_argnums=(0,), out_shardings=lora_sh),
         take_slot=jit(take_slot, out_shardings=rep),
-        sample=jit(sample_rows, in_shardings=(param_sh, lora_sh, rep, b2, b2, b1, rep, RowSettings(b1, b1, b1, b2, b1)),
-                   out_shardings=Samples(rep, rep, rep, rep), static_argnums=(8, 9, 10)),
+        sample=jit(sample_rows, in_shardings=(param_sh, lora_sh, rep, b2, b2, b1, rep, RowSettings(b1, b1, b1, b2, b1)),  # type: ignore[arg-type]
+                   out_shardings=Samples(rep, rep, rep, rep), static_argnums=(8, 9, 10)),  # type: ignore[arg-type]
         prompt_topk=jit(prompt_topk, in_shardings=(param_sh, lora_sh, rep, b2, b1, b2), out_shardings=(rep, rep),
                         static_argnums=(6,)),
     )
@@ -235,9 +236,10 @@ def abstract_args(progs: EnginePrograms, rows: int, length: int) -> dict[str, tu
     rep = replicated(progs.mesh)
     b1, b2 = batch_sharding(progs.mesh, 1), batch_sharding(progs.mesh, 2)
     bt = (rows, length)
-    inputs = LossInputs(loss_id=sds((rows,), jnp.int32, b1), mask=sds(bt, f32, b2), weights=sds(bt, f32, b2),
-                        sampling_logprobs=sds(bt, f32, b2), advantages=sds(bt, f32, b2), ratio_mask=sds(bt, f32, b2),
-                        clip_low=sds(bt, f32, b2), clip_high=sds(bt, f32, b2), beta=sds((rows,), f32, b1))
+    # LossInputs as a tree of ShapeDtypeStructs (its fields are typed as the arrays).
+    inputs = LossInputs(loss_id=sds((rows,), jnp.int32, b1), mask=sds(bt, f32, b2), weights=sds(bt, f32, b2),  # type: ignore[arg-type]
+                        sampling_logprobs=sds(bt, f32, b2), advantages=sds(bt, f32, b2), ratio_mask=sds(bt, f32, b2),  # type: ignore[arg-type]
+                        clip_low=sds(bt, f32, b2), clip_high=sds(bt, f32, b2), beta=sds((rows,), f32, b1))  # type: ignore[arg-type]
     scale = sds((progs.stack.slots,), f32, rep)
     fb = (params, lora, lora, scale, sds(bt, jnp.int32, b2), sds((rows,), jnp.int32, b1), sds(bt, jnp.int32, b2),
           inputs)

@@ -280,10 +280,11 @@ def json_result(model: pydantic.BaseModel | Mapping[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-_PB_DTYPE: Final[Mapping[str, int]] = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64, "int32": pb.DTYPE_INT32}
+_PB_DTYPE: Final[Mapping[str, pb.DType.ValueType]] = {
+    "float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64, "int32": pb.DTYPE_INT32}
 
 
-def _pb_dtype(arr: np.ndarray) -> int:
+def _pb_dtype(arr: np.ndarray) -> pb.DType.ValueType:
     if arr.dtype.name not in _PB_DTYPE:
         raise ValueError(f"output arrays must be float32, int64 or int32, not {arr.dtype}")
     return _PB_DTYPE[arr.dtype.name]

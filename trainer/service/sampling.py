@@ -49,5 +49,6 @@ def row_settings(sp: types.SamplingParams, rows: int, stop_ids: Sequence[int], v
     stop_BS = np.full((rows, MAX_STOP_IDS), -1, np.int32)
     stop_BS[:, :len(stop_ids)] = np.asarray(stop_ids, np.int32)
     top_k = sp.top_k if 0 < sp.top_k < vocab_size else 0
-    return RowSettings(np.full(rows, sp.temperature, np.float32), np.full(rows, top_k, np.int32),
-                       np.full(rows, sp.top_p, np.float32), stop_BS, np.full(rows, sp.max_tokens, np.int32))
+    # NumPy arrays in RowSettings' fields, which are typed as the jax arrays they become (DeviceState.sample).
+    return RowSettings(np.full(rows, sp.temperature, np.float32), np.full(rows, top_k, np.int32),  # type: ignore[arg-type]
+                       np.full(rows, sp.top_p, np.float32), stop_BS, np.full(rows, sp.max_tokens, np.int32))  # type: ignore[arg-type]

@@ -81,7 +81,7 @@ def str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
 def sdk_checkpoint(row: Checkpoint) -> types.Checkpoint:
     return types.Checkpoint(
         checkpoint_id=row.checkpoint_id,
-        checkpoint_type=row.kind,  # type: ignore[arg-type]
+        checkpoint_type=row.kind,
         time=row.created_at,
         tinker_path=row.tinker_path,
         size_bytes=row.size_bytes,

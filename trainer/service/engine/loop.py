@@ -80,6 +80,7 @@ from trainer.service.passes import datum_length, datums_per_pass, service_longes
 from trainer.service.slots import SlotTable
 from trainer.service.store import (
     ENGINE_HEARTBEAT_S,
+    ErrorCategory,
     NotFound,
     Request,
     Store,
@@ -102,8 +103,9 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
         self.cfg, self.state, tok_dir = prepare(cfg)
         self.leader = device.Leader()
         self.state.leader = self.leader  # every device op is sent to the followers first
-        self.service = self.cfg.service
-        assert self.service is not None
+        service = self.cfg.service
+        assert service is not None
+        self.service = service
         self.progs = self.state.progs
         self.mcfg = self.state.mcfg
         self.stack = self.state.stack
@@ -294,8 +296,8 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
         if out.then is not None:
             out.then()
 
-    def _fail(self, row: Request, message: str, category: str) -> None:
-        self.store.fail(row.request_id, message, category=category, worker_id=self.worker_id)  # type: ignore[arg-type]
+    def _fail(self, row: Request, message: str, category: ErrorCategory) -> None:
+        self.store.fail(row.request_id, message, category=category, worker_id=self.worker_id)
 
     def housekeeping(self) -> None:
         """Give back the slots of models whose session finished or went quiet; delete expired checkpoints' files."""

@@ -61,7 +61,7 @@ class Sampler(EnginePart):
         if isinstance(stop, str):
             stop = [stop]
         if all(isinstance(s, int) for s in stop):
-            return tuple(int(s) for s in stop), ()  # type: ignore[arg-type]
+            return tuple(int(s) for s in stop), ()
         if self.tokenizer is None:
             raise UserError("stop strings need the model's tokenizer, which this server does not have; pass token ids")
         return self.eos_ids, tuple(str(s) for s in stop)

@@ -38,6 +38,7 @@ from trainer.service.engine.common import (
 )
 from trainer.service.slots import Slot
 from trainer.service.store import (
+    CheckpointKind,
     Conflict,
     NotFound,
     Request,
@@ -136,16 +137,16 @@ class SnapshotWriter(EnginePart):
                 if slot.storage_path == storage_path:
                     self.slots.release(slot.index)
 
-    def _record(self, row: Request, name: str, kind: str, path: Path, req: Any, result: bytes,
+    def _record(self, row: Request, name: str, kind: CheckpointKind, path: Path, req: Any, result: bytes,
                 sampler_seq_id: int | None = None) -> Outcome:
         """Add the checkpoint row and complete the request in one transaction; on overwrite the files it replaces are
         deleted, on a conflict ours are."""
         previous = None
         with contextlib.suppress(NotFound):
-            previous = self.store.get_checkpoint(row.owner_id, tinker_path(row.model_id or "", kind, name))  # type: ignore[arg-type]
+            previous = self.store.get_checkpoint(row.owner_id, tinker_path(row.model_id or "", kind, name))
         try:
             ckpt = self.store.add_checkpoint(
-                row.owner_id, row.model_id or "", name, kind, str(path), size_bytes=_dir_size(path),  # type: ignore[arg-type]
+                row.owner_id, row.model_id or "", name, kind, str(path), size_bytes=_dir_size(path),
                 ttl_seconds=req.ttl_seconds, overwrite=getattr(req, "overwrite", False),
                 user_metadata=getattr(req, "user_metadata", None), sampler_seq_id=sampler_seq_id,
                 completes=(row.request_id, self.worker_id, result))
@@ -155,7 +156,7 @@ class SnapshotWriter(EnginePart):
         except ValueError:
             self._remove_files(str(path))
             raise
-        assert ckpt.tinker_path == tinker_path(row.model_id or "", kind, name)  # type: ignore[arg-type]
+        assert ckpt.tinker_path == tinker_path(row.model_id or "", kind, name)
         then = None
         if previous is not None and previous.storage_path != str(path):
             then = lambda: self._remove_files(previous.storage_path)  # noqa: E731

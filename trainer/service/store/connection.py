@@ -70,8 +70,10 @@ class Page(Generic[T]):
 
 
 
-def _sqlstate(err: BaseException) -> str | None:
+def _sqlstate(err: BaseException | None) -> str | None:
     """The SQLSTATE of a DBAPI error: psycopg's `sqlstate`; pg8000 passes the server's fields as a dict (C: code)."""
+    if err is None:  # a DBAPIError without the driver's exception
+        return None
     if (code := getattr(err, "sqlstate", None)) is not None:
         return str(code)
     if err.args and isinstance(err.args[0], dict):
@@ -314,6 +316,7 @@ class Database:
         return Page(items=items, total=total, offset=offset, limit=limit)
 
     def _owned(self, s: Session, cls: type[T], owner_id: str, row_id: Any, what: str, *, lock: bool = False) -> T:
+        # cls is one of the owned row classes, each with id and owner_id columns (T itself declares none).
         q = select(cls).where(cls.id == row_id, cls.owner_id == owner_id)  # type: ignore[attr-defined]
         row: T | None = s.scalars(self._lock(q) if lock else q).first()
         if row is None:

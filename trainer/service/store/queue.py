@@ -359,10 +359,10 @@ class RequestQueue(Sessions):
             q = base.where(
                 Request.model_id == first.model_id,
                 Request.seq_id > first.seq_id,
-                Request.seq_id <= first.seq_id + more,  # type: ignore[operator]
+                Request.seq_id <= first.seq_id + more,  # type: ignore[operator]  # an ordered request has a seq_id
             ).order_by(Request.seq_id)
             taken: list[Request] = []
-            expected = first.seq_id + 1  # type: ignore[operator]
+            expected = first.seq_id + 1  # type: ignore[operator]  # an ordered request has a seq_id
             for row in s.scalars(self._lock(q, skip_locked=True)):
                 if row.seq_id != expected:  # a gap (not yet submitted, or another kind): the batch stops there
                     break

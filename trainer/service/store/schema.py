@@ -9,7 +9,7 @@ different releases against one database for a while, and an older one refuses a 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 from sqlalchemy import (
     JSON,
@@ -21,6 +21,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     TypeDecorator,
     UniqueConstraint,
@@ -185,6 +186,7 @@ class Checkpoint(Base):
     @property
     def checkpoint_id(self) -> str:
         """The REST form: "weights/<name>", "sampler_weights/<name>" or "external_weights/<name>"."""
+        # kind holds a CheckpointKind (the column is a plain string).
         return f"{SEGMENT_FOR_KIND[self.kind]}/{self.name}"  # type: ignore[index]
 
 
@@ -260,4 +262,5 @@ def migrate(conn: Connection, found: int) -> None:
     """Bring an older schema up to date (create_all above already added the new tables)."""
     if found < 2:  # 2: workers.base_model; the model_states table is new
         conn.execute(text("ALTER TABLE workers ADD COLUMN base_model VARCHAR(500)"))
-    conn.execute(Meta.__table__.update().where(Meta.key == "schema_version").values(value=str(SCHEMA_VERSION)))
+    meta = cast(Table, Meta.__table__)  # a declarative class's table (typed as any FromClause)
+    conn.execute(meta.update().where(Meta.key == "schema_version").values(value=str(SCHEMA_VERSION)))
