@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -41,7 +42,7 @@ def matmul_peak_flops(
             b = jax.random.normal(kb, (n, n), dtype)
             f = jax.jit(jnp.dot)
             reps = min(20, max(3, int(2e10 // (2 * n**3))))
-            seen.append((n, 2 * n**3 / timed(lambda f=f, a=a, b=b: f(a, b), repeats=reps)))
+            seen.append((n, 2 * n**3 / timed(functools.partial(f, a, b), repeats=reps)))
     best_n, best = max(seen, key=lambda x: x[1])
     return {"peak_flops": best, "best_n": best_n, "min_flops": min(f for _, f in seen), "dtype": str(jnp.dtype(dtype))}
 

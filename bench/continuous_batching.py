@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    res = {"machine": machine(), "replay": replay(), "measured": measured(args.rows, args.slots, args.new_tokens,
-                                                                          args.repeats)}
+    res: dict[str, Any] = {"machine": machine(), "replay": replay(),
+                           "measured": measured(args.rows, args.slots, args.new_tokens, args.repeats)}
     print(res["machine"])
     print("schedule replay, log-normal lengths (median max/8, sigma 1):")
     for r in res["replay"]:

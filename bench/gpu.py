@@ -21,6 +21,7 @@ cut short keeps what it measured):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -68,8 +69,8 @@ def ceilings(n: int, copy_bytes: int) -> dict[str, float]:
 
 
 def _rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
 def attention_check(B: int, T: int, H: int, K: int, E: int, repeats: int) -> dict[str, Any]:
@@ -77,11 +78,11 @@ def attention_check(B: int, T: int, H: int, K: int, E: int, repeats: int) -> dic
     keys = jax.random.split(jax.random.key(1), 3)
     q, k, v = (jax.random.normal(kk, (B, T, n, E), f32).astype(jnp.bfloat16)
                for kk, n in zip(keys, (H, K, K), strict=True))
-    valid = np.ones((B, T), bool)
-    valid[0, : T // 3] = False  # a left-padded prompt
-    valid[1 % B, T // 5: T // 3] = False  # a right-padded prompt before its completion
-    valid[2 % B, -T // 7:] = False  # a completion cut short
-    valid = jnp.asarray(valid)
+    valid_np = np.ones((B, T), bool)
+    valid_np[0, : T // 3] = False  # a left-padded prompt
+    valid_np[1 % B, T // 5: T // 3] = False  # a right-padded prompt before its completion
+    valid_np[2 % B, -T // 7:] = False  # a completion cut short
+    valid = jnp.asarray(valid_np)
     slot = jnp.arange(T)
     mask = valid[:, None, :] & (slot[None, None, :] <= slot[None, :, None])
     w = jnp.cos(jnp.arange(E, dtype=f32))
@@ -116,7 +117,7 @@ def attention_check(B: int, T: int, H: int, K: int, E: int, repeats: int) -> dic
             "grad_rel_err": {n: _rel(a, b) for n, a, b in zip("qkv", g, ref_g, strict=True)},
             "finite": bool(all(np.isfinite(np.asarray(x, np.float32)).all() for x in (got, *g))),
             "cudnn_in_program": "cudnn" in hlo.lower() and "fmha" in hlo.lower(),
-            "fwd_bwd_s": median_time(lambda prog=prog: prog(q, k, v), repeats),
+            "fwd_bwd_s": median_time(functools.partial(prog, q, k, v), repeats),
         }
     return out
 
@@ -397,15 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         "decode_gather": ({}, {"gather_weights": True}),  # one device: nothing to gather, the same copy
     }
     for name, (cc, sc) in decodes.items():
-        part(name, lambda cc=cc, sc=sc, name=name: decode_run(
-            mcfg, *dec, reps, peak, bw, cc, sc, f"{args.hlo_dir}/{name}.hlo" if args.hlo_dir else None))
+        part(name, functools.partial(
+            decode_run, mcfg, *dec, reps, peak, bw, cc, sc, f"{args.hlo_dir}/{name}.hlo" if args.hlo_dir else None))
     part("decode_step", lambda: decode_step_run(mcfg, *dec, {"decode_block": 256}, 3 if small else 20, bw))
     part("decode_profile", lambda: decode_step_run(mcfg, *dec, {}, 3 if small else 10, bw, args.trace_dir))
     part("update_cudnn_dots", lambda: update("cudnn_dots", {"attention": "cudnn", "remat": "dots"}))
     # Both attentions where the einsum's [T, T] scores fit: a quarter of the batch
     for attention in ("cudnn", "xla"):
-        part(f"update_quarter_{attention}", lambda a=attention: update(
-            f"quarter_{a}", {"attention": a, "remat": "full"}, rows // 4))
+        part(f"update_quarter_{attention}", functools.partial(
+            update, f"quarter_{attention}", {"attention": attention, "remat": "full"}, rows // 4))
     same_logp("quarter_cudnn", "quarter_xla")
     save()
     report["total_s"] = time.perf_counter() - start

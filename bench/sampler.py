@@ -4,6 +4,7 @@ for every new token, greedy, same model and batch. Run: `.venv/bin/python -m ben
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from typing import Any
 
@@ -61,8 +62,8 @@ def run(batch: int, prompt_len: int, new_tokens: list[int], repeats: int) -> dic
         )
         rc = jax.jit(lambda p, t, v, n=n: recompute_sample(p, cfg, t, v, max_new_tokens=n, pad_id=0))
         same = bool(jnp.all(kv(params, prompts, valid) == rc(params, prompts, valid)))
-        t_kv = timed(lambda kv=kv: kv(params, prompts, valid), repeats)
-        t_rc = timed(lambda rc=rc: rc(params, prompts, valid), repeats)
+        t_kv = timed(functools.partial(kv, params, prompts, valid), repeats)
+        t_rc = timed(functools.partial(rc, params, prompts, valid), repeats)
         tokens = batch * n
         rows.append(
             {

@@ -39,8 +39,8 @@ import optax
 
 # The workload, identical on both sides. A tiny Qwen3: GQA, QK-norm, tied embeddings, fp32 weights, RoPE base 1e6
 # (Tunix's Qwen3 attention always uses 1e6, whatever its config says).
-MODEL = {"vocab_size": 128, "d_model": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "head_dim": 32,
-         "d_ff": 768, "rope_theta": 1_000_000, "norm_eps": 1e-6}
+MODEL: dict[str, Any] = {"vocab_size": 128, "d_model": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4,
+                         "head_dim": 32, "d_ff": 768, "rope_theta": 1_000_000, "norm_eps": 1e-6}
 ROWS, PROMPT_LEN, NEW_TOKENS, GROUP = 16, 32, 96, 8
 LR, CLIP_NORM, B1, B2 = 1e-6, 1.0, 0.9, 0.999
 STEPS_PLANNED = 1000  # the cosine schedule's length

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import ray
 import ray.train
@@ -311,7 +312,7 @@ def main() -> None:
     log(f"ray {ray.__version__} cluster resources {ray.cluster_resources()}")
 
     cls = DataParallelTrainer if args.trainer == "dp" else JaxTrainer
-    extra = {"jax_config": CpuJaxConfig()} if args.trainer == "jaxcpu" else {}
+    extra: dict[str, Any] = {"jax_config": CpuJaxConfig()} if args.trainer == "jaxcpu" else {}
     scaling = ScalingConfig(
         num_workers=(1, 2),
         use_gpu=False,
@@ -331,7 +332,8 @@ def main() -> None:
             ray_inits_jax=args.trainer == "jaxcpu",
         ),
         scaling_config=scaling,
-        run_config=RunConfig(
+        # ray types run_config as ray.air's RunConfig (ray.train's name before Train v2); v2 takes its own.
+        run_config=RunConfig(  # type: ignore[arg-type]
             name="ray_proto",
             storage_path=os.path.join(shared, "ray_storage"),
             failure_config=FailureConfig(max_failures=3),
@@ -352,7 +354,7 @@ def main() -> None:
 
     rows = read_progress(shared)
     log("progress (step world loss):")
-    prev_t, prev_w = None, None
+    prev_t, prev_w = 0.0, None  # prev_t is read only once prev_w is set
     for s, w, loss, t in rows:
         note = ""
         if prev_w is not None and (w != prev_w or t - prev_t > 5.0):
