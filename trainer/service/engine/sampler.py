@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -142,14 +142,14 @@ class Sampler(EnginePart):
                   stop_strs: tuple[str, ...]) -> protocol.SampledOutput:
         k = int(mask.sum())
         toks, lps = tokens[:k], logprobs[:k]
-        reason = "stop" if k and int(toks[-1]) in stop_ids else "length"
+        reason: Literal["stop", "length"] = "stop" if k and int(toks[-1]) in stop_ids else "length"
         if stop_strs and self.tokenizer is not None:
             for j in range(1, k + 1):
                 text = self.tokenizer.decode([int(t) for t in toks[:j]])
                 if any(s in text for s in stop_strs):
                     toks, lps, reason = toks[:j], lps[:j], "stop"
                     break
-        return protocol.SampledOutput(tokens=toks, stop_reason=reason, logprobs=lps)  # type: ignore[arg-type]
+        return protocol.SampledOutput(tokens=toks, stop_reason=reason, logprobs=lps)
 
     def _prompt_logprobs(self, prompt: np.ndarray, slot: int) -> np.ndarray:
         """log p(prompt[i] | prompt[:i]) under the sampler's weights; the first token has none (NaN)."""
