@@ -12,7 +12,7 @@ CDKTF_VENV := $(VENV)/cdktf
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 
-.PHONY: install demo plan train-demo test test-long deployed lint golden bench bench-ray bench-tinker bench-tunix clean
+.PHONY: install demo plan train-demo test test-long deployed lint typecheck golden bench bench-ray bench-tinker bench-tunix clean
 
 $(STAMP): pyproject.toml tools/package-lock.json tools/checkov-requirements.txt tools/cdktf-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,10 +42,14 @@ train-demo: install
 lint: install
 	$(BIN)/ruff check .
 
+# mypy on every package (pyproject's [tool.mypy]); its cache (.mypy_cache) makes later runs take seconds.
+typecheck: install
+	$(BIN)/mypy
+
 # Two workers (pytest-xdist): files whose tests start several processes run one at a time (tests/conftest.py).
 # Longer variants of cases it covers (marked `long`) run in `make test-long`.
 PYTEST_WORKERS ?= 2
-test: install lint
+test: install lint typecheck
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m "not long"
 
 test-long: install
@@ -101,4 +105,4 @@ bench-tunix: install $(TUNIX_VENV)/.installed-stamp
 	$(PY) -m bench.tunix_side_by_side --tunix-venv $(TUNIX_VENV) --json runs/bench-tunix.json
 
 clean:
-	rm -rf $(VENV) $(SKYRL_VENV) $(TUNIX_VENV) runs plan-out .pytest_cache .ruff_cache tools/node_modules
+	rm -rf $(VENV) $(SKYRL_VENV) $(TUNIX_VENV) runs plan-out .pytest_cache .ruff_cache .mypy_cache tools/node_modules

@@ -103,8 +103,8 @@ CHECKED: dict[str, tuple[str, str]] = {
     # README
     "make demo": ("test_readme_make_targets", "installs from the package registries: `make -n` shows its steps "
                   "are `plan --all` and the local train demo, both run here"),
-    "make test": ("test_readme_make_targets", "is the whole suite this test is part of: `make -n` shows ruff "
-                  "and pytest"),
+    "make test": ("test_readme_make_targets", "is the whole suite this test is part of: `make -n` shows ruff, "
+                  "mypy and pytest"),
     "gke-tpu-rl fit dev": ("test_readme_fit_commands", "libtpu compile of minutes: run up to the compile"),
     "gke-tpu-rl fit prod --set compute.remat=full --format markdown": ("test_readme_fit_commands",
                                                                       "libtpu compile of a 70B model"),
@@ -489,7 +489,7 @@ def test_readme_make_targets(clone: Path) -> None:
                                    capture_output=True, text=True, env=env).stdout
             assert f"python3 -m venv {clone}/fresh-venv" in fresh and "pip install -q -e '.[dev]'" in fresh
         else:
-            assert steps == ["ruff check .", 'pytest -q -n 2 -m "not long"']
+            assert steps == ["ruff check .", "mypy", 'pytest -q -n 2 -m "not long"']
         ledger.checked(command)
     ledger.close()
 
