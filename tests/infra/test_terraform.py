@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from envspec.config import gke_version_tuple
+from envspec.sections.cluster import gke_version_tuple
 from infra.offline.mockrun import IMAGE_TYPE
 from infra.offline.plan import is_kubernetes_object
 from infra.terraform import synth
