@@ -103,7 +103,8 @@ def _allowed() -> str:
 
 
 def machine(name: str) -> Machine:
-    """The machine type's vCPUs and memory, or a ValueError naming what is allowed (config.SystemPoolSpec calls it)."""
+    """The machine type's vCPUs and memory, or a ValueError naming what is allowed (sections/cluster.py SystemPoolSpec
+    calls it)."""
     m = _MACHINE.match(name)
     if not m or m.group(1) not in MACHINE_FAMILIES or m.group(2) not in MACHINE_FAMILIES[m.group(1)]:
         raise ValueError(f"{name!r} is not a machine type the system-pool check knows; allowed: {_allowed()}; "

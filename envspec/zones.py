@@ -17,7 +17,7 @@ ZONES = Path(__file__).with_name("tpu_zones.yaml")
 
 
 class SliceGroup(Protocol):
-    """What the check reads of a slice group (config.SliceGroupSpec)."""
+    """What the check reads of a slice group (sections/slices.py SliceGroupSpec)."""
 
     @property
     def tpu_type(self) -> str: ...

@@ -222,6 +222,17 @@ def test_the_pod_contract_imports_nothing_but_the_standard_library() -> None:
         assert found == []
 
 
+def test_a_spec_section_imports_no_other_section_nor_the_spec_above_it() -> None:
+    # envspec/sections/: one model per stack-file section, over what they share (fields.py); a check that reads two
+    # sections belongs in envspec/config.py EnvironmentSpec, which composes them (docs/architecture.md).
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in sorted((ROOT / "envspec" / "sections").glob("*.py"))
+             for line, module in imports(path, ROOT, members=True)
+             if (module == "envspec.config" or module.startswith(("envspec.config.", "envspec.sections.")))
+             and not module.startswith("envspec.sections.fields.")]
+    assert found == []
+
+
 @pytest.mark.parametrize("folder", ["trainer", "envspec"])
 def test_what_the_trainer_image_holds_never_imports_infra_or_workloads(folder: str) -> None:
     assert violations(folder, ("infra", "workloads")) == []
@@ -247,7 +258,8 @@ for name in ("pulumi", "pulumi_gcp", "pulumi_kubernetes", "pulumi_docker_build",
 import envspec
 for m in pkgutil.walk_packages(envspec.__path__, "envspec."):
     importlib.import_module(m.name)
-from envspec.config import NAMESPACE, BundledConfigs, parse_spec
+from envspec.config import NAMESPACE, parse_spec
+from envspec.sections.fields import BundledConfigs
 # The spec only checks that a config is named in these lists; the trainer's own listing would need the trainer.
 names = tuple(sorted(p.name for p in Path("trainer/configs").glob("*.yaml")))
 for path in sorted(Path("environments").glob("Pulumi.*.yaml")):

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializ
 from trainer import yamlfile
 
 if TYPE_CHECKING:
-    from envspec.config import BundledConfigs
+    from envspec.sections.fields import BundledConfigs
 
 
 class ConfigError(ValueError):
@@ -543,7 +543,8 @@ def bundled_configs() -> BundledConfigs:
     with a service section, which configure the post-training service's engine instead (`python -m trainer`
     refuses them). envspec.config.parse_spec checks trainer.config and service.config against them: the spec sits
     below the trainer and cannot list trainer/configs/ itself."""
-    from envspec.config import BundledConfigs  # here, not at the top: the trainer itself never parses an environment
+    # Here, not at the top: the trainer itself never parses an environment.
+    from envspec.sections.fields import BundledConfigs
 
     kinds = _bundled_configs()
     return BundledConfigs(runs=tuple(n for n, service in kinds.items() if not service),

@@ -7,7 +7,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from envspec.config import EnvironmentSpec, SliceGroupSpec
+from envspec.config import EnvironmentSpec
+from envspec.sections.slices import SliceGroupSpec
 from envspec.tpu import SliceShape
 from workloads.dra import DRANET_DEVICE_CLASS
 from workloads.labels import MANAGED_BY, SYSTEM_POOL, TPU_ACCELERATOR, TPU_RESOURCE, TPU_TOPOLOGY

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec, ServiceSpec, SliceGroupSpec
+from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
 from envspec.engine_args import parse_engine_args
 from envspec.pod import (
     CHECKPOINT_MOUNT,
@@ -44,6 +44,8 @@ from envspec.pod import (
     CLOUDSQL_INSTANCE_ENV,
     CLOUDSQL_USER_ENV,
 )
+from envspec.sections.service import ServiceSpec
+from envspec.sections.slices import SliceGroupSpec
 from workloads import core, stage
 from workloads import labels as L
 from workloads.jobset import tpu_jobset

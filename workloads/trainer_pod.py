@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from envspec.config import EnvironmentSpec, SliceGroupSpec
+from envspec.config import EnvironmentSpec
 from envspec.pod import CHECKPOINT_MOUNT, ENV_HF_TOKEN, USER_CODE_DIR
+from envspec.sections.slices import SliceGroupSpec
 from workloads import labels as L
 
 # The `trainer` user of trainer/Dockerfile; above 10000, so it is no account of the host's (checkov CKV_K8S_40).

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-from envspec.config import EnvironmentSpec, gke_version_tuple
+from envspec.config import EnvironmentSpec
+from envspec.sections.cluster import gke_version_tuple
 from infra.components.network import POD_RANGE, SERVICE_RANGE
 from workloads.labels import SYSTEM_POOL
 

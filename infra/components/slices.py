@@ -8,7 +8,8 @@ from typing import Any
 import pulumi
 import pulumi_gcp as gcp
 
-from envspec.config import EnvironmentSpec, SliceGroupSpec
+from envspec.config import EnvironmentSpec
+from envspec.sections.slices import SliceGroupSpec
 from infra.components.cluster import OAUTH_SCOPES
 from workloads.labels import DRANET_NODE
 

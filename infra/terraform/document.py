@@ -21,7 +21,8 @@ from typing import Any
 
 from pulumi.runtime import mocks as pmocks
 
-from envspec.config import EnvironmentSpec, gke_version_tuple
+from envspec.config import EnvironmentSpec
+from envspec.sections.cluster import gke_version_tuple
 from infra.offline.mockrun import (
     IMAGE_TYPE,
     MOCK_VERSION_SUFFIX,
@@ -411,7 +412,7 @@ def _version_floor(spec: EnvironmentSpec, mocks: TerraformMocks, data: dict[str,
     field = "release_channel_latest_version" if c.version_prefix else "release_channel_default_version"
     version = f'{lookups[0]}.{field}["{c.release_channel}"]'
     data[lookups[0]] = mocks.data[lookups[0]]
-    # 1.34.1-gke.1829001 -> ((1 * 1000 + 34) * 1000 + 1) * 10^8 + 1829001, as envspec.config.gke_version_tuple
+    # 1.34.1-gke.1829001 -> ((1 * 1000 + 34) * 1000 + 1) * 10^8 + 1829001, as envspec.sections.cluster.gke_version_tuple
     # orders versions: Terraform has no version ordering of its own.
     release = f'split(".", split("-", {version})[0])'
     key = (f"((tonumber({release}[0]) * 1000 + tonumber({release}[1])) * 1000 + tonumber({release}[2])) * 100000000"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from envspec.config import gke_version_tuple
+from envspec.sections.cluster import gke_version_tuple
 from infra.offline.mockrun import IMAGE_TYPE
 from infra.offline.plan import is_kubernetes_object
 from infra.terraform import synth
@@ -71,10 +71,29 @@ def user_copy() -> Synthesis:
     return synthesize(name, {**stack_config(source), **changes})
 
 
+# A Namespace annotation holding Terraform's template sequences (test_strings_reach_terraform_as_written_...).
+TEMPLATE_TEXT = 'echo "${HOME}" %{if x}y%{endif} $$PATH'
+
+
 @pytest.fixture(scope="module")
-def written(syntheses: dict[str, Synthesis], user_copy: Synthesis, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def escapes() -> tuple[dict[str, Any], str]:
+    """staging's document as env "escapes": an HF token set, and TEMPLATE_TEXT on its Namespace; with the
+    Namespace's resource name. `written` synthesizes it in the one cdktf run it makes for every document (each run
+    starts a jsii/Node process: ~10 CPU-s)."""
+    config = {**stack_config("staging"), "gke-tpu-rl:hfToken": {"secure": "AAABAGVuY3J5cHRlZA=="}}
+    doc = synthesize("staging", config).document
+    doc["env"] = "escapes"
+    [ns] = [e for e in doc["stacks"]["workloads"]["resources"]
+            if e["type"] == "kubernetes_manifest" and e["args"]["manifest"]["kind"] == "Namespace"]
+    ns["args"]["manifest"]["metadata"]["annotations"] = {"note": TEMPLATE_TEXT}
+    return doc, ns["name"]
+
+
+@pytest.fixture(scope="module")
+def written(syntheses: dict[str, Synthesis], user_copy: Synthesis, escapes: tuple[dict[str, Any], str],
+            tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synth")
-    synth.write([*(s.document for s in syntheses.values()), user_copy.document], out)
+    synth.write([*(s.document for s in syntheses.values()), user_copy.document, escapes[0]], out)
     return out
 
 
@@ -170,20 +189,13 @@ def _run(documents: list[dict[str, Any]], out: Path) -> None:
     synth.write(documents, out)
 
 
-def test_strings_reach_terraform_as_written_and_references_as_references(tmp_path: Path) -> None:
-    config = {**stack_config("staging"), "gke-tpu-rl:hfToken": {"secure": "AAABAGVuY3J5cHRlZA=="}}
-    doc = synthesize("staging", config).document
-    doc["env"] = "escapes"
-    [ns] = [e for e in doc["stacks"]["workloads"]["resources"]
-            if e["type"] == "kubernetes_manifest" and e["args"]["manifest"]["kind"] == "Namespace"]
-    text = 'echo "${HOME}" %{if x}y%{endif} $$PATH'
-    ns["args"]["manifest"]["metadata"]["annotations"] = {"note": text}
-    _run([doc], tmp_path)
-    tf = _stack(tmp_path, "escapes", "workloads")
-    written = tf["resource"]["kubernetes_manifest"][ns["name"]]["manifest"]["metadata"]["annotations"]["note"]
+def test_strings_reach_terraform_as_written_and_references_as_references(
+        written: Path, escapes: tuple[dict[str, Any], str]) -> None:
+    tf = _stack(written, "escapes", "workloads")
+    note = tf["resource"]["kubernetes_manifest"][escapes[1]]["manifest"]["metadata"]["annotations"]["note"]
     # Terraform reads "$${" as a literal "${" and "%%{" as "%{": the object applied is the one written.
-    assert written == 'echo "$${HOME}" %%{if x}y%%{endif} $$PATH'
-    assert written.replace("$${", "${").replace("%%{", "%{") == text
+    assert note == 'echo "$${HOME}" %%{if x}y%%{endif} $$PATH'
+    assert note.replace("$${", "${").replace("%%{", "%{") == TEMPLATE_TEXT
     image = json.dumps(tf["resource"]["kubernetes_manifest"])
     assert f"trainer@${{var.{IMAGE_DIGEST_VAR}}}" in image
     [secret] = [m["manifest"] for m in tf["resource"]["kubernetes_manifest"].values()

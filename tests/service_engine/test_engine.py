@@ -108,7 +108,7 @@ def test_users_batched_together_train_exactly_as_alone(live: LiveService) -> Non
     alone = run(live.client().create_lora_training_client(base_model=BASE, rank=4, seed=7).result(), _data(2), 3)
     a = live.client("a").create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
     b = live.client("b").create_lora_training_client(base_model=BASE, rank=8, seed=8).result()
-    before = len(live.engine.fused_sizes)
+    before = len(live.engine.passes.fused_sizes)
     results: dict[str, list[float]] = {}
     threads = [threading.Thread(target=lambda: results.__setitem__("a", run(a, _data(2), 3))),
                threading.Thread(target=lambda: results.__setitem__("b", run(b, _data(3, (30, 9)), 3)))]
@@ -118,7 +118,7 @@ def test_users_batched_together_train_exactly_as_alone(live: LiveService) -> Non
         t.join(120)
     np.testing.assert_allclose(results["a"], alone, rtol=2e-5)
     assert len(results["b"]) == 3
-    sizes = list(live.engine.fused_sizes)[before:]
+    sizes = list(live.engine.passes.fused_sizes)[before:]
     assert sizes, "no forward/backward batch ran"
 
 
@@ -130,7 +130,7 @@ def _slot(tree: dict, i: int) -> dict:
 def test_adamw_matches_optax_on_its_slot_only(live: LiveService) -> None:
     """optim_step is torch's AdamW (= optax.adamw, decoupled decay) after clipping the slot's global norm, applied to
     one slot; every other slot, its moments and its gradient stay as they were."""
-    progs = live.engine.progs
+    progs = live.engine.state.progs
     rng = np.random.default_rng(0)
     shapes = L.lora_shapes(progs.mcfg, progs.stack)
     rand = lambda: jax.tree.map(lambda s: rng.normal(size=s).astype(np.float32), shapes, is_leaf=L._is_shape)  # noqa: E731
@@ -334,14 +334,15 @@ def test_limits_fail_one_request_and_serve_the_rest(live: LiveService) -> None:
         tc.forward_backward(too_long, "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="stable_reinforce needs provenance on every datum"):
         tc.forward_backward(_data(6), "stable_reinforce").result()
-    service = live.engine.service
-    live.engine.service = service.model_copy(update={"max_request_tokens": 20})  # _data(6): 32 tokens in 3 datums
+    passes = live.engine.passes  # the part that validates forward_backward requests reads the limit
+    service = passes.service
+    passes.service = service.model_copy(update={"max_request_tokens": 20})  # _data(6): 32 tokens in 3 datums
     try:
         with pytest.raises(tinker.RequestFailedError, match=r"carries 32 tokens.*at most 20 per request \(service"
                                                             r".max_request_tokens\)"):
             tc.forward_backward(_data(6), "cross_entropy").result()
     finally:
-        live.engine.service = service
+        passes.service = service
     assert tc.forward_backward(_data(6), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
@@ -443,7 +444,8 @@ def test_more_models_than_slots_evicts_the_least_recent_and_rebuilds_it_exactly(
                   for i in range(2)]
         assert a.model_id not in {s.model_id for s in live.engine.slots.values()}  # evicted: least recently used
         got = a.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
-        assert live.engine.restores[-1][:2] == (a.model_id, 1)  # rebuilt: the snapshot, then one replayed request
+        # Rebuilt: the snapshot, then one replayed request.
+        assert live.engine.models.restores[-1][:2] == (a.model_id, 1)
         assert got == pytest.approx(want, rel=1e-5)
         assert a.forward(_data(9), "cross_entropy").result().metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5)
         for tc in others:  # the models that took the slots still train
@@ -517,7 +519,7 @@ def test_work_on_another_base_model_waits_for_its_own_engine(live: LiveService) 
     # Its own base model's work is served meanwhile, and the engine still refuses a foreign model it is handed.
     assert live.client().create_lora_training_client(base_model=BASE, rank=2).result()
     with pytest.raises(UserError, match="'acme/other-model' is not served by this engine"):
-        live.engine._served("acme/other-model")
+        live.engine.models.served("acme/other-model")
 
 
 def test_a_failed_snapshot_runs_the_step_again_on_the_rebuilt_model(live: LiveService) -> None:
@@ -530,7 +532,7 @@ def test_a_failed_snapshot_runs_the_step_again_on_the_rebuilt_model(live: LiveSe
         _train_twice(t, _data(3), _data(4))
     want = twin.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
     engine = live.engine
-    real = engine._write_adapter
+    real = engine.snapshots.write_adapter
     failures: list[str] = []
 
     def flaky(row: Any, kind: str, *args: Any, **kwargs: Any) -> Any:
@@ -539,10 +541,11 @@ def test_a_failed_snapshot_runs_the_step_again_on_the_rebuilt_model(live: LiveSe
             raise OSError("the bucket said no")
         return real(row, kind, *args, **kwargs)
 
-    engine._write_adapter = flaky  # type: ignore[method-assign]
+    engine.snapshots.write_adapter = flaky  # type: ignore[method-assign]
     got = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"]
     assert failures and got == pytest.approx(want, rel=1e-5)
-    assert engine.restores[-1][:2] == (tc.model_id, 1)  # rebuilt: step-1 snapshot plus the pending forward_backward
+    # Rebuilt: the step-1 snapshot plus the pending forward_backward.
+    assert engine.models.restores[-1][:2] == (tc.model_id, 1)
     data = _data(6)
     assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
         twin.forward(data, "cross_entropy").result().metrics["loss:sum"], rel=1e-5)

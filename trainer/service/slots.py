@@ -1,9 +1,14 @@
 """The engine's adapter slots: which model or sampler occupies each slot of the adapter stack, the rank and scale
 policy of a slot (in one place), and which slot gives way when every one is taken.
 
-A `SlotTable` is the table the engine reads like a dict (slot index -> `Slot`), with the two sets that keep a slot
-from being evicted: the slots a batch being assembled uses (`pinned`) and those whose snapshot is being written
-(`writing`). Releasing a slot zeroes it on the device (`DeviceState.write_slot`), so a freed slot serves nothing.
+A `SlotTable` is the table the engine's parts read like a dict (slot index -> `Slot`), with the two sets that keep a
+slot from being evicted: the slots a batch being assembled uses (`pinned`) and those whose snapshot is being written
+(`writing`). A slot is filled (`occupy`) and emptied (`release`) only here, each with its device write
+(`DeviceState.write_slot`), so the table and the device never disagree and a freed slot serves nothing.
+
+The rank and scale policy is here too, in one place: a slot holds an adapter of rank at most lora.rank
+(`rank_refused`); a new adapter gets the stack's alpha and rsLoRA at its own rank (`new_config`, `scale`); a loaded
+one keeps the scale its files say (its own alpha), and its saved config carries that scale back (`single_cfg`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import time
 from collections import UserDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.config import LoraConfig, lora_alpha, lora_scale
 from trainer.service.device import DeviceState
@@ -74,6 +80,13 @@ class SlotTable(UserDict[int, Slot]):
                 return victim.index
         raise SlotsFull(f"all {self.stack.slots} adapter slots of this server are in use by this batch (lora.slots)")
 
+    def occupy(self, slot: Slot, single: Any, single_cfg: LoraConfig, moments: tuple[Any, Any] | None = None) -> Slot:
+        """Put `slot` in the table, its adapter (`single`, a one-slot adapter of `single_cfg`, NumPy) and AdamW moments
+        (or zeros) written to the device at the slot's scale (a device op: the main thread)."""
+        self.state.write_slot(slot.index, slot.scale, single, single_cfg, moments)
+        self[slot.index] = slot
+        return slot
+
     def release(self, index: int) -> None:
         """Empty slot `index`, zeroed on the device (a device op: the main thread)."""
         self.pop(index, None)
@@ -91,6 +104,10 @@ class SlotTable(UserDict[int, Slot]):
     def scale(self, rank: int) -> float:
         """The scale of a new adapter of this rank: the stack's alpha (and rsLoRA) at that rank."""
         return lora_scale(self.stack.alpha, rank, self.stack.rslora)
+
+    def new_config(self, rank: int, targets: tuple[str, ...]) -> LoraConfig:
+        """The one-slot config of a new adapter of this rank and these targets (its scale is `scale(rank)`)."""
+        return LoraConfig(rank=rank, alpha=self.stack.alpha, targets=list(targets), rslora=self.stack.rslora, slots=1)
 
     def single_cfg(self, slot: Slot) -> LoraConfig:
         """The one-slot config of what `slot` holds (its rank, targets and scale, as an alpha)."""

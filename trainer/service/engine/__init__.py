@@ -1,8 +1,8 @@
 """The engine (see engine/loop.py): the names its callers import (trainer/service/cli.py, the tests)."""
 
+from trainer.service.engine.batches import Accepted
 from trainer.service.engine.common import (
     MODEL_STATE_LOST,
-    Accepted,
     Outcome,
     UserError,
     prepare,

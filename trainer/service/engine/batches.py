@@ -1,48 +1,84 @@
 """The engine's passes: forward/forward_backward requests validated per request, their datums fused into rows and
-run in bucketed passes of at most service.max_batch_tokens (the rule: service/passes.py)."""
+run in bucketed passes of at most service.max_batch_tokens (the rule: service/passes.py).
+
+`Passes` owns the longest datum a pass holds and the record of how many requests each fused claim held
+(observability). It reads the store (completing requests, a stable_reinforce datum's sample records), the slot table
+(a batch's slots are pinned while it is assembled) and the device state. It does not hold the models: a request's
+model slot comes from the `model_slot` its caller hands `run_forward` (Models.slot), since rebuilding a model
+replays passes itself (`replay`)."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 from tinker import types
 
-from trainer.config import ServiceConfig
+from trainer.config import ModelConfig, ServiceConfig
 from trainer.service import losses, protocol, provenance
+from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
-    Accepted,
-    EnginePart,
     UserError,
+    fail,
     log,
 )
 from trainer.service.passes import datum_length, datums_per_pass
-from trainer.service.programs import EnginePrograms
+from trainer.service.slots import Slot, SlotTable
 from trainer.service.store import (
     DONE,
     NotFound,
     Request,
+    Store,
 )
 
 
-class Passes(EnginePart):
-    """Part of the Engine (engine/loop.py): the state it reads (store, slots, device state) is the engine's."""
+class Accepted(NamedTuple):
+    """A forward/forward_backward request that passed validation: its decoded body, its model's slot and one loss
+    row per datum (stable_reinforce's carry what their provenance resolved to)."""
 
-    # The rest of the engine's state this part reads (set in Engine.__init__, engine/loop.py).
-    service: ServiceConfig
-    progs: EnginePrograms
-    worker_id: str
-    max_datum: int
-    fused_sizes: deque[int]
+    row: Request
+    body: protocol.FwdBwdBody
+    slot: int
+    loss_rows: list[losses.Row]
+
+
+class Passes:
+    """Runs forward/forward_backward requests (see the module docstring). `max_datum`: the longest datum a pass of
+    service.max_batch_tokens holds (passes.service_longest_datum)."""
+
+    def __init__(self, store: Store, slots: SlotTable, state: DeviceState, mcfg: ModelConfig, service: ServiceConfig,
+                 *, worker_id: str, max_datum: int) -> None:
+        self.store = store
+        self.slots = slots
+        self.state = state
+        self.mcfg = mcfg
+        self.service = service
+        self.progs = state.progs
+        self.worker_id = worker_id
+        self.max_datum = max_datum
+        # Observability (tests read it): requests per fused forward/backward claim, newest last.
+        self.fused_sizes: deque[int] = deque(maxlen=1000)
+
+    def warm_up(self) -> None:
+        """Run the forward and the forward_backward program of a one-token datum once, on no slot (zero gradients)."""
+        n_rows, length = self.progs.rows(1), datum_length(self.service, self.mcfg.max_seq_len, 1)
+        packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": np.zeros(1, np.int32),
+                                                                "weights": np.zeros(1, np.float32)})],
+                                  length=length, num_rows=n_rows, vocab_size=self.mcfg.vocab_size)
+        for backward in (False, True):
+            self.state.run_pass(np.zeros((n_rows, length), np.int32), np.full((n_rows,), -1, np.int32), packed,
+                                backward)
 
     # -- forward / forward_backward -----------------------------------------------------------------------------
 
-    def _run_forward(self, rows: list[Request]) -> None:
-        """Validate each request, fuse the valid ones' datums, run them in bucketed passes, answer each request."""
+    def run_forward(self, rows: list[Request], model_slot: Callable[[str], Slot]) -> None:
+        """Validate each request, fuse the valid ones' datums, run them in bucketed passes, answer each request.
+        `model_slot`: a model's slot, found or rebuilt (Models.slot)."""
         accepted: list[Accepted] = []
         try:
-            self._validate_forward(rows, accepted)
+            self._validate_forward(rows, accepted, model_slot)
         finally:
             self.slots.pinned.clear()
         if not accepted:
@@ -53,14 +89,21 @@ class Passes(EnginePart):
         except Exception as e:  # noqa: BLE001
             log.exception("forward/backward batch failed")
             for row, *_ in accepted:
-                self._fail(row, f"engine error: {e!r}", "server")
+                fail(self.store, self.worker_id, row, f"engine error: {e!r}", "server")
             return
         for (row, *_), (logps, row_losses) in zip(accepted, outputs, strict=True):
             result = protocol.encode_forward_backward_output(
                 [{"logprobs": lp} for lp in logps], losses.request_metrics(row_losses, slice(None)))
             self.store.complete(row.request_id, result, worker_id=self.worker_id)
 
-    def _validate_forward(self, rows: list[Request], accepted: list[Accepted]) -> None:
+    def replay(self, rows: list[Request], index: int) -> None:
+        """Run forward_backward requests again on slot `index` for their gradients alone (a model's restore: their
+        results were delivered)."""
+        bodies = [(r, protocol.decode_forward_backward(r.body)) for r in rows]
+        self._fused([Accepted(r, b, index, self._loss_rows(r, b)) for r, b in bodies])
+
+    def _validate_forward(self, rows: list[Request], accepted: list[Accepted],
+                          model_slot: Callable[[str], Slot]) -> None:
         for row in rows:
             try:
                 body = protocol.decode_forward_backward(row.body)
@@ -69,7 +112,7 @@ class Passes(EnginePart):
                     raise UserError(f"the request carries {total} tokens; this server takes at most "
                                     f"{self.service.max_request_tokens} per request (service.max_request_tokens): "
                                     "split it into several forward_backward calls before the optim_step")
-                slot = self._model_slot(row.model_id or "")
+                slot = model_slot(row.model_id or "")
                 self.slots.pinned.add(slot.index)
                 for i, d in enumerate(body.data):
                     if len(d.tokens) > self.max_datum:
@@ -89,10 +132,10 @@ class Passes(EnginePart):
                 losses.pack_rows(loss_rows, vocab_size=self.mcfg.vocab_size)
                 accepted.append(Accepted(row, body, slot.index, loss_rows))
             except (UserError, NotFound, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
-                self._fail(row, str(e), "user")
+                fail(self.store, self.worker_id, row, str(e), "user")
             except Exception as e:  # noqa: BLE001 - whatever one request's input does, its batch-mates still run
                 log.exception("request %s (%s): validation failed", row.request_id, row.kind)
-                self._fail(row, f"engine error while reading the request: {e!r}", "server")
+                fail(self.store, self.worker_id, row, f"engine error while reading the request: {e!r}", "server")
 
     def _loss_rows(self, row: Request, body: protocol.FwdBwdBody) -> list[losses.Row]:
         """One loss row per datum; a stable_reinforce datum's spans are resolved against the sampler's records."""

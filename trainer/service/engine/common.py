@@ -1,5 +1,5 @@
-"""The engine's shared vocabulary: the user error, a handler's outcome, an accepted forward request, the
-constants of the snapshot layout, and what every process builds alike (`prepare`, `recover`, `run_follower`)."""
+"""The engine's shared vocabulary: the user error, a handler's outcome, failing a request, the constants of the
+snapshot layout, and what every process builds alike (`prepare`, `recover`, `run_follower`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import Final
 
 import jax
 
@@ -20,10 +20,11 @@ from trainer.config import (
     resolve_mesh,
     with_model,
 )
-from trainer.service import device, losses, protocol
+from trainer.service import device, protocol
 from trainer.service import programs as P
 from trainer.service.device import DeviceState
 from trainer.service.store import (
+    ErrorCategory,
     Request,
     StateUpdate,
     Store,
@@ -46,21 +47,6 @@ FWD_KINDS: Final = (protocol.FORWARD, protocol.FORWARD_BACKWARD)
 MAX_FAIR_OWNERS: Final = 256  # owners the fair share remembers (one not among them counts as never served)
 
 
-if TYPE_CHECKING:
-    from trainer.config import ModelConfig
-    from trainer.service.slots import SlotTable
-
-
-class EnginePart:
-    """A part of the Engine (engine/loop.py) as a mixin: the state every part reads, set in Engine.__init__. Each
-    part declares the rest it reads itself."""
-
-    store: Store
-    slots: SlotTable
-    state: DeviceState
-    mcfg: ModelConfig
-
-
 class UserError(Exception):
     """The caller's mistake or a limit it hit: the request fails with category "user"."""
 
@@ -76,14 +62,9 @@ class Outcome:
     then: Callable[[], None] | None = None
 
 
-class Accepted(NamedTuple):
-    """A forward/forward_backward request that passed validation: its decoded body, its model's slot and one loss
-    row per datum (stable_reinforce's carry what their provenance resolved to)."""
-
-    row: Request
-    body: protocol.FwdBwdBody
-    slot: int
-    loss_rows: list[losses.Row]
+def fail(store: Store, worker_id: str, row: Request, message: str, category: ErrorCategory) -> None:
+    """Fail a request this engine (`worker_id`) is running: "user" for the caller's mistake, "server" for ours."""
+    store.fail(row.request_id, message, category=category, worker_id=worker_id)
 
 
 def resolve_base_model(cfg: TrainConfig) -> TrainConfig:

@@ -33,54 +33,52 @@ What it adds:
   (`Store.recover` with every kind re-runnable), so each request takes effect exactly once. At start the engine
   restores the models of open sessions before it claims anything.
 
-The engine's parts (issue 41, item 3): this module is the loop (claiming, dispatching, housekeeping); the
-models and their slots (engine/models.py), the snapshot writer (engine/snapshots.py), the passes (engine/batches.py)
-and sampling (engine/sampler.py) are the classes it is composed of; engine/common.py holds what they share; the typed
-device door is service/device.py and the slot table service/slots.py.
+The engine's parts (issue 41, item 3) are objects composed here, each owning its own state and taking what it reads
+in its constructor: the slot table with the rank and scale policy (service/slots.py `SlotTable`), the snapshot
+writer (engine/snapshots.py `SnapshotWriter`: the writer thread, failed writes), the passes (engine/batches.py
+`Passes`: forward/forward_backward), the models (engine/models.py `Models`: slots found or rebuilt, create, load,
+optim_step), the checkpoints (engine/checkpoints.py `Checkpoints`) and sampling (engine/sampler.py `Sampler`: the
+tokenizer). Every part reaches the accelerators through the typed device door (service/device.py `DeviceState`).
+This module is the loop: claiming, the fair share, dispatching to the parts' handlers, housekeeping, the warm-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
-from tinker import types
 
 from trainer import compile_cache
 from trainer.config import (
     ConfigError,
     TrainConfig,
 )
-from trainer.service import device, losses, protocol, sampling
+from trainer.service import device, losses, protocol
 from trainer.service import programs as P
 from trainer.service.engine.batches import Passes
+from trainer.service.engine.checkpoints import Checkpoints
 from trainer.service.engine.common import (
     FWD_KINDS,
     MAX_FAIR_OWNERS,
     Outcome,
     UserError,
+    fail,
     log,
     prepare,
     state_root,
 )
 from trainer.service.engine.models import Models
-from trainer.service.engine.sampler import Sampler
+from trainer.service.engine.sampler import Sampler, load_tokenizer
 from trainer.service.engine.snapshots import SnapshotWriter
-from trainer.service.passes import datum_length, datums_per_pass, service_longest_datum
+from trainer.service.passes import datums_per_pass, service_longest_datum
 from trainer.service.slots import SlotTable
 from trainer.service.store import (
     ENGINE_HEARTBEAT_S,
-    ErrorCategory,
     NotFound,
     Request,
     Store,
@@ -89,7 +87,7 @@ from trainer.service.store import (
 )
 
 
-class Engine(Models, SnapshotWriter, Passes, Sampler):
+class Engine:
     """The engine on process 0 (see the module docstring): `run(stop)` claims and runs requests until `stop` is set;
     with several processes every device op is also sent to the followers (service/device.py)."""
 
@@ -106,62 +104,45 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
         service = self.cfg.service
         assert service is not None
         self.service = service
-        self.progs = self.state.progs
         self.mcfg = self.state.mcfg
-        self.stack = self.state.stack
-        self.tokenizer = None
-        if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").is_file():
-            from trainer.tokenizer import HFTokenizer
-
-            self.tokenizer = HFTokenizer.from_dir(tok_dir)
-        self.eos_ids = self._eos_ids(tok_dir)
+        tokenizer, eos_ids = load_tokenizer(tok_dir)
         # The longest datum one pass holds (what `fit` sizes): data-parallel rows x its bucket <= max_batch_tokens.
-        self.max_datum = service_longest_datum(self.cfg, self.progs.data_parallel)
-        self.slots = SlotTable(self.state, self.stack)
-        self.storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
-        self.storage.mkdir(parents=True, exist_ok=True)
-        self.state_root = state_root(self.service, storage_dir)
-        self.state_root.mkdir(parents=True, exist_ok=True)
+        max_datum = service_longest_datum(self.cfg, self.state.progs.data_parallel)
+        self.slots = SlotTable(self.state, self.state.stack)
+        storage = Path(storage_dir or self.service.storage_dir or default_data_dir() / "checkpoints")
+        storage.mkdir(parents=True, exist_ok=True)
+        snapshot_root = state_root(self.service, storage_dir)
+        snapshot_root.mkdir(parents=True, exist_ok=True)
         base_model = self.service.base_model
         self.worker_id = retry_database(lambda: store.register_worker(worker_name, base_model=base_model),
                                         "register the engine", within_s=db_retry_s)
         self._last_housekeeping = 0.0
         self._owners: dict[str, None] = {}  # owners by when they were last served, the longest ago first
-        # Snapshots being written (self.slots.writing), one thread writing them in order, and the ones that failed, for
-        # the main loop to settle.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
-        self._failed_writes: queue.Queue[tuple[Request, int, Exception]] = queue.Queue()
-        # Observability (tests and logs read them): snapshot writes and restores, with their seconds.
-        self.persist_seconds: deque[float] = deque(maxlen=1000)
-        self.restores: list[tuple[str, int, float]] = []  # (model id, forward_backward requests replayed, seconds)
-        # Requests per fused forward/backward claim, newest last (observability; tests read it).
-        self.fused_sizes: deque[int] = deque(maxlen=1000)
+        # The parts, each given what it reads (see the module docstring).
+        self.snapshots = SnapshotWriter(store, self.slots, self.state, self.mcfg, worker_id=self.worker_id,
+                                        storage=storage, state_root=snapshot_root)
+        self.passes = Passes(store, self.slots, self.state, self.mcfg, self.service, worker_id=self.worker_id,
+                             max_datum=max_datum)
+        self.models = Models(store, self.slots, self.state, self.mcfg, self.service, snapshots=self.snapshots,
+                             passes=self.passes)
+        self.checkpoints = Checkpoints(store, self.models, self.snapshots, worker_id=self.worker_id)
+        self.sampler = Sampler(store, self.slots, self.state, self.mcfg, self.service, models=self.models,
+                               tokenizer=tokenizer, eos_ids=eos_ids)
         self.handlers: dict[str, Callable[[Request], bytes | Outcome]] = {
-            protocol.CREATE_MODEL: self._create_model,
-            protocol.LOAD_WEIGHTS: self._load_weights,
-            protocol.OPTIM_STEP: self._optim_step,
-            protocol.SAVE_WEIGHTS: self._save_weights,
-            protocol.SAVE_WEIGHTS_FOR_SAMPLER: self._save_weights_for_sampler,
-            protocol.SAVE_WEIGHTS_EXTERNAL: self._save_weights_external,
-            protocol.SAMPLE: self._sample,
-            protocol.DELETE_CHECKPOINT: self._delete_checkpoint,
+            protocol.CREATE_MODEL: self.models.create_model,
+            protocol.LOAD_WEIGHTS: self.models.load_weights,
+            protocol.OPTIM_STEP: self.models.optim_step,
+            protocol.SAVE_WEIGHTS: self.checkpoints.save_weights,
+            protocol.SAVE_WEIGHTS_FOR_SAMPLER: self.checkpoints.save_weights_for_sampler,
+            protocol.SAVE_WEIGHTS_EXTERNAL: self.checkpoints.save_weights_external,
+            protocol.SAMPLE: self.sampler.sample,
+            protocol.DELETE_CHECKPOINT: self.checkpoints.delete_checkpoint,
         }
 
     @property
     def params(self) -> Any:
+        """The base model's weights (on the device)."""
         return self.state.params
-
-    def _eos_ids(self, tok_dir: str | None) -> tuple[int, ...]:
-        ids: list[int] = []
-        if tok_dir is not None:
-            for name in ("generation_config.json", "config.json"):
-                path = Path(tok_dir) / name
-                if path.is_file():
-                    value = json.loads(path.read_text()).get("eos_token_id")
-                    ids += value if isinstance(value, list) else [value] if isinstance(value, int) else []
-        if self.tokenizer is not None:
-            ids.append(self.tokenizer.eos_id)
-        return tuple(sorted(set(ids)))
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -175,9 +156,9 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
 
     def restore_live(self) -> None:
         """Rebuild the models of open, recently active sessions (up to the slot count) before taking new work."""
-        for model in self.store.live_models(quiet_s=self.service.idle_unload_s)[:self.stack.slots]:
+        for model in self.store.live_models(quiet_s=self.service.idle_unload_s)[:self.slots.stack.slots]:
             try:
-                self._model_slot(model.id)
+                self.models.slot(model.id)
             except Exception:  # noqa: BLE001 - one model's bad snapshot must not keep the engine down
                 log.exception("restoring %s failed; its next request will try again", model.id)
 
@@ -208,7 +189,7 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
         finally:
             stop.set()
             # Snapshots in flight complete their requests; a failed one stays running for the next engine's recover.
-            self._writer.shutdown(wait=True)
+            self.snapshots.shutdown()
             with contextlib.suppress(Exception):
                 self.store.retire_worker(self.worker_id)
             self.leader.stop(reason)
@@ -222,22 +203,9 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
             return
         counts = compile_cache.Counts()
         start = time.monotonic()
-        # The shapes of a one-token prompt with max_tokens 1 and of a one-token datum, as _sample and _pass make them.
-        rows, chunk, plen, new = self._sample_shape(1, 1, 1)
-        prompt = np.zeros((rows, plen), np.int32)
-        valid = np.zeros(prompt.shape, bool)
-        valid[:, 0] = True
-        settings = sampling.row_settings(types.SamplingParams(max_tokens=1), rows, self.eos_ids[:1],
-                                         self.mcfg.vocab_size)
-        key = np.asarray(jax.random.key_data(jax.random.PRNGKey(0)))
-        self.state.sample(prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings), (new, 0, chunk))
-        n_rows, length = self.progs.rows(1), datum_length(self.service, self.mcfg.max_seq_len, 1)
-        packed = losses.pack_rows([losses.Row("cross_entropy", {"target_tokens": np.zeros(1, np.int32),
-                                                                "weights": np.zeros(1, np.float32)})],
-                                  length=length, num_rows=n_rows, vocab_size=self.mcfg.vocab_size)
-        for backward in (False, True):
-            self.state.run_pass(np.zeros((n_rows, length), np.int32), np.full((n_rows,), -1, np.int32), packed,
-                                backward)
+        # A one-token prompt with max_tokens 1, then a one-token datum forward and forward_backward.
+        self.sampler.warm_up()
+        self.passes.warm_up()
         if not self.slots:
             self.state.optim(0, 1, P.AdamHyper(0.0, 0.9, 0.95, 1e-8, 0.0, 0.0).array())
         log.info("engine: warm-up ran %d programs in %.1f s (%d read from the compile cache)", counts.built,
@@ -245,7 +213,7 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
 
     def step(self) -> bool:
         """Claim and run one batch; False when nothing was runnable."""
-        self._settle_writes()
+        self.snapshots.settle()
         now = time.monotonic()
         if now - self._last_housekeeping > 5.0:
             self._last_housekeeping = now
@@ -266,7 +234,7 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
                     break
                 rows += more
             self._served_by(rows)
-            self._run_forward(rows)
+            self.passes.run_forward(rows, self.models.slot)
             return True
         self._served_by(rows)
         for row in rows:
@@ -284,20 +252,17 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
         try:
             out = self.handlers[row.kind](row)
         except (UserError, NotFound, losses.BadLossInput, losses.UnsupportedLoss, ValueError) as e:
-            self._fail(row, str(e), "user")
+            fail(self.store, self.worker_id, row, str(e), "user")
             return
         except Exception as e:  # noqa: BLE001 - the engine's own fault: report it, keep serving
             log.exception("request %s (%s) failed", row.request_id, row.kind)
-            self._fail(row, f"engine error: {e!r}", "server")
+            fail(self.store, self.worker_id, row, f"engine error: {e!r}", "server")
             return
         out = out if isinstance(out, Outcome) else Outcome(out)
         if not out.completed:
             self.store.complete(row.request_id, out.result, worker_id=self.worker_id, state=out.state)
         if out.then is not None:
             out.then()
-
-    def _fail(self, row: Request, message: str, category: ErrorCategory) -> None:
-        self.store.fail(row.request_id, message, category=category, worker_id=self.worker_id)
 
     def housekeeping(self) -> None:
         """Give back the slots of models whose session finished or went quiet; delete expired checkpoints' files."""
@@ -322,4 +287,4 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
                 self.store.delete_checkpoint(ckpt.owner_id, ckpt.tinker_path)
             except NotFound:
                 continue
-            self._remove_files(ckpt.storage_path)
+            self.snapshots.remove_files(ckpt.storage_path)

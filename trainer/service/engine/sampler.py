@@ -1,10 +1,16 @@
 """The engine's sampling: a sample request on its slot (a training model's or a sampler checkpoint loaded into a
-free one), its stop conditions, shapes and prompt logprobs."""
+free one), its stop conditions, shapes and prompt logprobs.
+
+`Sampler` owns the tokenizer and the model's end-of-sequence ids (`load_tokenizer`). It reads the store (the
+sampling session, the checkpoint), the slot table, the device state and the models (a sampler checkpoint takes a
+free slot by their rules: the rank policy, eviction, the served base model)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -12,29 +18,65 @@ import numpy as np
 from tinker import types
 
 from trainer import lora as L
-from trainer.config import ServiceConfig
+from trainer.config import ModelConfig, ServiceConfig
 from trainer.service import losses, protocol, sampling
+from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
-    EnginePart,
     UserError,
     _stable_int,
 )
+from trainer.service.engine.models import Models
 from trainer.service.passes import datum_length
-from trainer.service.programs import EnginePrograms
 from trainer.service.shapes import bucket
-from trainer.service.slots import Slot
-from trainer.service.store import Request
+from trainer.service.slots import Slot, SlotTable
+from trainer.service.store import Request, Store
 
 
-class Sampler(EnginePart):
-    """Part of the Engine (engine/loop.py): the state it reads (store, slots, device state, tokenizer) is the
-    engine's."""
+def load_tokenizer(tok_dir: str | None) -> tuple[Any, tuple[int, ...]]:
+    """The model's tokenizer (None without a tokenizer.json) and its end-of-sequence ids (generation_config.json,
+    config.json, the tokenizer's own), sorted."""
+    tokenizer = None
+    if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").is_file():
+        from trainer.tokenizer import HFTokenizer
 
-    # The rest of the engine's state this part reads (set in Engine.__init__, engine/loop.py).
-    service: ServiceConfig
-    progs: EnginePrograms
-    eos_ids: tuple[int, ...]
-    tokenizer: Any
+        tokenizer = HFTokenizer.from_dir(tok_dir)
+    ids: list[int] = []
+    if tok_dir is not None:
+        for name in ("generation_config.json", "config.json"):
+            path = Path(tok_dir) / name
+            if path.is_file():
+                value = json.loads(path.read_text()).get("eos_token_id")
+                ids += value if isinstance(value, list) else [value] if isinstance(value, int) else []
+    if tokenizer is not None:
+        ids.append(tokenizer.eos_id)
+    return tokenizer, tuple(sorted(set(ids)))
+
+
+class Sampler:
+    """Runs sample requests (see the module docstring). `tokenizer`, `eos_ids`: what load_tokenizer found."""
+
+    def __init__(self, store: Store, slots: SlotTable, state: DeviceState, mcfg: ModelConfig, service: ServiceConfig,
+                 *, models: Models, tokenizer: Any, eos_ids: tuple[int, ...]) -> None:
+        self.store = store
+        self.slots = slots
+        self.state = state
+        self.mcfg = mcfg
+        self.service = service
+        self.progs = state.progs
+        self.models = models
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+
+    def warm_up(self) -> None:
+        """Run the sample program of a one-token prompt with max_tokens 1 once, on the base model."""
+        rows, chunk, plen, new = self._sample_shape(1, 1, 1)
+        prompt = np.zeros((rows, plen), np.int32)
+        valid = np.zeros(prompt.shape, bool)
+        valid[:, 0] = True
+        settings = sampling.row_settings(types.SamplingParams(max_tokens=1), rows, self.eos_ids[:1],
+                                         self.mcfg.vocab_size)
+        key = np.asarray(jax.random.key_data(jax.random.PRNGKey(0)))
+        self.state.sample(prompt, valid, np.full((rows,), -1, np.int32), key, tuple(settings), (new, 0, chunk))
 
     # -- sampling ------------------------------------------------------------------------------------------------
 
@@ -47,12 +89,11 @@ class Sampler(EnginePart):
                 slot.last_used = time.monotonic()
                 return slot.index
         single, single_cfg = L.import_peft(ckpt.storage_path, self.mcfg)
-        self._check_rank(single_cfg.rank)
-        index = self._free_slot()
-        self.state.write_slot(index, single_cfg.scale, jax.tree.map(lambda x: np.asarray(x, np.float32), single),
-                              single_cfg)
-        self.slots[index] = Slot(index, single_cfg.rank, tuple(single_cfg.targets), single_cfg.scale,
-                                 storage_path=ckpt.storage_path)
+        self.models.check_rank(single_cfg.rank)
+        index = self.models.free_slot()
+        # A sampler checkpoint keeps its own scale (the alpha its files say).
+        slot = Slot(index, single_cfg.rank, tuple(single_cfg.targets), single_cfg.scale, storage_path=ckpt.storage_path)
+        self.slots.occupy(slot, jax.tree.map(lambda x: np.asarray(x, np.float32), single), single_cfg)
         return index
 
     def _stops(self, stop: str | Sequence[str] | Sequence[int] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -66,7 +107,7 @@ class Sampler(EnginePart):
             raise UserError("stop strings need the model's tokenizer, which this server does not have; pass token ids")
         return self.eos_ids, tuple(str(s) for s in stop)
 
-    def _sample(self, row: Request) -> bytes:
+    def sample(self, row: Request) -> bytes:
         req: types.SampleRequest = protocol.decode_json(row.kind, row.body)
         unsupported = [name for name, on in (
             ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
@@ -90,7 +131,7 @@ class Sampler(EnginePart):
         if prompt.min() < 0 or prompt.max() >= self.mcfg.vocab_size:
             raise UserError(f"prompt token ids must be in [0, {self.mcfg.vocab_size})")
         sampler = self.store.get_sampling_session(row.owner_id, req.sampling_session_id or "")
-        self._served(sampler.base_model)
+        self.models.served(sampler.base_model)
         slot = self._sampler_slot(row.owner_id, sampler.model_path)
         stop_ids, stop_strs = self._stops(sp.stop)
         if len(stop_ids) > sampling.MAX_STOP_IDS:

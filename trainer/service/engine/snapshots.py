@@ -1,10 +1,14 @@
-"""The engine's snapshot writer: model state snapshots written off the main loop (`_persist`, settled by
-`_settle_writes`) and the checkpoints (save_weights, for a sampler, external; delete), in fresh directories renamed
-into place (see Storage and Durability in engine/loop.py)."""
+"""The engine's snapshot writer: a model's state written off the main loop after every request that changes it other
+than forward_backward (`persist`, settled by `settle`), and the directories every save goes to, fresh and renamed
+into place when complete (see Storage and Durability in engine/loop.py). The checkpoints a user asks for
+(engine/checkpoints.py) are written by the same `read_adapter`/`write_adapter`.
+
+It owns the writer thread, the queue of writes that failed and the record of how long each write took; it reads
+the store, the slot table (to keep a slot being written from eviction, and to release a slot whose snapshot failed)
+and the device state (a slot's weights, read on the main thread)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import shutil
@@ -19,56 +23,60 @@ from typing import Any
 
 import jax
 import numpy as np
-from tinker import types
 
 from trainer import hf
 from trainer import lora as L
-from trainer.config import LoraConfig
-from trainer.service import protocol
+from trainer.config import LoraConfig, ModelConfig
+from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
     MAX_SNAPSHOT_ATTEMPTS,
     OPTIMIZER_FILE,
     STATE_FILE,
     STATE_KIND,
-    EnginePart,
     Outcome,
-    UserError,
-    _dir_size,
+    fail,
     log,
 )
-from trainer.service.slots import Slot
+from trainer.service.slots import Slot, SlotTable
 from trainer.service.store import (
-    CheckpointKind,
-    Conflict,
-    NotFound,
     Request,
     StateUpdate,
-    sampling_session_id_for,
-    tinker_path,
+    Store,
 )
 
+# A slot as read to the host: its adapter, Adam moments, one-slot config, step and the slot as it was then.
+HostAdapter = tuple[Any, Any, Any, LoraConfig, int, Slot]
 
-class SnapshotWriter(EnginePart):
-    """Part of the Engine (engine/loop.py): the state it reads (store, slots, storage, the writer thread) is the
-    engine's."""
 
-    # The rest of the engine's state this part reads (set in Engine.__init__, engine/loop.py).
-    worker_id: str
-    storage: Path
-    state_root: Path
-    persist_seconds: deque[float]
-    _writer: ThreadPoolExecutor
-    _failed_writes: queue.Queue[tuple[Request, int, Exception]]
+class SnapshotWriter:
+    """Writes the models' state snapshots (one thread, in order) and every save's directory; see the module
+    docstring. `storage`: the checkpoints' root; `state_root`: the snapshots' (service.state_dir)."""
 
-    def _persist(self, row: Request, slot: Slot, result: bytes) -> Outcome:
+    def __init__(self, store: Store, slots: SlotTable, state: DeviceState, mcfg: ModelConfig, *, worker_id: str,
+                 storage: Path, state_root: Path) -> None:
+        self.store = store
+        self.slots = slots
+        self.state = state
+        self.mcfg = mcfg
+        self.worker_id = worker_id
+        self.storage = storage
+        self.state_root = state_root
+        # Snapshots being written (self.slots.writing), one thread writing them in order, and the ones that failed,
+        # for the main loop to settle.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
+        self._failed_writes: queue.Queue[tuple[Request, int, Exception]] = queue.Queue()
+        # Observability (tests and logs read it): the seconds of each snapshot write, newest last.
+        self.persist_seconds: deque[float] = deque(maxlen=1000)
+
+    def persist(self, row: Request, slot: Slot, result: bytes) -> Outcome:
         """Snapshot the slot's state after `row` and complete `row` with it, the snapshot it replaces deleted after.
 
         The slot is read to the host now; the files are written and the completion committed by the snapshot thread,
         so the engine goes on with other models meanwhile (the model's own next request waits: its seq_id is not
         claimable before this one completes). Until then the slot is neither evicted nor unloaded. A write that fails
         is handed back to the main loop, which drops the slot (its state ran ahead of the committed one) and queues
-        the request again (`_settle_writes`)."""
-        host = self._read_adapter(slot)
+        the request again (`settle`)."""
+        host = self.read_adapter(slot)
         model_id, index = slot.model_id or "", slot.index
         self.slots.writing[index] = model_id
 
@@ -76,7 +84,7 @@ class SnapshotWriter(EnginePart):
             t0 = time.perf_counter()
             try:
                 previous = self.store.model_state(model_id)
-                path = self._write_adapter(row, STATE_KIND, f"seq{row.seq_id or 0:08d}", host, with_optimizer=True)
+                path = self.write_adapter(row, STATE_KIND, f"seq{row.seq_id or 0:08d}", host, with_optimizer=True)
                 self.store.complete(row.request_id, result, worker_id=self.worker_id,
                                     state=StateUpdate(model_id, row.seq_id or 0, host[4], str(path)))
             except Exception as e:  # noqa: BLE001 - e.g. the bucket or the database unreachable for a moment
@@ -88,12 +96,12 @@ class SnapshotWriter(EnginePart):
                 self.slots.writing.pop(index, None)
             old = previous.storage_path if previous is not None else None
             if old and self.state_root in Path(old).parents:
-                self._remove_files(old, release=False)
+                self.remove_files(old, release=False)
 
         self._writer.submit(write_and_commit)
         return Outcome(completed=True)
 
-    def _settle_writes(self) -> None:
+    def settle(self) -> None:
         """On the main loop: requests whose snapshot failed run again on the model rebuilt from its committed state."""
         while True:
             try:
@@ -104,12 +112,17 @@ class SnapshotWriter(EnginePart):
             if slot is not None and slot.model_id == row.model_id:
                 self.slots.release(index)
             if row.attempts >= MAX_SNAPSHOT_ATTEMPTS:
-                self._fail(row, f"saving the model's state failed {row.attempts} times: {error!r}", "server")
+                fail(self.store, self.worker_id, row, f"saving the model's state failed {row.attempts} times: "
+                     f"{error!r}", "server")
             else:
                 self.store.requeue(row.request_id, worker_id=self.worker_id)
 
+    def shutdown(self) -> None:
+        """Wait for the snapshots in flight: they complete their requests (a failed one stays running for the next
+        engine's recover)."""
+        self._writer.shutdown(wait=True)
 
-    # -- checkpoints ---------------------------------------------------------------------------------------------
+    # -- directories and adapters --------------------------------------------------------------------------------
 
     def _write_dir(self, owner_id: str, model_id: str, kind: str, name: str, write: Callable[[Path], None]) -> Path:
         """A fresh directory for one save, filled by `write` under a temporary name and renamed into place."""
@@ -128,7 +141,9 @@ class SnapshotWriter(EnginePart):
             raise
         return final
 
-    def _remove_files(self, storage_path: str, *, release: bool = True) -> None:
+    def remove_files(self, storage_path: str, *, release: bool = True) -> None:
+        """Delete a save's directory (never one outside our own storage); with `release`, also empty the slots a
+        sampler loaded from it (a device op: the main thread)."""
         path = Path(storage_path)
         if self.storage in path.parents or self.state_root in path.parents:  # never delete outside our own storage
             shutil.rmtree(path, ignore_errors=True)
@@ -137,43 +152,13 @@ class SnapshotWriter(EnginePart):
                 if slot.storage_path == storage_path:
                     self.slots.release(slot.index)
 
-    def _record(self, row: Request, name: str, kind: CheckpointKind, path: Path, req: Any, result: bytes,
-                sampler_seq_id: int | None = None) -> Outcome:
-        """Add the checkpoint row and complete the request in one transaction; on overwrite the files it replaces are
-        deleted, on a conflict ours are."""
-        previous = None
-        with contextlib.suppress(NotFound):
-            previous = self.store.get_checkpoint(row.owner_id, tinker_path(row.model_id or "", kind, name))
-        try:
-            ckpt = self.store.add_checkpoint(
-                row.owner_id, row.model_id or "", name, kind, str(path), size_bytes=_dir_size(path),
-                ttl_seconds=req.ttl_seconds, overwrite=getattr(req, "overwrite", False),
-                user_metadata=getattr(req, "user_metadata", None), sampler_seq_id=sampler_seq_id,
-                completes=(row.request_id, self.worker_id, result))
-        except Conflict as e:
-            self._remove_files(str(path))
-            raise UserError(f"{e}; pass overwrite=True to replace it") from None
-        except ValueError:
-            self._remove_files(str(path))
-            raise
-        assert ckpt.tinker_path == tinker_path(row.model_id or "", kind, name)
-        then = None
-        if previous is not None and previous.storage_path != str(path):
-            then = lambda: self._remove_files(previous.storage_path)  # noqa: E731
-        return Outcome(completed=True, then=then)
-
-    def _save_adapter(self, row: Request, kind: str, name: str, *, with_optimizer: bool) -> Path:
-        return self._write_adapter(row, kind, name, self._read_adapter(self._model_slot(row.model_id or "")),
-                                   with_optimizer=with_optimizer)
-
-    def _read_adapter(self, slot: Slot) -> tuple[Any, Any, Any, LoraConfig, int, Slot]:
+    def read_adapter(self, slot: Slot) -> HostAdapter:
         """The slot's weights and Adam moments on the host (a device op: the main thread, before the slot changes)."""
         single, m, v = self.state.read_slot(slot.index, slot.rank, slot.targets)
         return single, m, v, self.slots.single_cfg(slot), slot.step, replace(slot)
 
-    def _write_adapter(self, row: Request, kind: str, name: str, host: tuple[Any, Any, Any, LoraConfig, int, Slot], *,
-                       with_optimizer: bool) -> Path:
-        """Write what _read_adapter read as a PEFT directory (plus optimizer and state files); any thread."""
+    def write_adapter(self, row: Request, kind: str, name: str, host: HostAdapter, *, with_optimizer: bool) -> Path:
+        """Write what read_adapter read as a PEFT directory (plus optimizer and state files); any thread."""
         single, m, v, single_cfg, step, slot = host
         base = self.store.get_model(row.owner_id, row.model_id or "").base_model
 
@@ -188,7 +173,8 @@ class SnapshotWriter(EnginePart):
 
         return self._write_dir(row.owner_id, row.model_id or "", kind, name, write)
 
-    def _read_moments(self, root: Path, single_cfg: LoraConfig) -> tuple[tuple[Any, Any], int]:
+    def read_moments(self, root: Path, single_cfg: LoraConfig) -> tuple[tuple[Any, Any], int]:
+        """The Adam moments and step a save with its optimizer holds (what write_adapter wrote)."""
         tensors = hf.read_safetensors(root / OPTIMIZER_FILE)
         state = json.loads((root / STATE_FILE).read_text())
         moments = tuple(
@@ -197,41 +183,3 @@ class SnapshotWriter(EnginePart):
                 root / OPTIMIZER_FILE))
             for prefix in ("exp_avg.", "exp_avg_sq."))
         return (moments[0], moments[1]), int(state["step"])
-
-    def _save_weights(self, row: Request) -> Outcome:
-        req = protocol.decode_json(row.kind, row.body)
-        name = req.path or f"step{self._model_slot(row.model_id or '').step:06d}"
-        path = self._save_adapter(row, "weights", name, with_optimizer=True)
-        result = protocol.json_result(types.SaveWeightsResponse(path=tinker_path(row.model_id or "", "training",
-                                                                                 name)))
-        return self._record(row, name, "training", path, req, result)
-
-    def _save_weights_for_sampler(self, row: Request) -> Outcome:
-        req = protocol.decode_json(row.kind, row.body)
-        model_id = row.model_id or ""
-        if req.path is not None:
-            path = self._save_adapter(row, "sampler_weights", req.path, with_optimizer=False)
-            result = protocol.json_result({"path": tinker_path(model_id, "sampler", req.path)})
-            return self._record(row, req.path, "sampler", path, req, result)
-        if req.sampling_session_seq_id is None:
-            raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
-        name = protocol.ephemeral_sampler_name(req.sampling_session_seq_id, row.seq_id or 0)
-        path = self._save_adapter(row, "sampler_weights", name, with_optimizer=False)
-        model = self.store.get_model(row.owner_id, model_id)
-        sampler_id = sampling_session_id_for(model.session_id, req.sampling_session_seq_id)
-        result = protocol.json_result({"sampling_session_id": sampler_id,
-                                       "path": tinker_path(model_id, "sampler", name)})
-        return self._record(row, name, "sampler", path, req, result, sampler_seq_id=req.sampling_session_seq_id)
-
-    def _save_weights_external(self, row: Request) -> Outcome:
-        # The PEFT adapter alone, as for sampler weights: the HF format the SDK documents for external weights.
-        req = protocol.decode_json(row.kind, row.body)
-        path = self._save_adapter(row, "external_weights", req.path, with_optimizer=False)
-        result = protocol.json_result(types.SaveWeightsExternalResponseInternal(
-            path=tinker_path(row.model_id or "", "external", req.path), size_bytes=_dir_size(path)))
-        return self._record(row, req.path, "external", path, req, result)
-
-    def _delete_checkpoint(self, row: Request) -> bytes:
-        req = protocol.decode_json(row.kind, row.body)
-        self._remove_files(req.storage_path)
-        return protocol.json_result({})
