@@ -487,7 +487,8 @@ def test_readme_make_targets(clone: Path) -> None:
             assert all(RUN.get(s) for s in steps)  # each of them is run by a test here
             fresh = subprocess.run(["make", "-n", f"VENV={clone}/fresh-venv", "demo"], cwd=clone, check=True,
                                    capture_output=True, text=True, env=env).stdout
-            assert f"python3 -m venv {clone}/fresh-venv" in fresh and "pip install -q -e '.[dev]'" in fresh
+            assert f"python3 -m venv {clone}/fresh-venv" in fresh
+            assert "uv pip install" in fresh and "-e '.[dev]'" in fresh
         else:
             assert steps == ["ruff check .", 'pytest -q -n 2 -m "not long"']
         ledger.checked(command)
@@ -1343,7 +1344,7 @@ def test_walkthrough(clone: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
         if argv[:2] == ["make", "install"]:
             fresh = subprocess.run(["make", "-n", f"VENV={tmp_path}/venv", "install"], cwd=clone, check=True,
                                    capture_output=True, text=True).stdout
-            assert f"python3 -m venv {tmp_path}/venv" in fresh and "pip install -q -e '.[dev]'" in fresh
+            assert f"python3 -m venv {tmp_path}/venv" in fresh and "uv pip install" in fresh and "-e '.[dev]'" in fresh
             ledger.checked(command)
         elif argv[:3] == ["gcloud", "config", "set"]:
             home = tmp_path / "gcloud"
