@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 class BundledConfigs:
     """The trainer configs the trainer image bundles (trainer/configs/): what trainer.config and service.config may
     name. The spec sits below the trainer and never imports it, so the caller passes the trainer's own listing
-    (trainer.config.bundled_configs())."""
+    (trainer.base.config.bundled_configs())."""
 
     runs: Sequence[str]  # RL training runs
     services: Sequence[str]  # the post-training service's engine configs (a `service` section)
@@ -982,8 +982,8 @@ def _describe(err: dict[str, Any]) -> str:
 def parse_spec(raw: dict[str, Any], env: str, bundled: BundledConfigs) -> EnvironmentSpec:
     """Validates a stack's config (keys without the namespace) into an EnvironmentSpec, or raises ConfigError.
 
-    bundled: the trainer configs the trainer image holds (trainer.config.bundled_configs()), which trainer.config and
-    service.config are checked against."""
+    bundled: the trainer configs the trainer image holds (trainer.base.config.bundled_configs()), which trainer.config
+    and service.config are checked against."""
     values = {k: v for k, v in raw.items() if k not in SECRET_KEYS}
     try:
         return EnvironmentSpec.model_validate({**values, "env": env}, context={_BUNDLED: bundled})

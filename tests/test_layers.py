@@ -141,11 +141,11 @@ def test_the_scanner_finds_imports_however_they_are_written(tmp_path: Path) -> N
         "def f() -> None:\n"
         "    import pulumi.errors\n"
         "    from pulumi_gcp import compute\n"
-        "    importlib.import_module('trainer.fit')\n"
+        "    importlib.import_module('trainer.fit.preflight')\n"
         "    from .. import workloads\n")
     found = violations("envspec", ("infra", "workloads", "trainer", "pulumi*"), tmp_path)
     assert found == ["envspec/bad.py:6 imports infra.config", "envspec/bad.py:8 imports pulumi.errors",
-                     "envspec/bad.py:9 imports pulumi_gcp", "envspec/bad.py:10 imports trainer.fit",
+                     "envspec/bad.py:9 imports pulumi_gcp", "envspec/bad.py:10 imports trainer.fit.preflight",
                      "envspec/bad.py:11 imports workloads"]
     assert violations("envspec", ("tests",), tmp_path) == []
 
@@ -231,7 +231,7 @@ def test_the_service_never_imports_the_fit_tools_above_it() -> None:
     # `fit` sizes the service's programs, so it stands above them: the pass rule both read is trainer/service/passes.py.
     found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
              for path in sorted((ROOT / "trainer" / "service").rglob("*.py"))
-             for line, module in imports(path) if module == "trainer.fit" or module.startswith("trainer.fit_")]
+             for line, module in imports(path) if module == "trainer.fit" or module.startswith("trainer.fit.")]
     assert found == []
 
 

@@ -1,4 +1,4 @@
-"""The decode step's Pallas TPU kernel (trainer/decode_kernel.py), run here in Pallas' TPU interpret mode, against
+"""The decode step's Pallas TPU kernel (trainer/model/decode_kernel.py), run here in Pallas' TPU interpret mode, against
 the XLA block loop and the whole-cache einsum it replaces on TPU; and compiled for a v6e chip by libtpu."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from tests.trainer.conftest import TINY_MODEL
-from trainer import decode_kernel as D
-from trainer import model as M
-from trainer.config import ComputeConfig, ModelConfig
-from trainer.sampler import sample
-from trainer.sharding import make_mesh
+from trainer.base.config import ComputeConfig, ModelConfig
+from trainer.model import decode_kernel as D
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh
+from trainer.rl.sampler import sample
 
 f32 = jnp.float32
 
@@ -119,7 +119,7 @@ def test_mosaic_lowers_the_kernel_at_block_sizes_below_a_lane_tile(block: int) -
     slots lowers too (a [8, 1, 64] block of the [B, 1, S] mask was refused by Mosaic: last dimension not a multiple of
     128 nor the array's)."""
     from tests.trainer.test_fit import V6E_2X2
-    from trainer import fit as F
+    from trainer.fit import preflight as F
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])

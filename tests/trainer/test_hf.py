@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from trainer.config import ConfigError
-from trainer.hf import (
+from trainer.base.config import ConfigError
+from trainer.model.hf import (
     LazyTensor,
     check_hf,
     export_hf,
@@ -26,7 +26,7 @@ from trainer.hf import (
     read_safetensors,
     write_safetensors,
 )
-from trainer.tokenizer import HFTokenizer, load_tokenizer
+from trainer.model.tokenizer import HFTokenizer, load_tokenizer
 
 VOCAB = 48
 
@@ -484,7 +484,7 @@ def hf_reference_logits(hf: dict[str, Any], t: dict[str, np.ndarray], ids: np.nd
 def test_model_forward_on_imported_params_matches_hf_reference(which: str, request: pytest.FixtureRequest) -> None:
     import jax.numpy as jnp
 
-    from trainer.model import forward, logits
+    from trainer.model.decoder import forward, logits
 
     path, t = request.getfixturevalue(f"{which}_dir")
     hf = QWEN3 if which == "qwen3" else LLAMA
@@ -613,7 +613,7 @@ def test_qwen2_checkpoint_biases(tmp_path: Path) -> None:
 
 
 def test_family_inference_and_validation() -> None:
-    from trainer.config import ModelConfig
+    from trainer.base.config import ModelConfig
 
     shape = dict(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8, max_seq_len=8)
     assert model_family(ModelConfig(**shape)) == "llama"

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from trainer import model as M
-from trainer.config import ModelConfig, RLConfig
-from trainer.losses import group_advantages, policy_loss
-from trainer.sharding import batch_sharding, make_mesh, named_shardings
+from trainer.base.config import ModelConfig, RLConfig
+from trainer.model import decoder as M
+from trainer.model.sharding import batch_sharding, make_mesh, named_shardings
+from trainer.rl.losses import group_advantages, policy_loss
 
 from .conftest import TINY_MODEL
 
@@ -196,7 +196,7 @@ def _flash_case() -> tuple[ModelConfig, M.Params, tuple[jax.Array, ...]]:
 def _matches_the_einsum_path(attention: str, context: Any = contextlib.nullcontext) -> None:
     """compute.attention `attention` gives the einsum path's log-probs and gradient on _flash_case, on one device and
     under an fsdp 2 x tensor 2 mesh, each traced inside `context()`."""
-    from trainer.config import ComputeConfig
+    from trainer.base.config import ComputeConfig
 
     cfg, params, (prompt, valid, completion, mask) = _flash_case()
 
@@ -249,7 +249,7 @@ def test_packed_order_moves_valid_tokens_first_in_order() -> None:
 
 
 def test_auto_attention_is_each_platforms_fused_kernel() -> None:
-    from trainer.config import ComputeConfig
+    from trainer.base.config import ComputeConfig
 
     assert [ComputeConfig().on_platform(p).attention for p in ("tpu", "gpu", "cpu")] == ["flash", "cudnn", "xla"]
     assert ComputeConfig(attention="xla").on_platform("gpu").attention == "xla"
@@ -344,7 +344,7 @@ def test_token_dense_keeps_the_weight_gradient_a_canonical_matmul_on_cpu() -> No
     """compute.dense_grad transposed (CPU's default): the MLP projections' values and gradients are the einsum's,
     and the weight gradient (a matmul over the tokens) runs with both operands canonical, which YNNPACK takes;
     through the plain einsum XLA's CPU contracts the left operand over its major axis (an Eigen dot)."""
-    from trainer.config import ComputeConfig
+    from trainer.base.config import ComputeConfig
 
     x = jax.random.normal(jax.random.key(0), (2, 64, 32))
     w = jax.random.normal(jax.random.key(1), (32, 96)) * 0.1

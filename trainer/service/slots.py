@@ -13,7 +13,7 @@ import time
 from collections import UserDict
 from dataclasses import dataclass, field
 
-from trainer.config import LoraConfig, lora_alpha, lora_scale
+from trainer.base.config import LoraConfig, lora_alpha, lora_scale
 from trainer.service.device import DeviceState
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from trainer.config import ServiceConfig
+from trainer.base.config import ServiceConfig
 from trainer.service import losses, protocol, provenance
 from trainer.service.engine.common import (
     Accepted,

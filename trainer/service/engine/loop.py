@@ -56,11 +56,11 @@ import jax
 import numpy as np
 from tinker import types
 
-from trainer import compile_cache
-from trainer.config import (
+from trainer.base.config import (
     ConfigError,
     TrainConfig,
 )
+from trainer.run import compile_cache
 from trainer.service import device, losses, protocol, sampling
 from trainer.service import programs as P
 from trainer.service.engine.batches import Passes
@@ -109,7 +109,7 @@ class Engine(Models, SnapshotWriter, Passes, Sampler):
         self.stack = self.state.stack
         self.tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").is_file():
-            from trainer.tokenizer import HFTokenizer
+            from trainer.model.tokenizer import HFTokenizer
 
             self.tokenizer = HFTokenizer.from_dir(tok_dir)
         self.eos_ids = self._eos_ids(tok_dir)

@@ -10,11 +10,11 @@ import jax
 import numpy as np
 from tinker import types
 
-from trainer import lora as L
-from trainer.config import (
+from trainer.base.config import (
     LoraConfig,
     ServiceConfig,
 )
+from trainer.model import lora as L
 from trainer.service import programs as P
 from trainer.service import protocol
 from trainer.service.engine.common import (

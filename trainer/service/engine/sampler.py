@@ -11,8 +11,8 @@ import jax
 import numpy as np
 from tinker import types
 
-from trainer import lora as L
-from trainer.config import ServiceConfig
+from trainer.base.config import ServiceConfig
+from trainer.model import lora as L
 from trainer.service import losses, protocol, sampling
 from trainer.service.engine.common import (
     EnginePart,

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from tinker import types
 
-from trainer import hf
-from trainer import lora as L
-from trainer.config import LoraConfig
+from trainer.base.config import LoraConfig
+from trainer.model import hf
+from trainer.model import lora as L
 from trainer.service import protocol
 from trainer.service.engine.common import (
     MAX_SNAPSHOT_ATTEMPTS,
