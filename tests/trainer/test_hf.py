@@ -15,7 +15,6 @@ from tokenizers import models, pre_tokenizers
 
 from trainer.base.config import ConfigError
 from trainer.model.hf import (
-    LazyTensor,
     check_hf,
     export_hf,
     hf_config_from_model,
@@ -23,9 +22,8 @@ from trainer.model.hf import (
     model_config_from_hf,
     model_family,
     read_checkpoint_tensors,
-    read_safetensors,
-    write_safetensors,
 )
+from trainer.model.tensors import LazyTensor, read_safetensors, write_safetensors
 from trainer.model.tokenizer import HFTokenizer, load_tokenizer
 
 VOCAB = 48

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from trainer.base.config import ConfigError, LoraConfig, ModelConfig, config_from_dict, lora_alpha, lora_scale
 from trainer.model import decoder as M
 from trainer.model import lora as L
-from trainer.model.hf import export_hf, import_hf, params_to_hf_tensors, read_safetensors
+from trainer.model.hf import export_hf, import_hf, params_to_hf_tensors
+from trainer.model.tensors import read_safetensors
 from trainer.rl.sampler import sample
 from trainer.rl.train import train
 

@@ -48,6 +48,7 @@ import optax
 from trainer.base.config import LoraConfig, ModelConfig
 from trainer.model import decoder as M
 from trainer.model import hf
+from trainer.model.tensors import read_safetensors, write_safetensors
 
 Params = M.Params
 f32 = jnp.float32
@@ -282,7 +283,7 @@ def export_peft(weights: Params, lcfg: LoraConfig, out_dir: str | Path, *, slot:
         raise ValueError(f"slot {slot} is not in the stack of {lcfg.slots}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf.write_safetensors(out / ADAPTER_WEIGHTS, peft_tensors(weights, slot), {"format": "pt"})
+    write_safetensors(out / ADAPTER_WEIGHTS, peft_tensors(weights, slot), {"format": "pt"})
     text = json.dumps(peft_config(lcfg, base_model_name_or_path), indent=2, sort_keys=True)
     (out / ADAPTER_CONFIG).write_text(text + "\n")
     return out
@@ -316,7 +317,7 @@ def import_peft(path: str | Path, cfg: ModelConfig) -> tuple[Params, LoraConfig]
     root = Path(path)
     data = json.loads((root / ADAPTER_CONFIG).read_text())
     lcfg = _config_from_peft(data, root / ADAPTER_CONFIG)
-    return adapter_from_tensors(hf.read_safetensors(root / ADAPTER_WEIGHTS), cfg, lcfg, root / ADAPTER_WEIGHTS), lcfg
+    return adapter_from_tensors(read_safetensors(root / ADAPTER_WEIGHTS), cfg, lcfg, root / ADAPTER_WEIGHTS), lcfg
 
 
 def adapter_from_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, lcfg: LoraConfig,

@@ -22,8 +22,8 @@ import numpy as np
 from tinker import types
 
 from trainer.base.config import LoraConfig
-from trainer.model import hf
 from trainer.model import lora as L
+from trainer.model.tensors import read_safetensors, write_safetensors
 from trainer.service import protocol
 from trainer.service.engine.common import (
     MAX_SNAPSHOT_ATTEMPTS,
@@ -181,14 +181,14 @@ class SnapshotWriter(EnginePart):
             if with_optimizer:
                 tensors = {f"exp_avg.{k}": t for k, t in L.peft_tensors(m).items()}
                 tensors |= {f"exp_avg_sq.{k}": t for k, t in L.peft_tensors(v).items()}
-                hf.write_safetensors(d / OPTIMIZER_FILE, tensors, {"format": "pt"})
+                write_safetensors(d / OPTIMIZER_FILE, tensors, {"format": "pt"})
                 state = {"step": step, "rank": slot.rank, "targets": list(slot.targets), "scale": slot.scale}
                 (d / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
         return self._write_dir(row.owner_id, row.model_id or "", kind, name, write)
 
     def _read_moments(self, root: Path, single_cfg: LoraConfig) -> tuple[tuple[Any, Any], int]:
-        tensors = hf.read_safetensors(root / OPTIMIZER_FILE)
+        tensors = read_safetensors(root / OPTIMIZER_FILE)
         state = json.loads((root / STATE_FILE).read_text())
         moments = tuple(
             jax.tree.map(lambda x: np.asarray(x, np.float32), L.adapter_from_tensors(
