@@ -18,7 +18,7 @@ import jax
 from infra.offline.fit import file_job
 from trainer.fit import phases as FP
 from trainer.fit import preflight as F
-from trainer.fit.preflight import with_settings
+from trainer.fit.advice import with_settings
 from trainer.model.decoder import static_decode_blocks
 from trainer.model.sharding import make_mesh
 

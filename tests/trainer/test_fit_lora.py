@@ -14,6 +14,7 @@ import pytest
 from trainer.base.config import LoraConfig, config_from_dict, load_config, resolve_mesh
 from trainer.fit import estimate as E
 from trainer.fit import preflight as F
+from trainer.fit.advice import with_settings
 from trainer.model.lora import lora_axes, lora_shapes
 from trainer.model.sharding import logical_to_spec
 
@@ -90,7 +91,7 @@ def test_lora_estimate_counts_every_slot_and_the_compute_dtype_state() -> None:
     count, per_device = _adapters(cfg.model_cfg, cfg.lora, {"slices": 1, "fsdp": 4, "tensor": 4})
     st = E.state(cfg)
     assert st.adapters == per_device * 4 and st.optimizer == pytest.approx(8 * per_device, abs=64)
-    bf16 = resolve_mesh(F.with_settings(cfg, ["compute.param_dtype=bfloat16"]), 16, exact=True)
+    bf16 = resolve_mesh(with_settings(cfg, ["compute.param_dtype=bfloat16"]), 16, exact=True)
     st16 = E.state(bf16)
     assert st16.adapters == per_device * 2 and st16.optimizer == pytest.approx(4 * per_device, abs=64)  # bf16 moments
 

@@ -11,6 +11,7 @@ import pytest
 
 from trainer.base.config import config_from_dict, resolve_mesh
 from trainer.fit import preflight as F
+from trainer.fit.advice import with_settings
 from trainer.fit.search import AFFECTS, PRECISION, SearchResult, search
 
 MiB = 1 << 20
@@ -49,7 +50,7 @@ def test_the_printed_settings_fit_when_fed_back_to_fit(found: tuple[SearchResult
     assert result.flags() == " ".join(f"--set {s}" for s in result.settings)
     # A fresh fit (no cache) of the config with the printed settings: it fits, with the figures the search saw. (Its
     # sampler timed as the search times it: the phases' compiles price time, not memory.)
-    again = F.fit(F.with_settings(_cfg(), result.settings), SMALL_HBM, title="again", phases=False)
+    again = F.fit(with_settings(_cfg(), result.settings), SMALL_HBM, title="again", phases=False)
     assert again.fits and not any(p.reused for p in again.programs)
     assert again.program("update").peak == result.report.program("update").peak
     lines = result.lines()

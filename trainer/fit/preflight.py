@@ -64,15 +64,9 @@ optim_step, and reports per device the base + four float32 adapter stacks + temp
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
-import math
-import os
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -81,18 +75,28 @@ from trainer.base.config import (
     ConfigError,
     ModelConfig,
     TrainConfig,
-    apply_overrides,
-    config_from_dict,
     resolve_mesh,
     with_model,
 )
 from trainer.fit import estimate as E
 from trainer.fit import phases as FP
+from trainer.fit.advice import estimate_savings, estimate_service_savings, service_suggestions, suggestions
+from trainer.fit.compiler import (
+    PRICING_OPTIONS,
+    CompileCache,
+    FitError,
+    _compile,
+    _optimal_seconds,
+    _tree_bytes_per_device,
+    parse_oom,
+    prepare_environment,
+    topology_devices,
+    usable_hbm,
+)
 from trainer.fit.estimate import step_flops
 from trainer.fit.flops import StepFlops, param_count
 from trainer.fit.loops import loop_factor
 from trainer.fit.report import (
-    BUDGET_SPENT,
     WARN_FRACTION,
     FitReport,
     GiB,
@@ -103,30 +107,13 @@ from trainer.fit.report import (
     Suggestion,
     Target,
 )
-from trainer.service.shapes import rows as shape_rows
 
-# The report and FLOPs types live in fit_report.py and flops.py; callers import them from here.
+# The report and FLOPs types (report.py, flops.py), the compile machinery (compiler.py) and the advice (advice.py)
+# live beside this file; callers import fit's entry points from here.
 __all__ = ["GiB", "WARN_FRACTION", "CompileCache", "FitError", "FitReport", "ProgramFit", "StepFlops", "Suggestion",
            "Target", "fit", "fit_service", "param_count", "parse_oom", "prepare_environment", "resolve_model",
            "step_flops", "suggestions", "topology_devices", "usable_hbm"]
 PROGRAMS = ("sample", "ref_logprobs", "update")
-# Custom calls libtpu's cost model prices at -1 s each in optimal_seconds (libtpu 0.0.42.1: the negative part of
-# every optimal_seconds seen, from 0.6B to 70B programs on 1 to 4 slices, is exactly the count of these).
-_MINUS_ONE_SECOND_OPS = tuple(f'custom_call_target="{op}"' for op in ("ConcatBitcast", "SliceId", "ZeroCrop"))
-# The update and reference passes are priced with XLA's windowed einsums (collective matmuls) off. At fsdp >= 16 the
-# SPMD partitioner turns the layers' weight all-gathers and matmuls into while loops, which libtpu's cost analysis
-# undercounts in `flops` and in optimal_seconds alike; fit's FLOPs scaling then read the FLOPs undercount as work
-# left out and multiplied the time by it (2.14x on Qwen3-8B at fsdp 16). Without them the same
-# maths is an all-gather, then the matmul, priced one after the other: no faster than the collective matmul that
-# runs (tests/trainer/test_fit.py). The memory compile keeps the compiler's defaults: that is the program that runs.
-PRICING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
-                   "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-
-
-class FitError(ConfigError):
-    """The inputs cannot be compiled for the target (bad topology, mesh vs devices); the message says which."""
-
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -207,112 +194,6 @@ def _service_model(cfg: TrainConfig) -> tuple[TrainConfig, str]:
 
 
 # ---------------------------------------------------------------------------------------------- compile
-
-
-_OOM_PATTERNS = (
-    # "Used 35.2G of 31.25G hbm." / "... required for HLO temporaries (33.56G) exceeds available HBM (31.25G)"
-    re.compile(r"Used\s+([\d.]+)\s*([KMGTP]?)i?B?\s+of\s+([\d.]+)\s*([KMGTP]?)i?B?\s+hbm", re.I),
-    re.compile(r"\(([\d.]+)\s*([KMGTP]?)i?B?\)\s*exceeds available HBM\s*\(([\d.]+)\s*([KMGTP]?)i?B?\)", re.I),
-)
-
-
-def parse_oom(message: str) -> tuple[int, int] | None:
-    """(bytes required, bytes available) from libtpu's RESOURCE_EXHAUSTED message, if it states them."""
-    for pat in _OOM_PATTERNS:
-        m = pat.search(message)
-        if m:
-            need = float(m.group(1)) * _UNITS[m.group(2).upper()]
-            have = float(m.group(3)) * _UNITS[m.group(4).upper()]
-            return int(need), int(have)
-    return None
-
-
-def _tree_bytes_per_device(tree: Any) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs carrying NamedShardings."""
-    import jax
-
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * x.dtype.itemsize
-    return total
-
-
-def prepare_environment(target: Target) -> None:
-    """Compile for TPU from a CPU-only process: JAX on CPU, libtpu told what it would otherwise look up.
-
-    Without TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES libtpu prints "could not determine TPU accelerator type"
-    and worker-hostname errors on a machine without TPUs; they do not change the compilation (checked: the same
-    memory and cost figures with any value), so set them for this process only where the caller has not. Real
-    errors (a topology libtpu refuses, RESOURCE_EXHAUSTED) still surface. Call before anything initialises a JAX
-    backend.
-    """
-    import jax
-
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.accelerator_type)
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    # libtpu takes /tmp/libtpu_lockfile when it loads, so a second fit (or a fit beside a TPU job) would abort with
-    # "Internal error when accessing libtpu multi-process lockfile". A compile-only process opens no TPU device.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    with contextlib.suppress(RuntimeError):  # a backend is up already (tests, a TPU VM): keep it
-        jax.config.update("jax_platforms", "cpu")
-
-
-@functools.lru_cache(maxsize=16)
-def usable_hbm(target: Target) -> int | None:
-    """The HBM per device libtpu lets a program use on `target` (its compile-time limit, e.g. 31.25 GiB of a v6e
-    chip's 32): the figure of the RESOURCE_EXHAUSTED it raises for a program that needs 1 TiB, a compile of well
-    under a second. None where libtpu did not say."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(topology_devices(target)[0]))
-
-    def huge(x: jax.Array) -> jax.Array:  # 1 TiB of temporaries, kept alive by the barrier: more than any chip has
-        return jnp.sum(jax.lax.optimization_barrier(jnp.broadcast_to(x[0], (1 << 20, 1 << 18))))
-
-    try:
-        jax.jit(huge).lower(x).compile()
-    except Exception as err:  # RESOURCE_EXHAUSTED, naming the limit
-        parsed = parse_oom(str(err))
-        return parsed[1] if parsed else None
-    return None
-
-
-@dataclass
-class CompileCache:
-    """Compiled programs by their lowered text and target (the same text compiles the same), and a budget.
-
-    `fit --search` passes one through every fit it runs: a setting that leaves a program's lowered text unchanged
-    (sampling.max_num_sequences for the update, compute.remat for the sampler) costs no compile, and `budget`
-    caps the compiles of the whole search (a program past it is reported not compiled)."""
-
-    budget: int | None = None
-    compiles: int = 0
-    compile_seconds: float = 0.0
-    results: dict[str, ProgramFit] = field(default_factory=dict)
-
-    @property
-    def left(self) -> int | None:
-        return None if self.budget is None else max(0, self.budget - self.compiles)
-
-
-# What a compile measures; a reused program copies these.
-_COMPILED_FIELDS = ("argument", "output", "alias", "temp", "code", "oom_message", "oom_required", "oom_available",
-                    "compiler_flops", "compiler_seconds", "compile_seconds")
-
-
-def topology_devices(target: Target) -> list[Any]:
-    from jax.experimental.topologies import get_topology_desc
-
-    kwargs: dict[str, Any] = {"num_slices": target.slices}
-    if target.host_bounds is not None:
-        kwargs["chips_per_host_bounds"] = list(target.host_bounds)
-    try:
-        topo = get_topology_desc(platform="tpu", topology_name=target.topology_name, **kwargs)
-    except RuntimeError as err:  # JaxRuntimeError: libtpu refused the shape
-        raise FitError(f"libtpu cannot describe {target.label}: {str(err).strip()}") from None
-    return list(topo.devices)
 
 
 def fit(
@@ -539,70 +420,11 @@ def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str, rows: int
     return (cfg.batch_size if rows is None else rows) * passes * attention_flops(cfg.model_cfg, T * T)
 
 
-def _optimal_seconds(compiled: Any, hlo: str | None = None) -> float:
-    """The compiler's optimal_seconds, with libtpu's -1 s per ConcatBitcast / SliceId / ZeroCrop added back (`hlo`:
-    the compiled text, where the caller has it already)."""
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    seconds = float(cost.get("optimal_seconds", 0.0))
-    if seconds < 0:
-        hlo = compiled.as_text() if hlo is None else hlo
-        seconds += sum(hlo.count(op) for op in _MINUS_ONE_SECOND_OPS)
-    return seconds
-
-
 def _resolve_mesh(cfg: TrainConfig, devices: list[Any], target: Target) -> TrainConfig:
     try:
         return resolve_mesh(cfg, len(devices), exact=True)
     except ConfigError as err:
         raise FitError(f"{err} (the {len(devices)} devices of {target.label})") from None
-
-
-def _compile(p: ProgramFit, lowered: Any, mesh: Any, target: Target, n_devices: int, cache: CompileCache | None,
-             say: Callable[[str], None], counter: str) -> None:
-    """Compile one lowered program into `p` (memory analysis, cost analysis, or the compiler's RESOURCE_EXHAUSTED);
-    with `cache`, a program compiled before is copied and one past the budget is marked not compiled."""
-    import jax
-
-    key = ""
-    if cache is not None:
-        text = f"{target.topology_name} {target.slices} {target.host_bounds}\n{lowered.as_text()}"
-        key = hashlib.sha256(text.encode()).hexdigest()
-        if key in cache.results:
-            say(f"reusing {p.name}: compiled before in this run ({counter})")
-            for f in _COMPILED_FIELDS:
-                setattr(p, f, getattr(cache.results[key], f))
-            p.reused = True
-            return
-        if cache.left == 0:
-            p.skipped = BUDGET_SPENT
-            return
-    say(f"compiling {p.name} for {target.label} ({counter})")
-    t0 = time.perf_counter()
-    try:
-        with jax.set_mesh(mesh):
-            compiled = lowered.compile()
-    except Exception as err:  # only RESOURCE_EXHAUSTED is a finding; anything else is re-raised
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        p.oom_message = str(err).strip()
-        parsed = parse_oom(p.oom_message)
-        p.oom_required, p.oom_available = parsed if parsed else (None, None)
-    else:
-        mem = compiled.memory_analysis()
-        p.argument, p.output = mem.argument_size_in_bytes, mem.output_size_in_bytes
-        p.alias, p.temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
-        p.code = mem.generated_code_size_in_bytes
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        p.compiler_flops = float(cost.get("flops", 0.0)) * n_devices
-        p.compiler_seconds = _optimal_seconds(compiled)
-    p.compile_seconds = time.perf_counter() - t0
-    if cache is not None:
-        cache.compiles += 1
-        cache.compile_seconds += p.compile_seconds
-        cache.results[key] = ProgramFit(p.name, **{f.name: getattr(p, f.name) for f in fields(ProgramFit)
-                                                   if f.name in _COMPILED_FIELDS})
 
 
 # ---------------------------------------------------------------------------------------------- the service
@@ -716,84 +538,6 @@ def _estimate_service_times(target: Target, n_devices: int, stack_b: int, progra
             p.seconds = floor
 
 
-def service_suggestions(ps: E.Pass | None, cfg: TrainConfig) -> list[Suggestion]:
-    """Settings that reduce a service program's memory (`ps`: the forward_backward pass; None: optim_step). The first
-    three trade capacity (adapters, their rank, the tokens or the longest datum of a pass); the rest keep it."""
-    assert cfg.lora is not None and cfg.service is not None
-    lcfg, svc, c, mesh, m = cfg.lora, cfg.service, cfg.compute, cfg.mesh, cfg.model_cfg
-    out: list[Suggestion] = []
-
-    def add(setting: str, text: str) -> None:
-        out.append(Suggestion(f"{setting}{text}", setting))
-
-    if lcfg.slots > 1:
-        add(f"lora.slots={lcfg.slots // 2}", f" (now {lcfg.slots}): half the adapters (fewer clients' models and "
-            "sampler checkpoints loaded at once), each held 4 times")
-    if lcfg.rank > 1:
-        add(f"lora.rank={lcfg.rank // 2}", f" (now {lcfg.rank}): half the adapters' width (clients may ask for rank "
-            f"<= {lcfg.rank // 2})")
-    data = mesh.slices * mesh.fsdp
-    if ps is not None:
-        half = svc.max_batch_tokens // 2
-        if half >= shape_rows(1, data) * svc.min_bucket:
-            longest = E.service_longest_datum(cfg.model_copy(update={"service": svc.model_copy(
-                update={"max_batch_tokens": half})}), data)
-            add(f"service.max_batch_tokens={half}", f" (now {svc.max_batch_tokens}): fewer tokens per pass (the "
-                f"longest datum a pass holds: {longest} tokens)")
-        if c.remat != "full":
-            add("compute.remat=full", f" (now {c.remat}): keep only each layer's input for the backward pass")
-        if c.logprob_chunk > 32 and c.logprob_chunk < ps.length * 2:
-            add(f"compute.logprob_chunk={c.logprob_chunk // 2}", f" (now {c.logprob_chunk}): fewer fp32 [rows, "
-                "chunk, vocab] logits at once")
-        if cfg.compute_dtype != "bfloat16":
-            add("compute.dtype=bfloat16", ": bf16 activations")
-    if m.param_dtype != "bfloat16":
-        add("compute.param_dtype=bfloat16", ": halves the base weights (the adapters stay float32)")
-    t = next((t for t in (2, 4, 8) if t > mesh.tensor and m.n_kv_heads % t == 0 and m.n_heads % t == 0), None)
-    if t:
-        add(f"mesh.tensor={t}", f" (now {mesh.tensor}): shard heads, MLP and vocab, not only the batch")
-    out.append(Suggestion("more chips: a larger topology or more slices (--slices)"))
-    return out
-
-
-def estimate_service_savings(p: ProgramFit, ps: E.Pass | None, cfg: TrainConfig,
-                             found: list[Suggestion]) -> list[Suggestion]:
-    """Each suggestion's estimated saving for service program `p` (forward_backward at pass `ps`, or optim_step):
-    fit_estimate.service_memory calibrated on what the compiler measured; a changed config's pass is the one of the
-    same kind (or length)."""
-    lay = E.Layout.of(cfg)
-    program = "optim_step" if ps is None else "forward_backward"
-    base = E.service_memory(cfg, program, ps, lay)
-    k = E.calibration(base, E.measured_temp(p))
-
-    def same(changed: TrainConfig, layout: E.Layout) -> E.Pass | None:
-        if ps is None:
-            return None
-        passes = E.service_passes(changed, shape_rows(1, layout.data))
-        if ps.kind.startswith("longest"):
-            return passes[-1]
-        if ps.kind == "most rows":
-            return passes[0]
-        return next((q for q in passes if q.length == ps.length), passes[-1])
-
-    for s in found:
-        try:
-            if s.setting is None:
-                other = E.service_memory(cfg, program, same(cfg, lay.doubled()), lay.doubled())
-                s.estimate_note = "for twice the chips"
-            else:
-                changed = with_settings(cfg, [s.setting])
-                if s.setting.startswith("mesh."):
-                    changed = resolve_mesh(changed, lay.devices, exact=True)
-                other_lay = E.Layout.of(changed)
-                other = E.service_memory(changed, program, same(changed, other_lay), other_lay)
-        except ConfigError as err:
-            s.estimate_note = str(err)
-            continue
-        s.saves = int(E.saving(base, other, k))
-    return found
-
-
 def _estimate_times(cfg: TrainConfig, target: Target, n_devices: int, flops: StepFlops,
                     programs: list[ProgramFit]) -> None:
     per_chip = max(1, n_devices // target.chips)
@@ -809,97 +553,3 @@ def _estimate_times(cfg: TrainConfig, target: Target, n_devices: int, flops: Ste
             p.seconds = max(floor, p.compiler_seconds * p.flops / p.compiler_flops)
         else:  # did not compile: the compute roofline alone
             p.seconds = floor
-
-
-# ---------------------------------------------------------------------------------------------- advice
-
-
-def suggestions(program: str, cfg: TrainConfig) -> list[Suggestion]:
-    """Config settings that would reduce `program`'s memory, with values that pass the config's own checks (no
-    estimate yet: `estimate_savings` adds it)."""
-    c, rl, mesh, m = cfg.compute, cfg.rl, cfg.mesh, cfg.model_cfg
-    data = mesh.slices * mesh.fsdp
-    out: list[Suggestion] = []
-
-    def add(setting: str, text: str) -> None:
-        out.append(Suggestion(f"{setting}{text}", setting))
-
-    def halves(n: int, divides: int) -> int | None:
-        h = n // 2
-        return h if n % 2 == 0 and h % data == 0 and divides % h == 0 else None
-
-    if program == "update":
-        if c.remat != "full":
-            add("compute.remat=full", f" (now {c.remat}): keep only each layer's input for the backward pass")
-        mb = halves(cfg.micro_batch_rows, cfg.minibatch_rows)
-        if mb:
-            add(f"compute.train_micro_batch_size={mb}", f" (now {cfg.micro_batch_rows}): fewer sequences' "
-                "activations at once, gradients accumulated")
-        if cfg.batch_size % (2 * rl.minibatches) == 0 and (cfg.batch_size // (2 * rl.minibatches)) % data == 0:
-            add(f"rl.minibatches={2 * rl.minibatches}", f" (now {rl.minibatches}): smaller minibatches (more "
-                "optimizer steps per RL step: changes the algorithm)")
-    if program == "sample":
-        ns = halves(cfg.sample_chunk_rows, cfg.batch_size)
-        if ns:
-            add(f"sampling.max_num_sequences={ns}", f" (now {cfg.sample_chunk_rows}): a KV cache for fewer "
-                "sequences at once")
-        st, within = cfg.sampler_mesh["tensor"], mesh.fsdp * mesh.tensor
-        if cfg.sampling.gather_weights and within % (2 * st) == 0:
-            add(f"sampling.tensor={2 * st}", f" (now {st}): the sampler's copy of the weights split over twice the "
-                "chips (each slice's chips regrouped for sampling), not gathered per token")
-        if cfg.sampling.gather_weights:
-            add("sampling.gather_weights=false", " (now true): no whole compute-dtype copy of the weights while "
-                "sampling (an all-gather per generated token instead)")
-    if program in ("update", "ref_logprobs") and c.logprob_chunk > 128 and cfg.sampling.max_new_tokens > 128:
-        add(f"compute.logprob_chunk={max(128, min(c.logprob_chunk, cfg.sampling.max_new_tokens) // 2)}",
-            f" (now {c.logprob_chunk}): fewer fp32 [batch, chunk, vocab] logits at once")
-    if program in ("sample", "update") and getattr(cfg.optim, "name", None) == "adamw":
-        add("optim.name=adafactor", ": factored second moments and no first moment instead of Adam's two "
-            "param-sized moments" + (" (resident while sampling)" if program == "sample" else "")
-            + " (a different optimizer: changes the algorithm)")
-    if cfg.compute_dtype != "bfloat16":
-        add("compute.dtype=bfloat16", ": bf16 activations" + (" and KV cache" if program == "sample" else ""))
-    if m.param_dtype != "bfloat16":
-        add("compute.param_dtype=bfloat16", ": halves the master weights and Adam state")
-    if mesh.slices > 1 and getattr(mesh, "fsdp_across_slices", None) is False:
-        add("mesh.fsdp_across_slices=true", ": shard the weights and optimizer state over the slices too "
-            "(an all-gather over DCN every pass)")
-    t = next((t for t in (2, 4, 8) if t > mesh.tensor and m.n_kv_heads % t == 0 and m.n_heads % t == 0), None)
-    if t:
-        add(f"mesh.tensor={t}", f" (now {mesh.tensor}): shard heads, MLP and vocab, not only the batch")
-    out.append(Suggestion("more chips: a larger topology or more slices (trainer.slices / --slices)"))
-    return out
-
-
-def with_settings(cfg: TrainConfig, settings: list[str]) -> TrainConfig:
-    """`cfg` with `--set KEY=VALUE` settings applied the way the CLI applies them (resolved mesh axes kept, except
-    that a mesh.tensor setting re-derives fsdp, as the JobSet's mesh.fsdp=-1 would)."""
-    extra = ["mesh.fsdp=-1"] if any(s.startswith("mesh.tensor=") for s in settings) else []
-    data = apply_overrides(cfg.model_dump(by_alias=True), [*settings, *extra])
-    if cfg.model is not None and cfg.init.from_ == "hf":  # a model attached by resolve_model: as with_model does
-        data["init"] = {"from": "random", "path": None}
-        return config_from_dict(data).model_copy(update={"init": cfg.init})
-    return config_from_dict(data)
-
-
-def estimate_savings(p: ProgramFit, cfg: TrainConfig, found: list[Suggestion]) -> list[Suggestion]:
-    """Fill each suggestion's estimated saving for compiled program `p` of the resolved config `cfg`: the
-    analytic memory model (trainer/fit/estimate.py) calibrated on what the compiler measured for `p`."""
-    lay = E.Layout.of(cfg)
-    base = E.memory(cfg, p.name, lay)
-    k = E.calibration(base, E.measured_temp(p))
-    for s in found:
-        try:
-            if s.setting is None:  # more chips: twice as many, as a topology twice the size
-                other = E.memory(cfg, p.name, lay.doubled())
-                s.estimate_note = "for twice the chips"
-            else:
-                changed = with_settings(cfg, [s.setting])
-                if s.setting.startswith("mesh."):
-                    changed = resolve_mesh(changed, lay.devices, exact=True)
-                other = E.memory(changed, p.name)
-        except ConfigError as err:
-            s.estimate_note = str(err)
-            continue
-        s.saves = int(E.saving(base, other, k))
-    return found

@@ -26,7 +26,8 @@ from typing import Any
 
 from trainer.base.config import ConfigError, TrainConfig, resolve_mesh
 from trainer.fit import estimate as E
-from trainer.fit.preflight import PROGRAMS, CompileCache, FitReport, fit, resolve_model, topology_devices, with_settings
+from trainer.fit.advice import with_settings
+from trainer.fit.preflight import PROGRAMS, CompileCache, FitReport, fit, resolve_model, topology_devices
 from trainer.fit.report import BUDGET_SPENT, WARN_FRACTION, Target, size
 
 # The programs whose lowered text each searched setting changes (tests/trainer/test_fit_search.py checks it): a
