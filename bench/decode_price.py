@@ -19,7 +19,7 @@ from infra.offline.fit import file_job
 from trainer.fit import phases as FP
 from trainer.fit import preflight as F
 from trainer.fit.advice import with_settings
-from trainer.model.decoder import static_decode_blocks
+from trainer.model.attention import static_decode_blocks
 from trainer.model.sharding import make_mesh
 
 BIG = 1_000_000  # elements: a copy this large is a cache block or more, not bookkeeping

@@ -36,6 +36,7 @@ import numpy as np
 from bench.common import layer_params, update_flops
 from trainer.base.config import ModelConfig, config_from_dict
 from trainer.fit.flops import param_count
+from trainer.model import attention as A
 from trainer.model import decoder as M
 from trainer.model.sharding import make_mesh
 from trainer.rl.batch import replicate
@@ -87,12 +88,12 @@ def attention_check(B: int, T: int, H: int, K: int, E: int, repeats: int) -> dic
     w = jnp.cos(jnp.arange(E, dtype=f32))
 
     def einsum(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return M.attention(q, k, v, mask)
+        return A.attention(q, k, v, mask)
 
     def packed(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        order, back, lengths = M.packed_order(valid)
+        order, back, lengths = A.packed_order(valid)
         take = lambda x, o: jnp.take_along_axis(x, o[:, :, None, None], axis=1)  # noqa: E731
-        out = M.packed_attention(take(q, order), take(k, order), take(v, order), lengths)
+        out = A.packed_attention(take(q, order), take(k, order), take(v, order), lengths)
         return take(out, back)
 
     def loss(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tests.trainer.conftest import TINY_MODEL
 from trainer.base.config import ComputeConfig, ModelConfig
+from trainer.model import attention as A
 from trainer.model import decode_kernel as D
 from trainer.model import decoder as M
 from trainer.model.sharding import make_mesh
@@ -46,9 +47,9 @@ def test_the_kernel_computes_the_block_loop_and_reads_no_block_past_the_live_one
     rows = np.asarray(live[:, 0])
     assert 0 < rows.sum() < len(rows)
     for layer in range(3):
-        want = M.block_attention(q, k, v, layer, valid, q_slot, block, k.shape[2] // block)
+        want = A.block_attention(q, k, v, layer, valid, q_slot, block, k.shape[2] // block)
         mask = valid[:, None, :] & (jnp.arange(k.shape[2])[None, None, :] <= q_slot[:, :, None])
-        einsum = M.attention(q, k[layer], v[layer], mask)
+        einsum = A.attention(q, k[layer], v[layer], mask)
         with pltpu.force_tpu_interpret_mode():
             got = D.decode_attention(q, kp, vp, layer, valid, q_slot, live, block)
         assert bool(jnp.all(jnp.isfinite(got[rows])))  # nothing past the live blocks was read

@@ -454,7 +454,7 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     more than one reading the first. Its FLOPs count the blocks read on average."""
     from trainer.fit import phases as FP
     from trainer.fit.flops import decode_blocks
-    from trainer.model import decoder as M
+    from trainer.model import attention as A
     from trainer.model.sharding import make_mesh
 
     F.prepare_environment(V6E_2X2)
@@ -473,7 +473,7 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     def seconds(depth: int, blocks: int | None) -> float:
         decode = next(ph for ph in FP.phases(FP.with_depth(cfg, depth), mesh) if ph.name == "decode")
         assert decode.blocks == (mean, most)
-        with jax.set_mesh(mesh), M.static_decode_blocks(blocks) if blocks else contextlib.nullcontext():
+        with jax.set_mesh(mesh), A.static_decode_blocks(blocks) if blocks else contextlib.nullcontext():
             return F._optimal_seconds(decode.program.lower(*decode.args).compile())
 
     one, one_deep, all_deep = seconds(2, 1), seconds(4, 1), seconds(4, most)
@@ -561,7 +561,7 @@ def test_one_kv_head_per_chip_decodes_with_no_copy_of_the_cache() -> None:
     in the sampler's loop: the kernel reads each shard's one head through the cache's [L, B, S, E] view and keeps no
     cache-sized temporary. Its [block, 1, E] blocks made libtpu copy the cache at every step."""
     from trainer.fit import phases as FP
-    from trainer.model import decoder as M
+    from trainer.model import attention as A
     from trainer.model.sharding import make_mesh
 
     model = {"n_layers": 4, "n_kv_heads": 4, "head_dim": 128, "max_seq_len": 1280}
@@ -575,7 +575,7 @@ def test_one_kv_head_per_chip_decodes_with_no_copy_of_the_cache() -> None:
     cache = decode.args[1].k_LBSKE
     assert cache.sharding.shard_shape(cache.shape)[3] == 1
     cache_bytes = 2 * cache.size * cache.dtype.itemsize / 4
-    with jax.set_mesh(decode.mesh), M.static_decode_blocks(5):
+    with jax.set_mesh(decode.mesh), A.static_decode_blocks(5):
         compiled = decode.program.lower(*decode.args).compile()
     assert "tpu_custom_call" in compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * cache_bytes

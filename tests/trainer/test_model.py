@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from trainer.base.config import ModelConfig, RLConfig
+from trainer.model import attention as A
 from trainer.model import decoder as M
 from trainer.model.sharding import batch_sharding, make_mesh, named_shardings
 from trainer.rl.losses import group_advantages, policy_loss
@@ -241,7 +242,7 @@ def test_packed_rows_attention_matches_the_einsum_path() -> None:
 
 def test_packed_order_moves_valid_tokens_first_in_order() -> None:
     valid = jnp.asarray([[0, 0, 1, 1, 1, 0], [1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
-    order, back, lengths = M.packed_order(valid)
+    order, back, lengths = A.packed_order(valid)
     assert lengths.tolist() == [3, 4, 6]
     assert order.tolist() == [[2, 3, 4, 0, 1, 5], [0, 1, 4, 5, 2, 3], [0, 1, 2, 3, 4, 5]]
     x = jnp.arange(18).reshape(3, 6)
@@ -262,7 +263,7 @@ def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place
     from jax.experimental.pallas import tpu as pltpu
 
     B, T, H, K, E = 2, 640, 8, 2, 16
-    assert T % M.FLASH_BLOCK == 0 and T % M.FLASH_BLOCK_MAX != 0  # gcd(640, 512) = 128: five blocks
+    assert T % A.FLASH_BLOCK == 0 and T % A.FLASH_BLOCK_MAX != 0  # gcd(640, 512) = 128: five blocks
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, n, E), jnp.float32) for i, n in enumerate((H, K, K)))
     valid = np.ones((B, T), bool)
     valid[0, :200], valid[1, 500:] = False, False
@@ -274,9 +275,9 @@ def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place
         out = attend(q, k, v) * valid[:, :, None, None]  # pad queries' outputs are never used
         return jnp.sum(out * jnp.cos(jnp.arange(E)))
 
-    want, want_g = jax.value_and_grad(functools.partial(loss, lambda *a: M.attention(*a, mask)), (0, 1, 2))(q, k, v)
+    want, want_g = jax.value_and_grad(functools.partial(loss, lambda *a: A.attention(*a, mask)), (0, 1, 2))(q, k, v)
     with pltpu.force_tpu_interpret_mode():
-        program = jax.jit(jax.value_and_grad(functools.partial(loss, lambda *a: M.flash_attention(*a, valid)),
+        program = jax.jit(jax.value_and_grad(functools.partial(loss, lambda *a: A.flash_attention(*a, valid)),
                                              (0, 1, 2)))
         # KV heads are not repeated: jnp.repeat would broadcast them to [B, K, H / K, T, E]
         assert f"f32[{B},{K},{H // K},{T},{E}]" not in str(program.trace(q, k, v).jaxpr)

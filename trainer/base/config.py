@@ -144,7 +144,7 @@ class ComputeConfig(_Strict):
     # attention kernel, grouped KV heads read in place, where the mesh is on TPU and the sequence a multiple of its
     # 128-token blocks, else XLA's einsum + softmax (which writes the [T, T] scores to HBM). flash forces the kernel
     # (off TPU it runs only in Pallas' interpret mode, as the tests do); xla forces the einsum. On GPU, auto = cudnn:
-    # jax.nn.dot_product_attention's cuDNN flash attention on rows packed valid-tokens-first (model.packed_order);
+    # jax.nn.dot_product_attention's cuDNN flash attention on rows packed valid-tokens-first (attention.packed_order);
     # off GPU cudnn makes the same call through XLA.
     attention: Literal["auto", "xla", "flash", "cudnn"] = Field(
         "auto", description="attention of the passes without a KV cache: auto = Pallas flash attention on TPU, cuDNN "

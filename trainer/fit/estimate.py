@@ -233,8 +233,8 @@ def _layer(m: ModelConfig, lay: Layout, rows: float, T: int, S: int, cb: int, lo
 
 def _flash(cfg: TrainConfig, T: int) -> bool:
     """Whether a pass of T tokens without a KV cache (or a prefill from slot 0) runs the flash kernel on the TPU that
-    fit compiles for: `model.no_cache_attention` decides, as `model.forward` does."""
-    from trainer.model.decoder import no_cache_attention
+    fit compiles for: `attention.no_cache_attention` decides, as `decoder.forward` does."""
+    from trainer.model.attention import no_cache_attention
 
     return no_cache_attention(cfg.compute.on_platform("tpu"), T) == "flash"
 

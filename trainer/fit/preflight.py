@@ -298,7 +298,7 @@ def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[s
     """Compile each sampler phase at fit_phases.depths layers and extrapolate its time to the model's depth."""
     import jax
 
-    from trainer.model.decoder import static_decode_blocks
+    from trainer.model.attention import static_decode_blocks
 
     seconds: dict[str, list[float]] = {}
     runs: dict[str, int] = {}
@@ -409,7 +409,7 @@ def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str, rows: int
     the pass runs XLA's einsum. The kernel declares no cost, so the compiler's FLOPs and time leave them out. The
     sampler's prefill and refill (`rows` prompts) run it forward over the prompts alone."""
     from trainer.fit.flops import attention_flops
-    from trainer.model.decoder import no_cache_attention
+    from trainer.model.attention import no_cache_attention
 
     prefill = program in ("prefill", "refill")
     T = cfg.prompt_len + (0 if prefill else cfg.sampling.max_new_tokens)

@@ -1,6 +1,6 @@
 """A decode step's attention as one Pallas TPU kernel reading the stacked KV cache by DMA, block by block.
 
-`model.block_attention` (XLA) computes the same online softmax over `block`-slot blocks, but libtpu materialises
+`attention.block_attention` (XLA) computes the same online softmax over `block`-slot blocks, but libtpu materialises
 each block (a dynamic-slice fusion) before the dot reads it. Here each grid step DMAs one block of `ROWS` rows'
 keys and values (every KV head) straight from the stacked [L, B, S, K, E] cache into VMEM. Blocks past the furthest
 slot a group's queries see are neither fetched nor computed: their index map repeats the last live block, which
@@ -71,7 +71,7 @@ def _kernel(layer_ref: jax.Array, last_ref: jax.Array, q_ref: jax.Array, q_slot_
 def local_decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, layer: jax.Array | int,
                            valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array, block: int,
                            blocks: int | None = None) -> jax.Array:
-    """`model.block_attention` of one shard's rows and heads in the kernel: queries see slot s if valid_BS and
+    """`attention.block_attention` of one shard's rows and heads in the kernel: queries see slot s if valid_BS and
     s <= their own slot. `blocks`: the grid's blocks (fit prices a fixed number); by default all of the cache's, of
     which each group of rows computes only those up to its furthest live query's slot."""
     B, T, H, E = q_BTHE.shape
@@ -127,7 +127,7 @@ def local_decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.A
 def decode_attention(q_BTHE: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array, layer: jax.Array | int,
                      valid_BS: jax.Array, q_slot_BT: jax.Array, live_BT: jax.Array, block: int,
                      blocks: int | None = None) -> jax.Array:
-    """The kernel per shard under a mesh (shard_map, `sharding.kernel_shard_axes`), as `model.flash_attention`
+    """The kernel per shard under a mesh (shard_map, `sharding.kernel_shard_axes`), as `attention.flash_attention`
     runs its kernel."""
     from trainer.model.sharding import kernel_shard_axes
 

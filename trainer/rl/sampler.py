@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.base.config import ComputeConfig, ModelConfig
+from trainer.model.attention import live_blocks, static_blocks, static_decode_blocks
 from trainer.model.decoder import (
     DEFAULT_COMPUTE,
     Adapter,
@@ -33,11 +34,8 @@ from trainer.model.decoder import (
     Params,
     forward,
     init_cache,
-    live_blocks,
     logits,
     logprobs_and_entropy,
-    static_blocks,
-    static_decode_blocks,
 )
 from trainer.model.sharding import constrain, join_strided, split_strided
 
