@@ -99,6 +99,8 @@ def test_the_image_context_builds_a_complete_trainer_package(tmp_path: Path) -> 
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.startswith(("infra/", "workloads/"))]
     assert "trainer/configs/qwen3-8b-grpo-v6e-4x4.yaml" in names and "trainer/__main__.py" in names
+    # Every floor of the trainer (packages.find's trainer*): a floor left out would fail only in the image.
+    assert {f"trainer/{floor}/__init__.py" for floor in ("base", "model", "rl", "run", "fit", "service")} <= set(names)
     assert any(n.startswith("trainer/presets/") for n in names)
     assert {"envspec/tpu.py", "envspec/config.py", "envspec/tpu_zones.yaml"} <= set(names)
     # Installed alone, the wheel gives the trainer its catalog. -S: no site-packages, whose editable install of

@@ -3,6 +3,10 @@
 Every section forbids unknown keys so a typo fails loudly with the full dotted key instead of being ignored.
 Checks that need the device count (mesh shape, batch vs data axes) live in `resolve_mesh`, called once JAX
 is initialised.
+
+Over 600 lines as one module on purpose: it is the one schema of the trainer config (every section, its validators and
+the values derived from them), which the reference docs are generated from by walking it; the loading functions at the
+end are short and read every section.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """What `gke-tpu-rl fit` reports: the compile target, each program's memory and time, and their rendering (text,
 markdown for a PR comment, JSON). How the figures are made: trainer/fit/preflight.py. A report is of the RL trainer's
 programs (sample, ref_logprobs, update), or with `service` of the service engine's (forward_backward passes,
-optim_step)."""
+optim_step).
+
+Over 600 lines as one module on purpose: the report's types and FitReport's three renderings read every field, so a
+field added here is rendered in the same file, where a reviewer sees all three."""
 
 from __future__ import annotations
 
