@@ -53,7 +53,7 @@ def service_suggestions(ps: E.Pass | None, cfg: TrainConfig) -> list[Suggestion]
 def estimate_service_savings(p: ProgramFit, ps: E.Pass | None, cfg: TrainConfig,
                              found: list[Suggestion]) -> list[Suggestion]:
     """Each suggestion's estimated saving for service program `p` (forward_backward at pass `ps`, or optim_step):
-    fit_estimate.service_memory calibrated on what the compiler measured; a changed config's pass is the one of the
+    estimate.service_memory calibrated on what the compiler measured; a changed config's pass is the one of the
     same kind (or length)."""
     lay = E.Layout.of(cfg)
     program = "optim_step" if ps is None else "forward_backward"

@@ -23,7 +23,7 @@ What is measured, and what is estimated:
   - FLOPs: analytic, for what the program executes (attention over every key slot it computes, remat and the
     log-prob chunks' recomputation included), with every loop iteration counted;
   - ref_logprobs, update: compiled again with their layers unrolled, at 2 and 4 layers (2 and 8 for a model of 32
-    or more: fit_phases.depths), and extrapolated to the model's depth (`_price_passes`; the update one micro-batch
+    or more: phases.depths), and extrapolated to the model's depth (`_price_passes`; the update one micro-batch
     per run, the optimizer once per minibatch). A scanned layer's body is priced above an unrolled layer
     (tests/trainer/test_fit.py), and scaling the whole program by FLOPs would multiply its work outside the layers
     by the depth. With `phases=False` (fit --search): the
@@ -54,7 +54,7 @@ What is measured, and what is estimated:
 LoRA (`lora:`): the programs take {"base", "lora"} params and optimizer state for the adapters alone
 (trainer/rl/step.py), so the measured arguments are base + adapters + the adapters' optimizer state; resident state is
 that optimizer state alone (the reference policy is the base inside the params, never a copy). The report adds the
-analytic state by kind (fit_estimate.state) and the FLOPs count the adapters and drop the frozen weights' gradient.
+analytic state by kind (estimate.state) and the FLOPs count the adapters and drop the frozen weights' gradient.
 
 A service config (`service:`) is the Tinker-compatible service's engine: `fit_service` compiles its own programs
 (trainer/service/programs.py) instead, forward_backward at the passes the engine runs at their largest and
@@ -295,7 +295,7 @@ def fit(
 
 
 def _price_sampler(cfg: TrainConfig, target: Target, mesh: Any, say: Callable[[str], None]) -> list[PhaseFit]:
-    """Compile each sampler phase at fit_phases.depths layers and extrapolate its time to the model's depth."""
+    """Compile each sampler phase at phases.depths layers and extrapolate its time to the model's depth."""
     import jax
 
     from trainer.model.attention import static_decode_blocks
@@ -348,9 +348,9 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
     extrapolated to the model's depth. The full program's time counts its layer loop's body once, priced at over
     2x an unrolled layer (tests/trainer/test_fit.py); scaling it by analytic / compiler FLOPs would also multiply
     what lies outside the layers (the optimizer, the head) by the depth. The update is priced per micro-batch
-    (fit_phases.one_micro_batch: forward, backward and the optimizer once); the optimizer runs once per minibatch
+    (phases.one_micro_batch: forward, backward and the optimizer once); the optimizer runs once per minibatch
     and gradient accumulation adds a read and write of its buffer per micro-batch, both at HBM bandwidth. The loops
-    left (the log-prob chunks) count at their trip counts (fit_loops.loop_factor); the splash attention kernel's
+    left (the log-prob chunks) count at their trip counts (loops.loop_factor); the splash attention kernel's
     FLOPs, which libtpu leaves out, are added at peak. Only where a loop's trips cannot be read is the pass scaled
     by analytic / compiler FLOPs instead."""
     import jax
@@ -441,7 +441,7 @@ def fit_service(
 ) -> FitReport:
     """Compile a service config's engine programs (trainer/service/programs.py) for `target` and report them.
 
-    forward_backward is compiled at the passes fit_estimate.service_passes describes: the longest datum a pass of
+    forward_backward is compiled at the passes estimate.service_passes describes: the longest datum a pass of
     service.max_batch_tokens holds, and the shortest bucket with the most rows (plus any other bucket the analytic
     model puts above both); optim_step once. Per device: the frozen base, the four float32 adapter stacks (weights,
     Adam m and v, the gradient accumulator: arguments or resident) and each program's temporaries, against the

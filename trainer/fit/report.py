@@ -98,7 +98,7 @@ class ProgramFit:
     seconds: float = 0.0  # the estimate described in the module docstring
     lower_bound: float = 0.0  # seconds: the physical floor of the same work (trainer/fit/phases.py); 0: none
     # ref_logprobs, update priced by depth (fit._price_passes): the compiler's optimal_seconds of one run (the
-    # update: one micro-batch and the optimizer) at fit_phases.depths unrolled layers, and the runs per step
+    # update: one micro-batch and the optimizer) at phases.depths unrolled layers, and the runs per step
     depth_seconds: tuple[float, ...] = ()
     runs: int = 1
     below_bound: float = 0.0  # the compiled estimate where it fell below lower_bound (then seconds = the bound)
@@ -127,7 +127,7 @@ class PhaseFit:
     name: str  # gather, prefill, refill, decode
     runs: int
     seconds: float  # per run, extrapolated to the model's depth; <= 0: the compiler gave no usable time
-    depth_seconds: tuple[float, ...]  # the compiler's optimal_seconds at fit_phases.depths layers
+    depth_seconds: tuple[float, ...]  # the compiler's optimal_seconds at phases.depths layers
     compile_seconds: float = 0.0
 
     @property
@@ -182,7 +182,7 @@ class StateFit:
 
 @dataclass
 class ServiceFit:
-    """What a service config's report is of (trainer/service/programs.py; the passes: fit_estimate.service_passes)."""
+    """What a service config's report is of (trainer/service/programs.py; the passes: estimate.service_passes)."""
 
     base_model: str
     slots: int
@@ -231,7 +231,7 @@ class FitReport:
     phases: list[PhaseFit] = field(default_factory=list)  # the sampler's phases, when compiled on their own
     sample_bounds: dict[str, float] = field(default_factory=dict)  # prefill and decode lower bounds, seconds
     sampler_mesh: dict[str, int] | None = None  # set: the sampler runs on the chips regrouped (sampling.tensor)
-    # The layers the programs priced by depth were compiled at (fit_phases.depths; set by fit.fit, which prices so).
+    # The layers the programs priced by depth were compiled at (phases.depths; set by preflight.fit, which prices so).
     depths: tuple[int, ...] = ()
 
     @property
