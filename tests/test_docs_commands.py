@@ -740,8 +740,8 @@ class _Compiled(Exception):  # noqa: N818 - the point where the real CLI would s
 
 def _stop_before_compiling(job: Any, model: str | None = None) -> Any:
     """Everything `fit` decides before libtpu: the model it sizes and the mesh on the slice's chips."""
-    from trainer.config import resolve_mesh
-    from trainer.fit import resolve_model
+    from trainer.base.config import resolve_mesh
+    from trainer.fit.preflight import resolve_model
 
     cfg, source = resolve_model(job.cfg, model)
     devices = job.target.chips_per_slice * job.target.slices
