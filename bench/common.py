@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from trainer.config import ModelConfig
+from trainer.base.config import ModelConfig
 
 
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:

@@ -1,10 +1,10 @@
-"""Slot efficiency and rollout time with and without continuous batching (trainer.sampler, `sampling.
+"""Slot efficiency and rollout time with and without continuous batching (trainer.rl.sampler, `sampling.
 continuous_batching`). Run: `.venv/bin/python -m bench.continuous_batching`.
 
 Two parts:
 - **Schedule replay** (no model): for each reference workload's rollout (rows, slots = sampling.max_num_sequences,
   refills of one row per data-parallel group), the slot efficiency (generated tokens / (decode steps x slots)) of a
-  long-tailed completion-length distribution, from `trainer.sampler.schedule_steps`, which tests/trainer/
+  long-tailed completion-length distribution, from `trainer.rl.sampler.schedule_steps`, which tests/trainer/
   test_sampler.py checks step for step against the sampler.
 - **Measured** on this machine: the bench model samples 64 rows in 16 slots, static chunks against continuous
   batching, side by side in one process (alternating, best of `--repeats`): wall time, generated tokens/s, the
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import bench_config, machine
-from trainer.model import init_params
-from trainer.sampler import sample, schedule_steps
+from trainer.model.decoder import init_params
+from trainer.rl.sampler import sample, schedule_steps
 
 # (name, rows per step, slots, data-parallel groups, max new tokens)
 WORKLOADS = (

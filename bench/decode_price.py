@@ -1,4 +1,4 @@
-"""A reference config's decode step as fit compiles it (trainer/fit_phases.py), with the XLA block loop or the Pallas
+"""A reference config's decode step as fit compiles it (trainer/fit/phases.py), with the XLA block loop or the Pallas
 kernel, at one depth, reading 1 block and every block: libtpu's price, temporaries, kernels and cache-sized copies.
 
     .venv/bin/python -m bench.decode_price qwen3-8b-grpo-v6e-4x4.yaml v6e:4x4 Qwen3-8B pallas 2
@@ -16,11 +16,11 @@ import time
 import jax
 
 from infra.offline.fit import file_job
-from trainer import fit as F
-from trainer import fit_phases as FP
-from trainer.fit import with_settings
-from trainer.model import static_decode_blocks
-from trainer.sharding import make_mesh
+from trainer.fit import phases as FP
+from trainer.fit import preflight as F
+from trainer.fit.advice import with_settings
+from trainer.model.attention import static_decode_blocks
+from trainer.model.sharding import make_mesh
 
 BIG = 1_000_000  # elements: a copy this large is a cache block or more, not bookkeeping
 

@@ -37,7 +37,7 @@ WORKLOADS = (
 
 def run(w: Workload) -> dict:
     from infra.offline.fit import file_job
-    from trainer.fit import fit
+    from trainer.fit.preflight import fit
 
     job = file_job(str(CONFIGS / w.config), w.tpu, w.slices)
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ cut short keeps what it measured):
 2. attention: `compute.attention: cudnn` (rows packed valid-first, `jax.nn.dot_product_attention` on cuDNN) against
    the einsum path, both from the same bf16 inputs, each against a float32 einsum reference, values and gradients,
    with left, interior and trailing pads; and forward + backward time of each;
-3. the update: the trainer's own update program (`trainer.step.build_programs`) on a ~1B Llama-3.2-1B-shaped model
+3. the update: the trainer's own update program (`trainer.rl.step.build_programs`) on a ~1B Llama-3.2-1B-shaped model
    (random weights), with einsum and cuDNN attention; step time, tokens/s and MFU = model FLOPs
    (bench.common.update_flops) / time / the measured bf16 peak;
 4. decode: the trainer's own sample program (prefill + decode loop, continuous batching off: every row decodes
@@ -35,12 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import layer_params, update_flops
-from trainer import model as M
-from trainer.batch import replicate
-from trainer.config import ModelConfig, config_from_dict
-from trainer.flops import param_count
-from trainer.sharding import make_mesh
-from trainer.step import build_programs
+from trainer.base.config import ModelConfig, config_from_dict
+from trainer.fit.flops import param_count
+from trainer.model import attention as A
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh
+from trainer.rl.batch import replicate
+from trainer.rl.step import build_programs
 
 f32 = jnp.float32
 
@@ -88,12 +89,12 @@ def attention_check(B: int, T: int, H: int, K: int, E: int, repeats: int) -> dic
     w = jnp.cos(jnp.arange(E, dtype=f32))
 
     def einsum(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return M.attention(q, k, v, mask)
+        return A.attention(q, k, v, mask)
 
     def packed(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        order, back, lengths = M.packed_order(valid)
+        order, back, lengths = A.packed_order(valid)
         take = lambda x, o: jnp.take_along_axis(x, o[:, :, None, None], axis=1)  # noqa: E731
-        out = M.packed_attention(take(q, order), take(k, order), take(v, order), lengths)
+        out = A.packed_attention(take(q, order), take(k, order), take(v, order), lengths)
         return take(out, back)
 
     def loss(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -200,13 +201,13 @@ def update_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, 
 
 def decode_step_run(mcfg: ModelConfig, rows: int, P: int, N: int, compute: dict[str, Any], repeats: int,
                     bw: float, trace_dir: str | None = None) -> dict[str, Any]:
-    """One decode step alone (`trainer.sampler.decode_step`, jitted, the cache donated) with every row's cache
+    """One decode step alone (`trainer.rl.sampler.decode_step`, jitted, the cache donated) with every row's cache
     live up to slot P + N / 2: the step's own cost, without the sampler's loop around it. The weights as the sampler
     holds them (one array per layer where `step.UNSTACKED_SAMPLER_PLATFORMS` says). `trace_dir`: `repeats` more
     steps traced by jax.profiler (`trace_summary`; a whole sample call's trace, ~250,000 kernels, did not finish
     in 230 s on an H100)."""
-    from trainer.sampler import decode_step
-    from trainer.step import UNSTACKED_SAMPLER_PLATFORMS
+    from trainer.rl.sampler import decode_step
+    from trainer.rl.step import UNSTACKED_SAMPLER_PLATFORMS
 
     cfg = train_cfg(mcfg, rows, P, N, compute)
     platform = jax.devices()[0].platform

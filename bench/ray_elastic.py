@@ -32,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from trainer.metrics import CLOCK_KEYS  # wall-clock fields of a metrics record
+from trainer.rl.metrics import CLOCK_KEYS  # wall-clock fields of a metrics record
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = {"slice": 1}

@@ -1,4 +1,4 @@
-"""Sampler throughput: the KV-cache sampler (trainer.sampler.sample) vs recomputing the full sequence
+"""Sampler throughput: the KV-cache sampler (trainer.rl.sampler.sample) vs recomputing the full sequence
 for every new token, greedy, same model and batch. Run: `.venv/bin/python -m bench.sampler`."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import bench_config, machine, timed
-from trainer.config import ModelConfig
-from trainer.model import Params, forward, init_params, logits
-from trainer.sampler import sample, to_left_padding
+from trainer.base.config import ModelConfig
+from trainer.model.decoder import Params, forward, init_params, logits
+from trainer.rl.sampler import sample, to_left_padding
 
 NEVER = -1  # eos id no token can take, so every row generates exactly max_new_tokens in both samplers
 

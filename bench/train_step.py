@@ -1,8 +1,8 @@
 """Train-step throughput and model FLOP utilisation against this machine's measured fp32 matmul peak.
 
-Times (1) the jitted RL update the trainer runs (trainer.train's update program: forward + backward +
+Times (1) the jitted RL update the trainer runs (trainer.rl.train's update program: forward + backward +
 AdamW over prompt + completion tokens) on a fixed batch, and (2) whole RL steps (sample, score, update)
-through `trainer.train.train`. Run: `.venv/bin/python -m bench.train_step`.
+through `trainer.rl.train.train`. Run: `.venv/bin/python -m bench.train_step`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import bench_config, machine, matmul_peak_flops, update_flops
-from trainer import model as M
-from trainer.batch import replicate
-from trainer.config import TrainConfig, config_from_dict
-from trainer.sharding import make_mesh
-from trainer.step import build_programs
-from trainer.train import train
+from trainer.base.config import TrainConfig, config_from_dict
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh
+from trainer.rl.batch import replicate
+from trainer.rl.step import build_programs
+from trainer.rl.train import train
 
 
 def train_config(prompts: int, group: int, prompt_len: int, new_tokens: int, steps: int, run_dir: str) -> TrainConfig:

@@ -3,9 +3,9 @@
     python -m bench.tunix_worker --side ours|tunix --mesh 1|2x2 [--cases kl,nokl] [--steps 5]   # one shot
     python -m bench.tunix_worker --side ours|tunix --mesh 1|2x2 --serve                          # driven
 
-`--side ours` runs in our venv and times `trainer.step.build_programs(...).update`, the program `trainer.train` runs.
-`--side tunix` runs in the venv holding google-tunix 0.1.7 and times the jitted train step of the actor trainer of a
-Tunix `RLCluster` with the loss its `GRPOLearner` installs (`algo_core.grpo_loss_fn`): the function
+`--side ours` runs in our venv and times `trainer.rl.step.build_programs(...).update`, the program `trainer.rl.train`
+runs. `--side tunix` runs in the venv holding google-tunix 0.1.7 and times the jitted train step of the actor trainer of
+a Tunix `RLCluster` with the loss its `GRPOLearner` installs (`algo_core.grpo_loss_fn`): the function
 `PeftTrainer.train` gets from `jit_train_and_eval_step(skip_jit=False, cache_nnx_graph=True)` and calls once per
 micro-batch, on the example after `sharding_utils.shard_input`. Only the standard library, jax, numpy and optax are
 imported at the top, so one file serves both venvs; each side imports its own library.
@@ -68,8 +68,8 @@ def workload_arrays(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def shared_weights(seed: int = 1) -> dict[str, Any]:
-    """The weights both sides start from, in our layout (trainer/model.py param_shapes): matrices ~ N(0, 1/fan_in),
-    norm scales 1."""
+    """The weights both sides start from, in our layout (trainer/model/decoder.py param_shapes): matrices ~ N(0,
+    1/fan_in), norm scales 1."""
     rng = np.random.default_rng(seed)
     L, D, H, K, E, F, V = (MODEL[k] for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                                                "vocab_size"))
@@ -99,7 +99,7 @@ def ours_axes(mesh: str) -> dict[str, int]:
 
 
 def ours_config(mesh: str, beta: float, overrides: list[str]) -> Any:
-    from trainer.config import apply_overrides, config_from_dict, resolve_mesh
+    from trainer.base.config import apply_overrides, config_from_dict, resolve_mesh
 
     raw = {
         "model": {"vocab_size": MODEL["vocab_size"], "d_model": MODEL["d_model"], "n_layers": MODEL["n_layers"],
@@ -119,8 +119,8 @@ def ours_config(mesh: str, beta: float, overrides: list[str]) -> Any:
 
 
 def build_ours(mesh_name: str, case: str, overrides: list[str], stack: contextlib.ExitStack) -> tuple[Step, dict]:
-    from trainer.sharding import batch_sharding, make_mesh
-    from trainer.step import build_programs
+    from trainer.model.sharding import batch_sharding, make_mesh
+    from trainer.rl.step import build_programs
 
     beta = CASES[case]
     cfg = ours_config(mesh_name, beta, overrides)
@@ -139,7 +139,7 @@ def build_ours(mesh_name: str, case: str, overrides: list[str], stack: contextli
         "rewards": data["rewards"][:, None],
         "old_logp": np.zeros((ROWS, NEW_TOKENS), np.float32),
     }
-    # Rows split over the data axes, as the trainer's batches are (trainer/batch.py from_rows).
+    # Rows split over the data axes, as the trainer's batches are (trainer/rl/batch.py from_rows).
     batch = {k: jax.device_put(v, batch_sharding(mesh, v.ndim)) for k, v in host.items()}
     # On-policy, as in a real step: the old log-probs come from the policy itself, the reference is the initial policy.
     batch["old_logp"] = programs.ref_logprobs(params, batch)
@@ -227,7 +227,7 @@ def build_tunix(mesh_name: str, case: str, remat: str, stack: contextlib.ExitSta
     if beta > 0:
         reference = qwen3.Qwen3(config, rngs=nnx.Rngs(0))
         load_into_tunix(reference, weights)
-    # What ours builds (trainer/optim.py): a global-norm clip, then AdamW on a cosine schedule without warmup.
+    # What ours builds (trainer/rl/optim.py): a global-norm clip, then AdamW on a cosine schedule without warmup.
     schedule = optax.warmup_cosine_decay_schedule(LR, LR, 0, STEPS_PLANNED, LR * 0.1)
     optimizer = optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(schedule, b1=B1, b2=B2, weight_decay=0.0))
     rollout = base_rollout.RolloutConfig(max_tokens_to_generate=NEW_TOKENS, max_prompt_length=PROMPT_LEN,

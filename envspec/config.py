@@ -447,8 +447,8 @@ def _describe(err: ErrorDetails) -> str:
 def parse_spec(raw: dict[str, Any], env: str, bundled: BundledConfigs) -> EnvironmentSpec:
     """Validates a stack's config (keys without the namespace) into an EnvironmentSpec, or raises ConfigError.
 
-    bundled: the trainer configs the trainer image holds (trainer.config.bundled_configs()), which trainer.config and
-    service.config are checked against."""
+    bundled: the trainer configs the trainer image holds (trainer.base.config.bundled_configs()), which
+    trainer.config and service.config are checked against."""
     values = {k: v for k, v in raw.items() if k not in SECRET_KEYS}
     try:
         return EnvironmentSpec.model_validate({**values, "env": env}, context={_BUNDLED: bundled})

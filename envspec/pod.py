@@ -13,14 +13,14 @@ from typing import Final
 
 # ---------------------------------------------------------------- environment variables
 
-# The process group of a multi-host job (trainer/distributed.py reads them; workloads/jobset.py job_env writes them,
-# trainer/launch.py mimics them for local processes). All or none: a partial set is refused.
+# The process group of a multi-host job (trainer/run/distributed.py reads them; workloads/jobset.py job_env writes them,
+# trainer/run/launch.py mimics them for local processes). All or none: a partial set is refused.
 ENV_COORDINATOR: Final = "COORDINATOR_ADDRESS"  # host:port of jax.distributed's coordinator (process 0)
 ENV_NUM_SLICES: Final = "NUM_SLICES"
 ENV_SLICE_INDEX: Final = "SLICE_INDEX"
 ENV_HOSTS_PER_SLICE: Final = "HOSTS_PER_SLICE"
 ENV_HOST_INDEX: Final = "HOST_INDEX"
-# The job's own directory on the checkpoint bucket's mount (trainer/train.py; the Ray job's workers too).
+# The job's own directory on the checkpoint bucket's mount (trainer/rl/train.py; the Ray job's workers too).
 ENV_CHECKPOINT_DIR: Final = "CHECKPOINT_DIR"
 # A Hugging Face token for gated repos (huggingface_hub reads it; trainer/stage.py passes it on), from a Secret.
 ENV_HF_TOKEN: Final = "HF_TOKEN"

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
     from envspec.config import EnvironmentSpec
     from infra.base.pod_config import FitJob
-    from trainer.fit import FitReport
-    from trainer.fit_search import SearchResult
+    from trainer.fit.preflight import FitReport
+    from trainer.fit.search import SearchResult
 
 EXIT_OK = 0
 EXIT_CONFIG = 2  # bad stack config, unknown environment, unreadable file: the message says which
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser(
         "reference", help="print the stack or trainer config reference, or rewrite both docs with --write",
         description="Renders docs/stack-config.md and docs/trainer-config.md from the typed specs "
-        "(envspec/config.py, trainer/config.py): every key, its type, default, allowed values and description.")
+        "(envspec/config.py, trainer/base/config.py): every key, its type, default, allowed values and description.")
     ref.add_argument("doc", nargs="?", choices=("stack", "trainer"),
                      help="which reference (default: both, or the stack's when printing)")
     ref.add_argument("--write", action="store_true", help="write it (or both) under docs/ instead of printing")
@@ -150,15 +150,15 @@ def _console() -> Console:
 
 def _run_fit(job: FitJob, model: str | None = None) -> FitReport:
     """Compile a job (JAX and libtpu are imported here, never for a plain plan); progress goes to stderr."""
-    from trainer.fit import fit
+    from trainer.fit.preflight import fit
 
     return fit(job.cfg, job.target, title=job.title, model=model,
                progress=lambda msg: print(f"{msg} ...", file=sys.stderr, flush=True))
 
 
 def _run_search(job: FitJob, model: str | None, budget: int) -> SearchResult:
-    """`fit --search`: trainer.fit_search over the job's config; progress on stderr, as for _run_fit."""
-    from trainer.fit_search import search
+    """`fit --search`: trainer.fit.search over the job's config; progress on stderr, as for _run_fit."""
+    from trainer.fit.search import search
 
     return search(job.cfg, job.target, title=job.title, model=model, budget=budget,
                   progress=lambda msg: print(f"{msg} ...", file=sys.stderr, flush=True))
@@ -173,7 +173,7 @@ def _fit(args: argparse.Namespace) -> int:
     from infra.base.stack_file import PlanError, env_spec
     from infra.offline import render
     from infra.offline.fit import file_job
-    from trainer.config import ConfigError as TrainerConfigError
+    from trainer.base.config import ConfigError as TrainerConfigError
 
     try:
         if args.budget is not None and not args.search:
@@ -303,7 +303,7 @@ def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
     None when it has neither."""
     from envspec.config import ConfigError
     from infra.base.pod_config import env_job
-    from trainer.config import ConfigError as TrainerConfigError
+    from trainer.base.config import ConfigError as TrainerConfigError
 
     if not spec.trainer.enabled and spec.service is None:
         return None
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         # Everything after `train` belongs to the trainer; import it only when asked (it pulls in JAX).
-        from trainer.cli import main as train_main
+        from trainer.run.cli import main as train_main
 
         return int(train_main(argv[1:]) or 0)
     if argv[:1] == ["service"]:

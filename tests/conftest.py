@@ -71,9 +71,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def subprocess_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One persistent compilation cache per worker for the processes the tests start (trainer runs, engines, the
     docs' commands): what one test's process compiled, the next one's reads back. Their product default (a cache
-    beside each run's checkpoints, trainer/compile_cache.py) gives way to $JAX_COMPILATION_CACHE_DIR. jax is imported
-    first: it reads the variable at import, so the tests' own in-process compiles, which `fit` counts and prices,
-    stay uncached. The as-deployed harness starts its pods with their rendered env only: they keep the product's
+    beside each run's checkpoints, trainer/run/compile_cache.py) gives way to $JAX_COMPILATION_CACHE_DIR. jax is
+    imported first: it reads the variable at import, so the tests' own in-process compiles, which `fit` counts and
+    prices, stay uncached. The as-deployed harness starts its pods with their rendered env only: they keep the product's
     cache on their bucket."""
     import jax  # noqa: F401
 

@@ -66,7 +66,7 @@ def test_every_command_parses(doc: Path) -> None:
     for command in commands:
         argv = shlex.split(command)
         if argv[0] == "train":
-            from trainer.cli import build_parser as trainer_parser
+            from trainer.run.cli import build_parser as trainer_parser
 
             trainer_parser().parse_args(argv[1:])
         else:

@@ -487,7 +487,8 @@ def test_readme_make_targets(clone: Path) -> None:
             assert all(RUN.get(s) for s in steps)  # each of them is run by a test here
             fresh = subprocess.run(["make", "-n", f"VENV={clone}/fresh-venv", "demo"], cwd=clone, check=True,
                                    capture_output=True, text=True, env=env).stdout
-            assert f"python3 -m venv {clone}/fresh-venv" in fresh and "pip install -q -e '.[dev]'" in fresh
+            assert f"python3 -m venv {clone}/fresh-venv" in fresh
+            assert "uv pip install" in fresh and "-e '.[dev]'" in fresh
         else:
             assert steps == ["ruff check .", "mypy", 'pytest -q -n 2 -m "not long"']
         ledger.checked(command)
@@ -739,8 +740,8 @@ class _Compiled(Exception):  # noqa: N818 - the point where the real CLI would s
 
 def _stop_before_compiling(job: Any, model: str | None = None) -> Any:
     """Everything `fit` decides before libtpu: the model it sizes and the mesh on the slice's chips."""
-    from trainer.config import resolve_mesh
-    from trainer.fit import resolve_model
+    from trainer.base.config import resolve_mesh
+    from trainer.fit.preflight import resolve_model
 
     cfg, source = resolve_model(job.cfg, model)
     devices = job.target.chips_per_slice * job.target.slices
@@ -1343,7 +1344,7 @@ def test_walkthrough(clone: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
         if argv[:2] == ["make", "install"]:
             fresh = subprocess.run(["make", "-n", f"VENV={tmp_path}/venv", "install"], cwd=clone, check=True,
                                    capture_output=True, text=True).stdout
-            assert f"python3 -m venv {tmp_path}/venv" in fresh and "pip install -q -e '.[dev]'" in fresh
+            assert f"python3 -m venv {tmp_path}/venv" in fresh and "uv pip install" in fresh and "-e '.[dev]'" in fresh
             ledger.checked(command)
         elif argv[:3] == ["gcloud", "config", "set"]:
             home = tmp_path / "gcloud"

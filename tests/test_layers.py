@@ -2,8 +2,9 @@
 objects, and each fact lives on the lowest floor that needs it. So envspec/ imports nothing above it, nor Pulumi (a
 Terraform renderer reads it too); workloads/ never imports infra/; what the trainer image holds (trainer/, envspec/)
 never imports infra/ or workloads/, which the image lacks; infra/'s wings (base, checks, components, offline,
-terraform, then the CLI) each import only the wings below them; and no infra module takes part in an import circle.
-Imports inside functions count for every rule."""
+terraform, then the CLI) each import only the wings below them; the trainer's floors (base, model, rl, run, service,
+fit, then the entry points) likewise; and no infra or trainer module takes part in an import circle. Imports inside
+functions count for every rule."""
 
 from __future__ import annotations
 
@@ -141,11 +142,11 @@ def test_the_scanner_finds_imports_however_they_are_written(tmp_path: Path) -> N
         "def f() -> None:\n"
         "    import pulumi.errors\n"
         "    from pulumi_gcp import compute\n"
-        "    importlib.import_module('trainer.fit')\n"
+        "    importlib.import_module('trainer.fit.preflight')\n"
         "    from .. import workloads\n")
     found = violations("envspec", ("infra", "workloads", "trainer", "pulumi*"), tmp_path)
     assert found == ["envspec/bad.py:6 imports infra.config", "envspec/bad.py:8 imports pulumi.errors",
-                     "envspec/bad.py:9 imports pulumi_gcp", "envspec/bad.py:10 imports trainer.fit",
+                     "envspec/bad.py:9 imports pulumi_gcp", "envspec/bad.py:10 imports trainer.fit.preflight",
                      "envspec/bad.py:11 imports workloads"]
     assert violations("envspec", ("tests",), tmp_path) == []
 
@@ -238,12 +239,36 @@ def test_what_the_trainer_image_holds_never_imports_infra_or_workloads(folder: s
     assert violations(folder, ("infra", "workloads")) == []
 
 
-def test_the_service_never_imports_the_fit_tools_above_it() -> None:
-    # `fit` sizes the service's programs, so it stands above them: the pass rule both read is trainer/service/passes.py.
-    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-             for path in sorted((ROOT / "trainer" / "service").rglob("*.py"))
-             for line, module in imports(path) if module == "trainer.fit" or module.startswith("trainer.fit_")]
-    assert found == []
+# trainer/'s floors from the bottom up (docs/architecture.md): each imports only the floors below it. The service
+# reuses the trainer's model, RL programs and launchers; `fit` sizes the trainer's and the service's programs, so it
+# stands above both (the pass rule both read is trainer/service/passes.py). Above every floor stand the entry points
+# pods run: `python -m trainer` (__main__.py) and `python -m trainer.stage` (stage.py).
+TRAINER_FLOORS = ("trainer.base", "trainer.model", "trainer.rl", "trainer.run", "trainer.service", "trainer.fit")
+TRAINER_ENTRIES = ("trainer.__main__", "trainer.stage")
+# Folders of trainer/ that hold data, not modules: package data (pyproject's package-data) and the empty user code.
+TRAINER_DATA = ("configs", "data", "no_user_code", "presets")
+
+
+@pytest.mark.parametrize("floor", range(len(TRAINER_FLOORS)), ids=TRAINER_FLOORS)
+def test_each_trainer_floor_imports_only_the_floors_below_it(floor: int) -> None:
+    above = TRAINER_FLOORS[floor + 1:] + TRAINER_ENTRIES
+    assert wing_violations(TRAINER_FLOORS[floor].replace(".", "/"), above) == []
+
+
+def test_every_trainer_module_lives_in_a_floor() -> None:
+    # A new file goes into the floor it belongs to (docs/architecture.md); only the entry points stand at the top.
+    top = sorted(p.name for p in (ROOT / "trainer").glob("*.py"))
+    assert top == sorted(["__init__.py", *(f"{e.split('.')[1]}.py" for e in TRAINER_ENTRIES)])
+    folders = sorted(p.name for p in (ROOT / "trainer").iterdir()
+                     if p.is_dir() and p.name != "__pycache__" and p.name not in TRAINER_DATA)
+    assert folders == sorted(f.split(".")[1] for f in TRAINER_FLOORS)
+    for data in TRAINER_DATA:
+        assert not list((ROOT / "trainer" / data).rglob("*.py")), f"trainer/{data} is data, not a floor"
+
+
+def test_no_import_circle_in_the_trainer() -> None:
+    # Among all of trainer/ (the service included), function-level imports counted.
+    assert circles(import_graph("trainer")) == []
 
 
 def test_the_floor_runs_without_pulumi_or_the_packages_above_it() -> None:

@@ -125,8 +125,8 @@ def test_tokenizers_library_alone_gives_the_same_tokens(ref: dict) -> None:
 def test_jax_forward_reproduces_transformers_logprobs(hf_home: Path, ref: dict) -> None:
     """Our importer reads the published snapshot; our forward gives transformers' fp32 log-probs and entropies
     (the three data right-padded into one batch: causal attention leaves the valid positions unchanged)."""
-    from trainer.hf import import_hf
-    from trainer.model import forward, logits, logprobs_and_entropy
+    from trainer.model.decoder import forward, logits, logprobs_and_entropy
+    from trainer.model.hf import import_hf
 
     params, cfg = import_hf(hf_home / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / commit_hash())
     assert (cfg.family, cfg.vocab_size, cfg.tie_embeddings, cfg.qk_norm) == ("qwen3", ref["vocab_size"], False, True)

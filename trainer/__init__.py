@@ -1,4 +1,4 @@
 """Sharded JAX GRPO/GSPO trainer: `gke-tpu-rl train` / `python -m trainer`.
 
-Importing the package does not touch JAX devices, so `trainer.distributed` can still configure the backend.
+Importing the package does not touch JAX devices, so `trainer.run.distributed` can still configure the backend.
 """

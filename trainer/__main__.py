@@ -2,7 +2,7 @@
 
 import sys
 
-from trainer.cli import main
+from trainer.run.cli import main
 
 if __name__ == "__main__":
     args = sys.argv[1:]

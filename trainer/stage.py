@@ -5,8 +5,8 @@ reads them (init.path and tokenizer, task.path), usually on the checkpoint bucke
                             [--dataset REPO_ID --dataset-file PATH_IN_REPO [--dataset-revision REV] --dataset-to FILE]
 
 Model: config.json and the repo's other top-level *.json files (tokenizer.json, tokenizer_config.json,
-special_tokens_map.json, generation_config.json, model.safetensors.index.json: what trainer/hf.py and
-trainer/tokenizer.py read) plus tokenizer.model, then exactly the safetensors files the index names (or
+special_tokens_map.json, generation_config.json, model.safetensors.index.json: what trainer/model/hf.py and
+trainer/model/tokenizer.py read) plus tokenizer.model, then exactly the safetensors files the index names (or
 model.safetensors), so duplicate weight sets (consolidated.safetensors, original/) are never fetched. config.json is
 checked before any weight is fetched; the result must pass the trainer's own check_hf (and load as a tokenizer when it
 has tokenizer.json), and only then is DIR/.gke-tpu-rl-staged.json written, last.
@@ -25,7 +25,7 @@ Dataset: the one file, .parquet (converted with pyarrow) or .jsonl (copied as is
 ({"question", "answer"}) through a temporary file and os.replace, validated with the trainer's gsm8k task loader
 before it replaces FILE; FILE.staged.json marks it.
 
-Exit codes (the trainer's, trainer/cli.py): 0 staged or already staged; 2 for what a retry cannot fix (a repo,
+Exit codes (the trainer's, trainer/run/cli.py): 0 staged or already staged; 2 for what a retry cannot fix (a repo,
 revision or file that is not there, a gated repo or a refused token, a checkpoint or dataset the trainer would
 refuse), one line naming the flag; 42 for transient failures (connection errors, timeouts, HTTP 408/429/5xx) so the
 Job's backoff retries. Anything else is a bug: a traceback and exit 1.
@@ -55,8 +55,8 @@ JOURNAL = ".gke-tpu-rl-staging.json"
 DATASET_MARKER_SUFFIX = ".staged.json"
 PARTIAL = ".stage-partial"
 # Top-level files besides the weights: config.json, generation_config.json, model.safetensors.index.json and the
-# tokenizer's JSON files (trainer/hf.py TOKENIZER_FILES, trainer/tokenizer.py), tokenizer.model for tools that want
-# the SentencePiece model. "*/*" keeps subfolders (original/, onnx/, ...) out.
+# tokenizer's JSON files (trainer/model/hf.py TOKENIZER_FILES, trainer/model/tokenizer.py), tokenizer.model for tools
+# that want the SentencePiece model. "*/*" keeps subfolders (original/, onnx/, ...) out.
 MODEL_PATTERNS = ["*.json", "tokenizer.model"]
 TOP_LEVEL_ONLY = ["*/*"]
 INDEX = "model.safetensors.index.json"
@@ -271,7 +271,7 @@ def _weight_files(snapshot: Path, repo: str) -> list[str]:
 
 def _check_config(snapshot: Path, repo: str, commit: str) -> None:
     """Refuse an architecture the trainer cannot import before any weight is fetched."""
-    from trainer.hf import model_config_from_hf
+    from trainer.model.hf import model_config_from_hf
 
     cfg_file = snapshot / "config.json"
     if not cfg_file.is_file():
@@ -287,8 +287,8 @@ def _check_config(snapshot: Path, repo: str, commit: str) -> None:
 
 
 def _validate_model(root: Path, repo: str) -> str:
-    from trainer.config import ConfigError
-    from trainer.hf import check_hf
+    from trainer.base.config import ConfigError
+    from trainer.model.hf import check_hf
 
     try:
         cfg = check_hf(root)
@@ -296,7 +296,7 @@ def _validate_model(root: Path, repo: str) -> str:
         msg = f"--model {repo}: the staged checkpoint fails the trainer's check: {err}"
         raise StageError(EXIT_CONFIG, msg) from None
     if (root / "tokenizer.json").is_file():
-        from trainer.tokenizer import load_tokenizer
+        from trainer.model.tokenizer import load_tokenizer
 
         try:
             load_tokenizer(root)
@@ -487,7 +487,7 @@ def _write_gsm8k_jsonl(source: Path, out: Path, filename: str) -> int:
 
 
 def _validate_gsm8k(path: Path, filename: str) -> int:
-    from trainer.tasks import get_task
+    from trainer.rl.tasks import get_task
 
     try:
         task = get_task("gsm8k", path=str(path))

@@ -102,7 +102,7 @@ def coordinator_host(jobset: str) -> str:
 
 
 def job_env(spec: EnvironmentSpec, job: TpuJob, refs: TrainerRefs) -> list[dict[str, Any]]:
-    """The env contract the trainer and the engine read (envspec/pod.py; trainer/distributed.py reads it) plus
+    """The env contract the trainer and the engine read (envspec/pod.py; trainer/run/distributed.py reads it) plus
     libtpu's multislice variables, then the job's own extras."""
     host = coordinator_host(job.name)
     slice_index = _field(f"metadata.annotations['{L.JOBSET_JOB_INDEX}']")

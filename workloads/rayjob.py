@@ -79,7 +79,7 @@ def head_quota() -> dict[str, str]:
 
 def entrypoint(spec: EnvironmentSpec) -> list[str]:
     """The driver's command: the same trainer and config as the JobSet's pods, with Ray Train's elastic range.
-    trainer/ray_train.py sets mesh.slices from the workers each attempt gets."""
+    trainer/run/ray_train.py sets mesh.slices from the workers each attempt gets."""
     t, shape = spec.trainer, trainer_group(spec).shape
     config = config_args(spec)
     return ["python", "-m", "trainer", "--ray", "--ray-slices", f"{spec.ray_min_slices}:{t.slices}",

@@ -111,7 +111,7 @@ ENGINE_COMMAND = ("python", "-m", "trainer.service", "engine")
 class EngineFacts:
     """What the service's objects need from the engine's trainer config, as the engine's pods load it (service.args
     applied): the base model the API serves and the staging Job fetches, and the storage dir the engine writes the
-    users' checkpoints to. The config is the trainer's (trainer/config.py), so the caller loads it
+    users' checkpoints to. The config is the trainer's (trainer/base/config.py), so the caller loads it
     (infra/base/engine_config.py engine_facts): workloads/ does not import the trainer."""
 
     base_model: str  # service.base_model, e.g. Qwen/Qwen3-8B

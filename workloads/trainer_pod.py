@@ -21,7 +21,7 @@ TRAINER_UID = 10001
 # gcsfuse mounts a bucket for root unless told otherwise: the non-root trainer needs uid/gid to write checkpoints
 # (gcs-fuse-csi-driver docs/troubleshooting.md). No file cache, so no file-cache:* options: gcsfuse refuses
 # file-cache:enable-parallel-downloads without one (gcsfuse cfg/validate.go). Saves rename no directory (orbax's
-# commit-file mode, trainer/checkpoint.py); moving a damaged step aside is the one directory rename, which gcsfuse
+# commit-file mode, trainer/rl/checkpoint.py); moving a damaged step aside is the one directory rename, which gcsfuse
 # refuses on a flat bucket above rename-dir-limit objects (default 0; raised only for some TPU machine types by
 # recent GKE), so it is set here, the same on every machine type.
 RENAME_DIR_LIMIT = 200000

@@ -100,7 +100,7 @@ def train_loop_per_worker(cfg: dict) -> None:
         coord = f"{ray.util.get_node_ip_address()}:{_free_port()}"
     coord = broadcast_from_rank_zero(coord)
 
-    # 2. jax.distributed, same as trainer/distributed.initialize_from_env would do with
+    # 2. jax.distributed, same as trainer/run/distributed.py initialize_from_env would do with
     #    COORDINATOR_ADDRESS=coord NUM_SLICES=world SLICE_INDEX=rank HOSTS_PER_SLICE=1 HOST_INDEX=0.
     import logging
 

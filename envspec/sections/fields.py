@@ -22,7 +22,7 @@ _GROUP_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 class BundledConfigs:
     """The trainer configs the trainer image bundles (trainer/configs/): what trainer.config and service.config may
     name. The spec sits below the trainer and never imports it, so the caller passes the trainer's own listing
-    (trainer.config.bundled_configs())."""
+    (trainer.base.config.bundled_configs())."""
 
     runs: Sequence[str]  # RL training runs
     services: Sequence[str]  # the post-training service's engine configs (a `service` section)

@@ -1,6 +1,6 @@
 """The post-training service engine's trainer config as its pods load it, and what the service's objects read from it
-(workloads/service.py EngineFacts). The config is the trainer's (trainer/config.py), so it is read here, with the very
-arguments workloads/service.py gives the engine's pods, and handed down: workloads/ never imports the trainer.
+(workloads/service.py EngineFacts). The config is the trainer's (trainer/base/config.py), so it is read here, with the
+very arguments workloads/service.py gives the engine's pods, and handed down: workloads/ never imports the trainer.
 
 On infra/'s bottom floor (imports nothing of infra/): the service component (infra/components/service.py) and the
 pod's trainer config for `gke-tpu-rl fit` (infra/base/pod_config.py) both read it.
@@ -14,7 +14,7 @@ from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
 from workloads import service
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from trainer.base.config import TrainConfig
 
 
 def _service_config(spec: EnvironmentSpec) -> str:
@@ -25,8 +25,8 @@ def _service_config(spec: EnvironmentSpec) -> str:
 def base_model(spec: EnvironmentSpec) -> str:
     """service.base_model of the engine's config, with service.args' overrides: what the API serves and the staging
     Job fetches. Raises ConfigError naming the key when the config does not load."""
-    from trainer.config import ConfigError as TrainerConfigError
-    from trainer.config import load_config
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.base.config import load_config
 
     config = _service_config(spec)
     try:
@@ -50,8 +50,8 @@ def engine_config(spec: EnvironmentSpec) -> TrainConfig:
 
 
 def _engine_config(spec: EnvironmentSpec, base: str) -> TrainConfig:
-    from trainer.config import ConfigError as TrainerConfigError
-    from trainer.config import load_config
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.base.config import load_config
 
     config = _service_config(spec)
     try:

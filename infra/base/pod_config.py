@@ -2,7 +2,7 @@
 engine's config), and the slice it runs on from the catalog: what the pre-flight checks read (the grace period, the
 staging targets, trainer.code's references) and what `gke-tpu-rl fit ENV` compiles.
 
-No JAX here: the compilation itself is trainer/fit.py, imported only when a fit runs.
+No JAX here: the compilation itself is trainer/fit/preflight.py, imported only when a fit runs.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from envspec.config import ConfigError, EnvironmentSpec
 from infra.base import user_code
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
-    from trainer.fit import Target
+    from trainer.base.config import TrainConfig
+    from trainer.fit.preflight import Target
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,15 @@ class FitJob:
 def target(shape: tpu.SliceShape, slices: int) -> Target:
     """The trainer's compile target for `slices` slices of `shape`, every figure from the TPU catalog (a seam the
     tests replace to shrink a chip's HBM)."""
-    from trainer.fit import Target
+    from trainer.fit.preflight import Target
 
     return Target.of(shape, slices)
 
 
 def trainer_config(config: str | None, overrides: list[str]) -> TrainConfig:
     """A trainer config file with overrides, its errors as the stack's (naming the file)."""
-    from trainer.config import ConfigError as TrainerConfigError
-    from trainer.config import load_config
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.base.config import load_config
 
     try:
         return load_config(config, overrides)
@@ -50,7 +50,7 @@ def trainer_config(config: str | None, overrides: list[str]) -> TrainConfig:
 def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[str] | None = None) -> FitJob:
     """The environment's trainer: its slice group, and its config loaded from the very arguments the JobSet gives
     the pod (workloads.jobset.trainer_args, parsed by the trainer's own parser), then `overrides`."""
-    from trainer.cli import build_parser
+    from trainer.run.cli import build_parser
     from workloads.jobset import trainer_args
 
     t = spec.trainer
@@ -80,7 +80,7 @@ def service_job(spec: EnvironmentSpec, config: str | None = None, overrides: lis
     arguments the engine JobSet gives the pod (workloads.service.engine_args: service.config, the weights' place on
     the bucket, a mesh over the one slice, then service.args), parsed by the service CLI's own `engine` parser, then
     `overrides`; `config` replaces service.config. The estimators size a config with a service section as the
-    engine's programs (trainer/fit.py fit_service)."""
+    engine's programs (trainer/fit/preflight.py fit_service)."""
     from infra.base.engine_config import engine_args
     from trainer.service.cli import build_parser
 

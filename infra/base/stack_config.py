@@ -54,6 +54,6 @@ def load_spec() -> EnvironmentSpec:
     image bundles."""
     import pulumi
 
-    from trainer.config import bundled_configs
+    from trainer.base.config import bundled_configs
 
     return parse_spec(read_pulumi_config(), pulumi.get_stack(), bundled_configs())

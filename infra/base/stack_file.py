@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from envspec.config import NAMESPACE, EnvironmentSpec, parse_spec
-from trainer import yamlfile
+from trainer.base import yamlfile
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def load_stack_config(path: Path) -> dict[str, Any]:
 
 def env_spec(env: str, config_file: Path | None = None, root: Path | None = None) -> EnvironmentSpec:
     """The validated spec of environments/Pulumi.ENV.yaml (or `config_file`), without running the program."""
-    from trainer.config import bundled_configs
+    from trainer.base.config import bundled_configs
 
     raw = load_stack_config(config_file if config_file is not None else stack_file(env, root or repo_root()))
     prefix = NAMESPACE + ":"

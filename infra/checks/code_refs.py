@@ -1,7 +1,7 @@
 """trainer.code's references: the trainer config's MODULE:NAME tasks and rewards, checked without importing the user's
 code (its dependencies need not be installed where `pulumi` runs): the module's file must exist in the folder
 (infra/base/user_code.py) and define the name at top level. The trainer's preflight imports and tries them in the image
-(trainer/task_data.py try_task).
+(trainer/rl/task_data.py try_task).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from infra.base.user_code import folder
 
 if TYPE_CHECKING:
     from envspec.config import EnvironmentSpec
-    from trainer.config import TrainConfig
+    from trainer.base.config import TrainConfig
 
 
 def references(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -74,7 +74,7 @@ def _defines(tree: ast.Module, name: str) -> bool | None:
 
 def check_references(spec: EnvironmentSpec, cfg: TrainConfig) -> list[str]:
     """Problems with the trainer config's MODULE:NAME references, each naming the key: empty when all resolve."""
-    from trainer.user_code import parse_ref
+    from trainer.base.user_code import parse_ref
 
     root, problems = folder(spec), []
     for key, ref in references(cfg):
@@ -83,7 +83,7 @@ def check_references(spec: EnvironmentSpec, cfg: TrainConfig) -> list[str]:
         except ValueError as err:
             problems.append(f"{key}: {err}")
             continue
-        # The kit's own modules are in the image too (trainer.rewards:gsm8k_answer is a valid reference).
+        # The kit's own modules are in the image too (trainer.rl.rewards:gsm8k_answer is a valid reference).
         homes = [REPO_ROOT] if module.split(".")[0] == "trainer" else ([root] if root else [])
         if not homes:
             problems.append(f"{key}: {ref!r} names your own code, but trainer.code is not set; set it to the folder "

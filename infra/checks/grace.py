@@ -1,11 +1,11 @@
 """How long the trainer's pods need between SIGTERM and SIGKILL: what trainer.terminationGraceSeconds must cover.
 
 On SIGTERM (a `pulumi up` that replaces the job, Kueue preempting it, a node drain) the trainer finishes the step in
-flight, waits for the async save still running, writes one last checkpoint and exits 143 (trainer/checkpoint.py
+flight, waits for the async save still running, writes one last checkpoint and exits 143 (trainer/rl/checkpoint.py
 StopFlag). Each host writes its own shards of the parameters and the optimizer state through the gcsfuse sidecar,
 so the time is set by the bytes per host. A Spot VM's preemption is not covered by any grace period: GKE gives its
 pods about 30 s, so there the periodic checkpoints (checkpoint.every) bound what is lost. Nor is the Ray path:
-Ray stops its workers by killing them (trainer/ray_train.py), so a replaced RayJob resumes from its last periodic
+Ray stops its workers by killing them (trainer/run/ray_train.py), so a replaced RayJob resumes from its last periodic
 checkpoint whatever the grace period.
 """
 
@@ -26,7 +26,7 @@ WRITE_MIB_S_PER_HOST = 200
 # The step in flight when SIGTERM lands finishes before the save starts (an RL step of a 70B model is tens of
 # seconds to minutes: `gke-tpu-rl fit` prints the estimate for the environment's slice).
 STEP_ALLOWANCE_S = 120
-# Parameter-sized copies in a checkpoint, per optimizer (trainer/optim.py): the parameters, plus AdamW's two moments
+# Parameter-sized copies in a checkpoint, per optimizer (trainer/rl/optim.py): the parameters, plus AdamW's two moments
 # in their dtype; Adafactor keeps no first moment and factored second moments (rows + columns: not counted).
 STATE_COPIES = {"adamw": 3, "adafactor": 1}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -52,8 +52,8 @@ class GraceEstimate:
 def estimate(spec: EnvironmentSpec) -> GraceEstimate | None:
     """The grace period the environment's JobSet trainer needs, from its config's model; None on the Ray path (no
     SIGTERM checkpoint) and when the model is not one this machine knows (a custom checkpoint not bundled here)."""
-    from trainer.config import ConfigError as TrainerConfigError
-    from trainer.fit import param_count, resolve_model
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.fit.preflight import param_count, resolve_model
 
     if not spec.trainer.enabled or spec.trainer_group is None or spec.runs_on_ray:
         return None

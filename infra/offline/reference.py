@@ -1,8 +1,8 @@
 """The config references, docs/stack-config.md and docs/trainer-config.md, generated from the typed specs.
 
-Every key comes from walking the pydantic models (envspec/config.py EnvironmentSpec, trainer/config.py TrainConfig):
-its name as a user writes it (the alias), type, default, allowed values (Literal choices, numeric bounds, list and
-mapping shapes) and the Field's description. Values that validators check against a catalog (TPU types, chart
+Every key comes from walking the pydantic models (envspec/config.py EnvironmentSpec, trainer/base/config.py
+TrainConfig): its name as a user writes it (the alias), type, default, allowed values (Literal choices, numeric bounds,
+list and mapping shapes) and the Field's description. Values that validators check against a catalog (TPU types, chart
 versions, bundled trainer configs, tasks, rewards) are read from that catalog. `gke-tpu-rl reference --write`
 rewrites both files; tests/test_reference.py fails when the committed ones differ.
 """
@@ -181,7 +181,7 @@ def _stack_extra() -> dict[str, Callable[[], str]]:
         return _codes(JOBSET_CHART_PODS)
 
     def trainer_configs() -> str:
-        from trainer.config import bundled_configs
+        from trainer.base.config import bundled_configs
 
         return "a file under trainer/configs/: " + _codes(bundled_configs().runs)
 
@@ -208,9 +208,9 @@ def stack_keys() -> list[Key]:
 
 def trainer_keys() -> list[Key]:
     """Every key of a trainer YAML config, as written there (aliases such as `init.from`)."""
-    from trainer.config import TrainConfig
-    from trainer.rewards import REWARDS
-    from trainer.tasks import TASK_NAMES
+    from trainer.base.config import TrainConfig
+    from trainer.rl.rewards import REWARDS
+    from trainer.rl.tasks import TASK_NAMES
 
     return walk(TrainConfig, {"task.name": lambda: _codes(TASK_NAMES) + ", or `MODULE:FACTORY` of your own code",
                               "rewards": lambda: "each one of " + _codes(sorted(REWARDS))
@@ -285,7 +285,7 @@ def trainer_markdown() -> str:
     lines = [
         "# Trainer config reference",
         "",
-        f"<!-- Generated from trainer/config.py by `{REGENERATE}`; do not edit by hand. -->",
+        f"<!-- Generated from trainer/base/config.py by `{REGENERATE}`; do not edit by hand. -->",
         "",
         "Every key of the trainer's YAML config (the files under `trainer/configs/`, or any file given to "
         "`--config`). A dotted key is a nested mapping in the file: `compute.remat` is `remat:` under `compute:`. "

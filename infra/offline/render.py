@@ -27,8 +27,8 @@ from infra.offline.plan import is_kubernetes_object
 
 if TYPE_CHECKING:
     from envspec.config import EnvironmentSpec
-    from trainer.fit import FitReport
-    from trainer.fit_search import SearchResult as FitSearch
+    from trainer.fit.preflight import FitReport
+    from trainer.fit.search import SearchResult as FitSearch
 
 # ---------------------------------------------------------------- which settings the tree shows, per type
 

@@ -76,7 +76,7 @@ IMAGE_ENTRYPOINT = ["python", "-m", "trainer"]  # trainer/Dockerfile ENTRYPOINT
 TPU_RESOURCE = "google.com/tpu"
 CRASH_BACKOFF_S = (10.0, 300.0)  # kubelet: initial, max
 JOB_BACKOFF_S = (10.0, 360.0)  # job controller: DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff
-# Env vars that name another pod by its DNS name (trainer/distributed.py, libtpu's multislice).
+# Env vars that name another pod by its DNS name (trainer/run/distributed.py, libtpu's multislice).
 HOST_VARS = ("COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
 
 

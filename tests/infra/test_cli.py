@@ -123,7 +123,7 @@ def test_plain_secret_in_a_config_file_is_still_masked(tmp_path: Path, capsys: p
 
 
 def test_train_passes_the_rest_of_argv_to_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.cli
+    import trainer.run.cli
 
     seen: list[list[str]] = []
 
@@ -131,7 +131,7 @@ def test_train_passes_the_rest_of_argv_to_the_trainer(monkeypatch: pytest.Monkey
         seen.append(list(argv or []))
         return 7
 
-    monkeypatch.setattr(trainer.cli, "main", fake_main)
+    monkeypatch.setattr(trainer.run.cli, "main", fake_main)
     assert cli.main(["train", "--local-processes", "2", "--set", "steps=1"]) == 7
     assert seen == [["--local-processes", "2", "--set", "steps=1"]]
 

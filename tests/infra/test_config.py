@@ -12,7 +12,7 @@ from envspec.config import ConfigError, EnvironmentSpec, parse_spec
 from infra.base.stack_config import StackConfigError
 from infra.offline.mockrun import PlanMocks, RecordingMonitor, run_stack
 from tests.infra.conftest import stack_config
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 
 
 def _raw(env: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from infra.base.stack_config import load_spec
 from infra.components import database
 from infra.offline.mockrun import PlanResult, run_stack
 from tests.infra.conftest import stack_config
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 
 INSTANCE = "gcp:sql/databaseInstance:DatabaseInstance"
 USER = "gcp:sql/user:User"

@@ -149,7 +149,7 @@ def _jobset_update_refused(old: dict, new: dict) -> bool:
 def test_a_trainer_change_replaces_the_training_job(repo: Path, env: str, kind: str) -> None:
     """A change under trainer/ rebuilds the image; its new digest changes the job's spec, which JobSet's webhook
     refuses to update in place (and KubeRay would not rerun a finished RayJob): the plan shows the job replaced."""
-    source = repo / "trainer" / "losses.py"
+    source = repo / "trainer" / "rl" / "losses.py"
     original = source.read_text()
     source.write_text(original + "\n# a change a pull request makes\n")
     try:

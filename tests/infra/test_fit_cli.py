@@ -160,17 +160,17 @@ def test_fit_search_that_finds_nothing_exits_3(tmp_path: Path, monkeypatch: pyte
 
 
 def estimate_service(job: Any, model: str | None = None) -> Any:
-    """A service engine's fit from the analytic model alone (trainer/fit_estimate.py: service_passes,
+    """A service engine's fit from the analytic model alone (trainer/fit/estimate.py: service_passes,
     service_memory, service_flops), in seconds and without libtpu: the same passes and report as
-    trainer.fit.fit_service, each program's memory the estimate instead of the compiler's figures, against the
+    trainer.fit.preflight.fit_service, each program's memory the estimate instead of the compiler's figures, against the
     catalog's HBM (libtpu's usable share, e.g. 31.25 of a v6e chip's 32 GiB, is only known by compiling), times from
     peak FLOP/s and HBM bandwidth. `fit` (the compile) is the proof; this stands in for it in these tests."""
-    from trainer import fit_estimate as E
-    from trainer.config import ConfigError as TrainerConfigError
-    from trainer.config import resolve_mesh
-    from trainer.fit import _estimate_service_times, resolve_model
-    from trainer.fit_report import FitReport, ProgramFit, ServiceFit
-    from trainer.flops import param_count
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.base.config import resolve_mesh
+    from trainer.fit import estimate as E
+    from trainer.fit.flops import param_count
+    from trainer.fit.preflight import _estimate_service_times, resolve_model
+    from trainer.fit.report import FitReport, ProgramFit, ServiceFit
 
     cfg, source = resolve_model(job.cfg, model)
     if cfg.service is None or cfg.lora is None:
@@ -318,9 +318,9 @@ def test_bad_input_exits_2_naming_the_flag(args: list[str], message: str, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def small_report():  # noqa: ANN201 - trainer.fit.FitReport
-    from trainer.config import load_config
-    from trainer.fit import Target, fit
+def small_report():  # noqa: ANN201 - trainer.fit.preflight.FitReport
+    from trainer.base.config import load_config
+    from trainer.fit.preflight import Target, fit
 
     path = Path(__file__).parent / "_fit_small.yaml"
     try:

@@ -18,7 +18,7 @@ import yaml
 from envspec.config import KUEUE_CHART_VERSIONS, ConfigError, parse_spec
 from infra.offline.mockrun import PlanMocks, RecordingMonitor, run_stack
 from tests.infra.conftest import stack_config
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 from workloads.kueue import CHART_MANAGER_CONFIGS, DRANET_RESOURCE, manager_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"

@@ -11,7 +11,7 @@ import pytest
 from envspec import rules
 from envspec.config import ConfigError, parse_spec
 from tests.infra.test_config import _raw
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 
 
 def _prod(**network: str) -> dict:

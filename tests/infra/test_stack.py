@@ -13,7 +13,7 @@ from envspec.config import ConfigError, parse_spec
 from infra.offline.mockrun import PlanResult, Resource, run_stack
 from tests.infra.conftest import ROOT, raw_inputs, stack_config
 from tests.infra.test_config import _raw as _raw_config
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 
 POOL = "gcp:container/nodePool:NodePool"
 NETWORK = "gcp:compute/network:Network"

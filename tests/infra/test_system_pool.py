@@ -14,7 +14,7 @@ from infra import cli
 from infra.checks import system_pool as sp
 from infra.offline import mockrun
 from tests.infra.conftest import ROOT, stack_config
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES
 from workloads.trainer_pod import GCSFUSE_SIDECAR
 

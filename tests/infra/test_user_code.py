@@ -96,7 +96,7 @@ def test_bad_code_settings_are_refused_naming_the_key(trainer: dict[str, Any], m
     # The user's code named without trainer.code: the image would not have it.
     ({"args": ["--set", "rewards=[my_tasks.rewards:first_char]"]},
      "rewards[0]: 'my_tasks.rewards:first_char' names your own code, but trainer.code is not set"),
-    ({"args": ["--set", "rewards=[trainer.rewards:nope]"]}, "trainer/rewards.py defines no 'nope'"),
+    ({"args": ["--set", "rewards=[trainer.rl.rewards:nope]"]}, "trainer/rl/rewards.py defines no 'nope'"),
     ({"args": ["--set", "rewards=[my tasks:x]"]}, "is not MODULE:NAME"),
 ])
 def test_references_the_image_would_not_resolve_fail_the_plan(trainer: dict[str, Any], problem: str) -> None:
@@ -107,7 +107,7 @@ def test_references_the_image_would_not_resolve_fail_the_plan(trainer: dict[str,
 
 def test_the_kits_own_modules_and_the_users_resolve() -> None:
     run_stack("staging", _config(code=EXAMPLE, config="configs/max-digit.yaml",
-                                 args=["--set", "rewards=[my_tasks.rewards:first_char, trainer.rewards:length]"]))
+                                 args=["--set", "rewards=[my_tasks.rewards:first_char, trainer.rl.rewards:length]"]))
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -13,7 +13,7 @@ import yaml
 from envspec import tpu, zones
 from envspec.config import ConfigError, parse_spec
 from tests.infra.conftest import stack_config
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 
 ENVS = ("dev", "staging", "prod")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from trainer import hf
-from trainer.config import ConfigError
+from trainer.base.config import ConfigError
+from trainer.model import hf
 from trainer.service import cli
 from trainer.service import store as S
 from trainer.service.store import connection
@@ -88,7 +88,7 @@ def test_a_storage_io_error_is_a_restart_and_a_bad_path_a_config_error(
 
 def test_the_retry_window_is_a_key_of_the_engine_config() -> None:
     """service.db_retry_s (a user sets it through the stack's service.args): 300 s unless set, never negative."""
-    from trainer.config import load_config
+    from trainer.base.config import load_config
 
     base = "qwen3-8b-service-v6e-4x4.yaml"
     assert load_config(base, []).service.db_retry_s == 300

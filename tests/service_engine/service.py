@@ -15,7 +15,7 @@ from typing import Any
 import tinker
 
 from tests.service_api.conftest import api_in_thread
-from trainer.config import TrainConfig, config_from_dict
+from trainer.base.config import TrainConfig, config_from_dict
 from trainer.service import auth
 from trainer.service.api import BaseModelSpec, ServerConfig
 from trainer.service.engine import Engine, recover

@@ -22,8 +22,8 @@ import tinker
 from tinker import types
 
 from tests.service_engine.service import LiveService, live_service
-from trainer import lora as L
-from trainer import model as M
+from trainer.model import decoder as M
+from trainer.model import lora as L
 from trainer.service import programs as P
 from trainer.service.engine import MODEL_STATE_LOST, UserError
 from trainer.service.shapes import ATTN_TARGETS, MLP_TARGETS

@@ -24,8 +24,8 @@ from sqlalchemy.exc import OperationalError
 from tests.service.cloudsql_fake import FakeCloudSql
 from tests.service.test_cloudsql import ENGINE_USER, iam_db, start_cloudsql  # noqa: F401 - fixtures
 from tests.service_engine.service import TINY_MODEL, tiny_config
-from trainer.cli import EXIT_CONFIG, EXIT_STOPPED, EXIT_TRANSIENT
-from trainer.launch import child_env, free_port
+from trainer.run.cli import EXIT_CONFIG, EXIT_STOPPED, EXIT_TRANSIENT
+from trainer.run.launch import child_env, free_port
 from trainer.service import auth
 from trainer.service.engine import Engine
 from trainer.service.store import CLOUDSQL_INSTANCE_ENV, CLOUDSQL_USER_ENV, DONE, FINISHED, Store

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from trainer.config import LoraConfig
+from trainer.base.config import LoraConfig
 from trainer.service.slots import Slot, SlotsFull, SlotTable
 
 

@@ -22,8 +22,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer import cli, launch
-from trainer.config import default_config_path
+from trainer.base.config import default_config_path
+from trainer.run import cli, launch
 
 TRAINER_CASES = 100
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "qwen3_tied_bf16"

@@ -7,11 +7,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from trainer import model as M
-from trainer.checkpoint import Checkpointer, Meta, StopFlag, abstract_like
-from trainer.config import ModelConfig, OptimConfig
-from trainer.optim import make_optimizer
-from trainer.sharding import make_mesh, named_shardings, opt_state_shardings
+from trainer.base.config import ModelConfig, OptimConfig
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh, named_shardings, opt_state_shardings
+from trainer.rl.checkpoint import Checkpointer, Meta, StopFlag, abstract_like
+from trainer.rl.optim import make_optimizer
 
 from .conftest import TINY_MODEL
 

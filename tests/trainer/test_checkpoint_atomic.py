@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from trainer.checkpoint import COMMIT_MARKER, Checkpointer, Meta
+from trainer.rl.checkpoint import COMMIT_MARKER, Checkpointer, Meta
 
 ROOT = Path(__file__).resolve().parents[2]
 _renames: list[tuple[str, str]] | None = None  # directory renames seen while recording
@@ -95,7 +95,7 @@ _KILLED_IN_SAVE = """
 import os, signal, sys
 import orbax.checkpoint as ocp
 from tests.trainer.test_checkpoint_atomic import _save
-from trainer.checkpoint import Checkpointer
+from trainer.rl.checkpoint import Checkpointer
 
 directory, last = sys.argv[1], int(sys.argv[2])
 finalize = ocp.path.atomicity.CommitFileTemporaryPath.finalize

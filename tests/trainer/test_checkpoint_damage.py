@@ -18,14 +18,14 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from trainer import cli
-from trainer import model as M
-from trainer.checkpoint import COMMIT_MARKER, Checkpointer, NoUsableCheckpoint, abstract_like
-from trainer.config import config_from_dict, resolve_mesh
-from trainer.metrics import CLOCK_KEYS, read_metrics
-from trainer.sharding import make_mesh
-from trainer.step import build_programs
-from trainer.train import train
+from trainer.base.config import config_from_dict, resolve_mesh
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh
+from trainer.rl.checkpoint import COMMIT_MARKER, Checkpointer, NoUsableCheckpoint, abstract_like
+from trainer.rl.metrics import CLOCK_KEYS, read_metrics
+from trainer.rl.step import build_programs
+from trainer.rl.train import train
+from trainer.run import cli
 
 from .conftest import tiny_train_config
 

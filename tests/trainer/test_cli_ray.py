@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from trainer import cli
-from trainer import ray_train as R
-from trainer.config import ConfigError, config_from_dict
-from trainer.distributed import cpu_slice_env, process_info_from_env
+from trainer.base.config import ConfigError, config_from_dict
+from trainer.run import cli
+from trainer.run import ray_train as R
+from trainer.run.distributed import cpu_slice_env, process_info_from_env
 
 pytest.importorskip("ray.train", reason="the Ray path needs ray[train]")
 

@@ -1,4 +1,4 @@
-"""The clipped surrogate the trainer and the service share (trainer/losses.py `clipped_surrogate`) against torch.
+"""The clipped surrogate the trainer and the service share (trainer/rl/losses.py `clipped_surrogate`) against torch.
 
 The reference is PPO's loss as it is usually written in torch, `-torch.min(r * A, torch.clamp(r, lo, hi) * A)`: at
 a tie (r exactly on a bound, or the two terms of the min equal) torch.min splits the gradient evenly and torch.clamp
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import RLConfig
-from trainer.losses import clipped_surrogate, policy_loss
+from trainer.base.config import RLConfig
+from trainer.rl.losses import clipped_surrogate, policy_loss
 from trainer.service import losses as service_losses
 
 f32 = np.float32

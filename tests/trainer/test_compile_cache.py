@@ -1,4 +1,4 @@
-"""The persistent compilation cache the trainer and the engine keep beside their state (trainer/compile_cache.py): a
+"""The persistent compilation cache the trainer and the engine keep beside their state (trainer/run/compile_cache.py): a
 second process reads back what the first compiled, and $JAX_COMPILATION_CACHE_DIR, when set, wins. Each case runs in
 its own process: the cache is process-wide jax configuration."""
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from trainer import compile_cache
+from trainer.run import compile_cache
 where = compile_cache.enable(sys.argv[1])
 counts = compile_cache.Counts()
 jax.jit(lambda x: jnp.sin(x) * 3 + 1)(np.ones(8, np.float32))

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.cli import main
-from trainer.config import ConfigError, config_from_dict, load_config, resolve_mesh
+from trainer.base.config import ConfigError, config_from_dict, load_config, resolve_mesh
+from trainer.run.cli import main
 
 
 def _write(tmp_path: Path, data: dict) -> str:

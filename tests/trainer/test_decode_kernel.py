@@ -1,4 +1,4 @@
-"""The decode step's Pallas TPU kernel (trainer/decode_kernel.py), run here in Pallas' TPU interpret mode, against
+"""The decode step's Pallas TPU kernel (trainer/model/decode_kernel.py), run here in Pallas' TPU interpret mode, against
 the XLA block loop and the whole-cache einsum it replaces on TPU; and compiled for a v6e chip by libtpu."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from tests.trainer.conftest import TINY_MODEL
-from trainer import decode_kernel as D
-from trainer import model as M
-from trainer.config import ComputeConfig, ModelConfig
-from trainer.sampler import sample
-from trainer.sharding import make_mesh
+from trainer.base.config import ComputeConfig, ModelConfig
+from trainer.model import attention as A
+from trainer.model import decode_kernel as D
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh
+from trainer.rl.sampler import sample
 
 f32 = jnp.float32
 
@@ -46,9 +47,9 @@ def test_the_kernel_computes_the_block_loop_and_reads_no_block_past_the_live_one
     rows = np.asarray(live[:, 0])
     assert 0 < rows.sum() < len(rows)
     for layer in range(3):
-        want = M.block_attention(q, k, v, layer, valid, q_slot, block, k.shape[2] // block)
+        want = A.block_attention(q, k, v, layer, valid, q_slot, block, k.shape[2] // block)
         mask = valid[:, None, :] & (jnp.arange(k.shape[2])[None, None, :] <= q_slot[:, :, None])
-        einsum = M.attention(q, k[layer], v[layer], mask)
+        einsum = A.attention(q, k[layer], v[layer], mask)
         with pltpu.force_tpu_interpret_mode():
             got = D.decode_attention(q, kp, vp, layer, valid, q_slot, live, block)
         assert bool(jnp.all(jnp.isfinite(got[rows])))  # nothing past the live blocks was read
@@ -119,7 +120,7 @@ def test_mosaic_lowers_the_kernel_at_block_sizes_below_a_lane_tile(block: int) -
     slots lowers too (a [8, 1, 64] block of the [B, 1, S] mask was refused by Mosaic: last dimension not a multiple of
     128 nor the array's)."""
     from tests.trainer.test_fit import V6E_2X2
-    from trainer import fit as F
+    from trainer.fit import preflight as F
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])

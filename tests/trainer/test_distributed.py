@@ -6,11 +6,11 @@ import pytest
 import yaml
 
 from envspec import pod
-from trainer import distributed as D
-from trainer.config import ConfigError, config_from_dict
-from trainer.launch import child_env, run_local
-from trainer.metrics import read_metrics
-from trainer.train import train
+from trainer.base.config import ConfigError, config_from_dict
+from trainer.rl.metrics import read_metrics
+from trainer.rl.train import train
+from trainer.run import distributed as D
+from trainer.run.launch import child_env, run_local
 
 POD = {
     "COORDINATOR_ADDRESS": "rl-slice-0-0.rl:8476",

@@ -99,13 +99,15 @@ def test_the_image_context_builds_a_complete_trainer_package(tmp_path: Path) -> 
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.startswith(("infra/", "workloads/"))]
     assert "trainer/configs/qwen3-8b-grpo-v6e-4x4.yaml" in names and "trainer/__main__.py" in names
+    # Every floor of the trainer (packages.find's trainer*): a floor left out would fail only in the image.
+    assert {f"trainer/{floor}/__init__.py" for floor in ("base", "model", "rl", "run", "fit", "service")} <= set(names)
     assert any(n.startswith("trainer/presets/") for n in names)
     assert {"envspec/tpu.py", "envspec/config.py", "envspec/tpu_zones.yaml"} <= set(names)
     # Installed alone, the wheel gives the trainer its catalog. -S: no site-packages, whose editable install of
     # this repository would find envspec/ in the source tree.
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = (f"import sys; sys.path.insert(0, {str(site)!r}); import trainer.fit_report as r; "
+    code = (f"import sys; sys.path.insert(0, {str(site)!r}); import trainer.fit.report as r; "
             "print(r.tpu.__file__, r.Target('v5p', '2x2x1', 1, 4, 1, 1.0, 1.0).accelerator_type)")
     result = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path,
                             timeout=60)
@@ -121,8 +123,8 @@ def test_user_code_comes_from_the_named_context_the_stack_passes() -> None:
     assert copy.split() == [f"--from={image.USER_CODE_CONTEXT}", ".", "${USER_CODE_DIR}"]
     assert _args()["USER_CODE_DIR"] == USER_CODE_DIR  # where workloads point --config of a trainer.code file
     assert image.USER_CODE_DIGEST_ARG in _args()
-    # Installed after the trainer (so `python -m trainer.user_code` exists) and before the smoke check and USER.
+    # Installed after the trainer (so `python -m trainer.base.user_code` exists) and before the smoke check and USER.
     ops = [(op, rest) for op, rest in _instructions()]
-    install = next(i for i, (op, rest) in enumerate(ops) if op == "RUN" and "trainer.user_code install" in rest)
+    install = next(i for i, (op, rest) in enumerate(ops) if op == "RUN" and "trainer.base.user_code install" in rest)
     assert ops.index(("COPY", copy)) < install < ops.index(("USER", "${TRAINER_UID}:${TRAINER_UID}"))
     assert '"${USER_CODE_DIR}"' in ops[install][1]

@@ -9,7 +9,7 @@ import jax
 import pytest
 import yaml
 
-from trainer import cli
+from trainer.run import cli
 from workloads import jobset
 
 
@@ -36,9 +36,9 @@ def test_transient_runtime_errors_exit_42_and_bugs_raise(
     def failing_train(cfg: object, **kwargs: object) -> None:
         raise jax.errors.JaxRuntimeError(message)
 
-    import trainer.train
+    import trainer.rl.train
 
-    monkeypatch.setattr(trainer.train, "train", failing_train)
+    monkeypatch.setattr(trainer.rl.train, "train", failing_train)
     import signal
 
     before = signal.getsignal(signal.SIGTERM)

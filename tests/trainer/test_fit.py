@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from trainer import fit as F
-from trainer import presets
-from trainer.config import ConfigError, config_from_dict, resolve_mesh
+from trainer.base import presets
+from trainer.base.config import ConfigError, config_from_dict, resolve_mesh
+from trainer.fit import preflight as F
 
 GiB = 1 << 30
 V6E_2X2 = F.Target("v6e", "2x2", 1, 4, 32 * GiB, 918e12, 1638e9)
@@ -81,7 +81,7 @@ def test_a_loop_is_priced_at_its_trip_count() -> None:
     of a matmul cost 3x 4 trips (counted once, they cost the same), and nested loops multiply (4 x 3 = 12). libtpu
     prices the body as it compiled it, a copy of the carry per trip included (4x the matmuls unrolled, here). A loop
     whose trips depend on data has no factor (fit then falls back to scaling by FLOPs)."""
-    from trainer.fit_loops import loop_factor
+    from trainer.fit.loops import loop_factor
 
     F.prepare_environment(V6E_2X2)
     a = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16,
@@ -316,7 +316,7 @@ def test_oom_messages_are_parsed() -> None:
 
 @pytest.mark.parametrize("program", ["sample", "ref_logprobs", "update"])
 def test_suggested_settings_pass_the_configs_own_checks(program: str) -> None:
-    from trainer.config import apply_overrides
+    from trainer.base.config import apply_overrides
 
     cfg = resolve_mesh(_cfg(rl={"prompts_per_step": 16, "group_size": 8},
                             sampling={"max_new_tokens": 512, "max_prompt_len": 256},
@@ -345,7 +345,7 @@ def test_every_preset_is_bundled() -> None:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_presets_convert_to_the_published_size(name: str) -> None:
-    # The Llama-3.1 ones need trainer.hf to accept rope_type llama3 (its rope scaling).
+    # The Llama-3.1 ones need trainer.model.hf to accept rope_type llama3 (its rope scaling).
     cfg, source = F.resolve_model(_cfg(), name.lower())
     assert source.startswith(name)
     assert F.param_count(cfg.model_cfg) == PUBLISHED[name]
@@ -374,7 +374,7 @@ def test_the_model_comes_from_init_path_or_a_preset_named_like_it(tmp_path: Path
 
 def test_bundled_configs_load_by_bare_name_and_size_their_model(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
-    from trainer.config import default_config_path, load_config
+    from trainer.base.config import default_config_path, load_config
 
     monkeypatch.chdir(tmp_path)  # as in the image: no repository around, only the installed package
     names = sorted(p.name for p in default_config_path().parent.glob("*.yaml"))
@@ -408,7 +408,7 @@ def test_the_sampler_is_priced_phase_by_phase(deep: F.FitReport) -> None:
 def test_phase_runs_follow_chunks_and_continuous_batching() -> None:
     """16 rows in slots of 4 on 4 data-parallel devices: static chunks prefill 4 times; continuous batching prefills
     the first 4 and refills the other 12 a row per data-parallel device at a time (3 refills); each decodes 4 x N."""
-    from trainer import fit_phases as FP
+    from trainer.fit import phases as FP
 
     static = resolve_mesh(_cfg(sampling={"max_num_sequences": 4, "continuous_batching": False}), 4)
     cont = resolve_mesh(_cfg(sampling={"max_num_sequences": 4, "gather_weights": True}), 4)
@@ -420,8 +420,8 @@ def test_phase_runs_follow_chunks_and_continuous_batching() -> None:
 def test_a_phase_extrapolates_linearly_in_depth() -> None:
     """What the sampler's phases rest on: compiled with 6 unrolled layers, a decode step costs what the 2- and
     4-layer compiles extrapolate to."""
-    from trainer import fit_phases as FP
-    from trainer.sharding import make_mesh
+    from trainer.fit import phases as FP
+    from trainer.model.sharding import make_mesh
 
     F.prepare_environment(V6E_2X2)
     devices = F.topology_devices(V6E_2X2)
@@ -439,7 +439,7 @@ def test_a_deep_model_is_priced_from_depths_further_apart() -> None:
     """Two compiles' difference is the per-layer cost, and their noise is multiplied on the way out to the model's
     depth: a model of 32 layers or more is compiled at 2 and 8 (libtpu's decode step of Llama-3.1-70B rises 0.49,
     0.55 and 0.05 ms over successive pairs of layers from 2 to 8), a shallower one at 2 and 4."""
-    from trainer import fit_phases as FP
+    from trainer.fit import phases as FP
 
     assert FP.depths(28) == FP.DEPTHS == (2, 4) and FP.depths(80) == FP.depths(32) == (2, 8)
     assert FP.extrapolate((1.0, 4.0), 80, (2, 8)) == pytest.approx(1.0 + 78 * 0.5)
@@ -452,10 +452,10 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     than two blocks unrolled), so fit compiles it unrolled, reading 1 block at 2 and 4 layers and all at 4, and takes
     a block's cost per layer: that predicts a 6-layer step reading 3 of the 8 blocks, and a step reading all costs
     more than one reading the first. Its FLOPs count the blocks read on average."""
-    from trainer import fit_phases as FP
-    from trainer import model as M
-    from trainer.flops import decode_blocks
-    from trainer.sharding import make_mesh
+    from trainer.fit import phases as FP
+    from trainer.fit.flops import decode_blocks
+    from trainer.model import attention as A
+    from trainer.model.sharding import make_mesh
 
     F.prepare_environment(V6E_2X2)
     devices = F.topology_devices(V6E_2X2)
@@ -473,7 +473,7 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
     def seconds(depth: int, blocks: int | None) -> float:
         decode = next(ph for ph in FP.phases(FP.with_depth(cfg, depth), mesh) if ph.name == "decode")
         assert decode.blocks == (mean, most)
-        with jax.set_mesh(mesh), M.static_decode_blocks(blocks) if blocks else contextlib.nullcontext():
+        with jax.set_mesh(mesh), A.static_decode_blocks(blocks) if blocks else contextlib.nullcontext():
             return F._optimal_seconds(decode.program.lower(*decode.args).compile())
 
     one, one_deep, all_deep = seconds(2, 1), seconds(4, 1), seconds(4, most)
@@ -493,7 +493,7 @@ def test_a_block_loop_decode_step_is_priced_at_its_mean_blocks() -> None:
 def test_decode_bound_is_the_bytes_each_chip_reads() -> None:
     """The decode floor by hand: 2 steps of 4 rows on fsdp 2 x tensor 2 read each chip's half of the bf16 weights
     and its 2 rows' KV cache (split over 2 KV heads' tensor halves) at P + 1 and P + 2 positions."""
-    from trainer import fit_phases as FP
+    from trainer.fit import phases as FP
 
     cfg = resolve_mesh(_cfg({"n_layers": 2}, mesh={"tensor": 2}, rl={"group_size": 2, "prompts_per_step": 2},
                             sampling={"max_new_tokens": 2}, compute={"dtype": "bfloat16"}), 4)
@@ -511,8 +511,8 @@ def test_a_regrouped_sampler_reads_its_share_of_the_weights() -> None:
     every row's cache over all 4 chips (4 KV heads); the sampler's phases compile for the chips on the regrouped
     mesh, each chip holding a quarter of the gathered weights, and the decode step costs less than on the mesh as
     it is, where each chip reads half of them."""
-    from trainer import fit_phases as FP
-    from trainer.sharding import make_mesh
+    from trainer.fit import phases as FP
+    from trainer.model.sharding import make_mesh
 
     model = {"n_layers": 2, "n_kv_heads": 4, "d_model": 512, "d_ff": 2048, "head_dim": 128}
     kw = dict(mesh={"tensor": 2}, rl={"group_size": 2, "prompts_per_step": 2}, compute={"dtype": "bfloat16"})
@@ -560,9 +560,9 @@ def test_one_kv_head_per_chip_decodes_with_no_copy_of_the_cache() -> None:
     """4 KV heads regrouped over a tensor axis of 4 (sampling.tensor), the cache's layout the compiler's to choose as
     in the sampler's loop: the kernel reads each shard's one head through the cache's [L, B, S, E] view and keeps no
     cache-sized temporary. Its [block, 1, E] blocks made libtpu copy the cache at every step."""
-    from trainer import fit_phases as FP
-    from trainer import model as M
-    from trainer.sharding import make_mesh
+    from trainer.fit import phases as FP
+    from trainer.model import attention as A
+    from trainer.model.sharding import make_mesh
 
     model = {"n_layers": 4, "n_kv_heads": 4, "head_dim": 128, "max_seq_len": 1280}
     cfg = resolve_mesh(_cfg(model, mesh={"tensor": 2}, rl={"group_size": 8, "prompts_per_step": 8},
@@ -575,7 +575,7 @@ def test_one_kv_head_per_chip_decodes_with_no_copy_of_the_cache() -> None:
     cache = decode.args[1].k_LBSKE
     assert cache.sharding.shard_shape(cache.shape)[3] == 1
     cache_bytes = 2 * cache.size * cache.dtype.itemsize / 4
-    with jax.set_mesh(decode.mesh), M.static_decode_blocks(5):
+    with jax.set_mesh(decode.mesh), A.static_decode_blocks(5):
         compiled = decode.program.lower(*decode.args).compile()
     assert "tpu_custom_call" in compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * cache_bytes
@@ -586,8 +586,8 @@ def test_a_decode_step_writes_the_cache_in_place() -> None:
     scanned or unrolled, one write position for every row or one per row (continuous batching), its attention a loop
     over 256-slot blocks of the 2048-slot float32 cache. The cache as a scan input restacked into a fresh output, or a
     per-row dynamic-update-slice, kept 0.4-1x the cache; the loop's blocks read at default precision, 0.5x."""
-    from trainer import model as M
-    from trainer.config import ComputeConfig, ModelConfig
+    from trainer.base.config import ComputeConfig, ModelConfig
+    from trainer.model import decoder as M
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
@@ -613,7 +613,8 @@ def test_a_decode_step_writes_the_cache_in_place() -> None:
             compiled = jax.jit(step, donate_argnums=1).lower(params, cache, tokens, index).compile()
             mem = compiled.memory_analysis()
             assert mem.temp_size_in_bytes < 0.05 * cache_bytes, (kv_heads, scan, kernel, index.shape)
-            # The Pallas kernel (trainer/decode_kernel.py) reads the stacked cache as it lies: no copy of it either.
+            # The Pallas kernel (trainer/model/decode_kernel.py) reads the stacked cache as it lies: no copy of it
+            # either.
             assert ("tpu_custom_call" in compiled.as_text()) == (kernel == "pallas")
 
 
@@ -621,8 +622,8 @@ def test_the_update_reads_grouped_kv_heads_inside_the_attention_kernel() -> None
     """The update compiled for v6e 2x2 (fsdp 2 x tensor 2, 4 query heads on 2 KV heads, 256-token rows) runs Pallas'
     splash kernels, forward and both backward passes, with no KV head broadcast to its query heads around them (the
     flash kernel took a shard's one KV head broadcast to [8 rows, 2 heads, 256, 128], and its gradient summed)."""
-    from trainer.sharding import make_mesh
-    from trainer.step import abstract_args, build_programs
+    from trainer.model.sharding import make_mesh
+    from trainer.rl.step import abstract_args, build_programs
 
     F.prepare_environment(V6E_2X2)
     mesh = make_mesh(1, 2, 2, F.topology_devices(V6E_2X2))
@@ -648,8 +649,8 @@ def test_the_update_reads_grouped_kv_heads_inside_the_attention_kernel() -> None
     assert F._kernel_attention_flops(cfg.model_copy(update={"compute": cfg.compute.model_copy(
         update={"attention": "xla"})}), mesh, "update") == 0
     # The sampler's prefill runs the forward kernel over the 128-token prompts alone; fit prices those FLOPs too.
-    from trainer import fit_phases as FP
-    from trainer.flops import attention_flops
+    from trainer.fit import phases as FP
+    from trainer.fit.flops import attention_flops
 
     prefill = next(ph for ph in FP.phases(cfg, mesh) if ph.name == "prefill")
     rows = prefill.args[1].shape[0]
@@ -664,8 +665,8 @@ def test_unrolled_layers_are_rematerialised_on_tpu() -> None:
     libtpu merge the recomputed forward with the first: 16.1 MB of temporaries here against 14.3 MB without remat, so
     neither the memory saving nor the recomputation's time was in the program (0.88x the FLOPs). With it: 5.5 MB and
     1.14x. (Small widths and sequences: the same finding at a fifth of the compile time.)"""
-    from trainer import model as M
-    from trainer.config import ComputeConfig, ModelConfig
+    from trainer.base.config import ComputeConfig, ModelConfig
+    from trainer.model import decoder as M
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
@@ -694,8 +695,8 @@ def test_rope_is_priced_as_one_pass_on_tpu() -> None:
     pass of its own over q and k in every layer: libtpu fused the split into a multi-output slice beside the
     elementwise pass, and the Qwen3-0.6B update spent 3 of its 16 ms a layer there. rotate_half as a product with
     a signed permutation fuses the norm, the rotation and the kernel's transpose into one pass."""
-    from trainer import model as M
-    from trainer.config import ModelConfig
+    from trainer.base.config import ModelConfig
+    from trainer.model import decoder as M
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
@@ -723,9 +724,9 @@ def test_the_memory_estimate_counts_no_scores_where_the_flash_kernel_runs() -> N
     rows, the einsum's update holds 39 MB more than the kernel's; the estimate now differs by 168 MB (before: by
     nothing). That is the einsum's side counted as fp32 scores, a masked copy and the probabilities, where libtpu
     fuses them into about the probabilities alone: an upper bound, as the model means it."""
-    from trainer import fit_estimate as E
-    from trainer.sharding import make_mesh
-    from trainer.step import abstract_args, build_programs
+    from trainer.fit import estimate as E
+    from trainer.model.sharding import make_mesh
+    from trainer.rl.step import abstract_args, build_programs
 
     F.prepare_environment(V6E_2X2)
     mesh = make_mesh(1, 4, 1, F.topology_devices(V6E_2X2))

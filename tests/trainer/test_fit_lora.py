@@ -1,5 +1,5 @@
 """`gke-tpu-rl fit` with a `lora:` section: the state is base + adapters, and the optimizer state, the gradient and the
-FLOPs of the backward pass are the adapters' (trainer/fit_estimate.py); the compiled programs agree (a small model on
+FLOPs of the backward pass are the adapters' (trainer/fit/estimate.py); the compiled programs agree (a small model on
 v6e 2x2, a few seconds per compile)."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from typing import Any
 import jax
 import pytest
 
-from trainer import fit as F
-from trainer import fit_estimate as E
-from trainer.config import LoraConfig, config_from_dict, load_config, resolve_mesh
-from trainer.lora import lora_axes, lora_shapes
-from trainer.sharding import logical_to_spec
+from trainer.base.config import LoraConfig, config_from_dict, load_config, resolve_mesh
+from trainer.fit import estimate as E
+from trainer.fit import preflight as F
+from trainer.fit.advice import with_settings
+from trainer.model.lora import lora_axes, lora_shapes
+from trainer.model.sharding import logical_to_spec
 
 GiB = 1 << 30
 V6E_2X2 = F.Target("v6e", "2x2", 1, 4, 32 * GiB, 918e12, 1638e9)
@@ -32,8 +33,8 @@ def _is_shape(x: Any) -> bool:
 
 
 def _adapters(m: Any, lcfg: LoraConfig, mesh_shape: dict[str, int]) -> tuple[int, float]:
-    """(parameters, parameters one device holds) of the adapter stack, straight from trainer/lora.py's shapes and
-    logical axes through trainer/sharding.py's rule table."""
+    """(parameters, parameters one device holds) of the adapter stack, straight from trainer/model/lora.py's shapes and
+    logical axes through trainer/model/sharding.py's rule table."""
     mesh = SimpleNamespace(shape=mesh_shape)
     shapes = jax.tree.leaves(lora_shapes(m, lcfg), is_leaf=_is_shape)
     axes = jax.tree.leaves(lora_axes(m, lcfg), is_leaf=lambda x: isinstance(x, tuple))
@@ -90,7 +91,7 @@ def test_lora_estimate_counts_every_slot_and_the_compute_dtype_state() -> None:
     count, per_device = _adapters(cfg.model_cfg, cfg.lora, {"slices": 1, "fsdp": 4, "tensor": 4})
     st = E.state(cfg)
     assert st.adapters == per_device * 4 and st.optimizer == pytest.approx(8 * per_device, abs=64)
-    bf16 = resolve_mesh(F.with_settings(cfg, ["compute.param_dtype=bfloat16"]), 16, exact=True)
+    bf16 = resolve_mesh(with_settings(cfg, ["compute.param_dtype=bfloat16"]), 16, exact=True)
     st16 = E.state(bf16)
     assert st16.adapters == per_device * 2 and st16.optimizer == pytest.approx(4 * per_device, abs=64)  # bf16 moments
 

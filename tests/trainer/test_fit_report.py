@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from envspec import tpu
-from trainer.fit_report import Target
+from trainer.fit.report import Target
 
 SHAPES = [(name, topology) for name, gen in tpu.GENERATIONS.items() for topology in gen.topologies]
 

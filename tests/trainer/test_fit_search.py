@@ -9,9 +9,10 @@ from typing import Any
 import jax
 import pytest
 
-from trainer import fit as F
-from trainer.config import config_from_dict, resolve_mesh
-from trainer.fit_search import AFFECTS, PRECISION, SearchResult, search
+from trainer.base.config import config_from_dict, resolve_mesh
+from trainer.fit import preflight as F
+from trainer.fit.advice import with_settings
+from trainer.fit.search import AFFECTS, PRECISION, SearchResult, search
 
 MiB = 1 << 20
 # An update of 256-token rows needs ~19 MiB per chip as given and ~9 MiB in micro-batches of 16 rows; sampling ~6.
@@ -49,7 +50,7 @@ def test_the_printed_settings_fit_when_fed_back_to_fit(found: tuple[SearchResult
     assert result.flags() == " ".join(f"--set {s}" for s in result.settings)
     # A fresh fit (no cache) of the config with the printed settings: it fits, with the figures the search saw. (Its
     # sampler timed as the search times it: the phases' compiles price time, not memory.)
-    again = F.fit(F.with_settings(_cfg(), result.settings), SMALL_HBM, title="again", phases=False)
+    again = F.fit(with_settings(_cfg(), result.settings), SMALL_HBM, title="again", phases=False)
     assert again.fits and not any(p.reused for p in again.programs)
     assert again.program("update").peak == result.report.program("update").peak
     lines = result.lines()
@@ -73,8 +74,8 @@ def test_a_budget_of_n_compiles_is_respected(budget: int) -> None:
 
 def _lowered(cfg: Any) -> dict[str, str]:
     F.prepare_environment(SMALL_HBM)
-    from trainer.sharding import make_mesh
-    from trainer.step import abstract_args, build_programs
+    from trainer.model.sharding import make_mesh
+    from trainer.rl.step import abstract_args, build_programs
 
     cfg = resolve_mesh(cfg, 4, exact=True)
     mesh = make_mesh(1, 4, 1, F.topology_devices(SMALL_HBM))

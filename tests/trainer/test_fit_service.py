@@ -22,13 +22,13 @@ import jax
 import pytest
 
 from tests.tiny_model import publish
-from trainer import fit as F
-from trainer import fit_estimate as E
-from trainer.config import ConfigError, LoraConfig, config_from_dict, load_config, resolve_mesh
-from trainer.lora import lora_axes, lora_shapes
+from trainer.base.config import ConfigError, LoraConfig, config_from_dict, load_config, resolve_mesh
+from trainer.fit import estimate as E
+from trainer.fit import preflight as F
+from trainer.model.lora import lora_axes, lora_shapes
+from trainer.model.sharding import logical_to_spec
 from trainer.service import programs as SP
 from trainer.service import shapes
-from trainer.sharding import logical_to_spec
 
 GiB, MiB = 1 << 30, 1 << 20
 V5E_2X2 = F.Target("v5e", "2x2", 1, 4, 16 * GiB, 197e12, 819e9)
@@ -45,7 +45,8 @@ def _cfg(model: dict[str, Any] | None = None, **service: Any) -> Any:
 
 
 def _stack_bytes(m: Any, lcfg: LoraConfig, mesh_shape: dict[str, int]) -> float:
-    """One float32 adapter stack per device, from trainer/lora.py's shapes and trainer/sharding.py's rules."""
+    """One float32 adapter stack per device, from trainer/model/lora.py's shapes and trainer/model/sharding.py's
+    rules."""
     mesh = SimpleNamespace(shape=mesh_shape)
     leaves = zip(jax.tree.leaves(lora_shapes(m, lcfg), is_leaf=lambda x: isinstance(x, tuple) and all(
         isinstance(d, int) for d in x)), jax.tree.leaves(lora_axes(m, lcfg), is_leaf=lambda x: isinstance(x, tuple)),
@@ -251,7 +252,7 @@ def test_the_cli_refuses_a_service_that_does_not_fit(hf_cache: Path, tmp_path: P
 
 
 def test_fit_search_refuses_a_service_config() -> None:
-    from trainer.fit_search import search
+    from trainer.fit.search import search
 
     with pytest.raises(ConfigError, match=r"fit --search searches the RL trainer's settings; .*lora.slots, lora.rank "
                        r"and service.max_batch_tokens"):

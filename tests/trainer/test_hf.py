@@ -13,9 +13,8 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from trainer.config import ConfigError
-from trainer.hf import (
-    LazyTensor,
+from trainer.base.config import ConfigError
+from trainer.model.hf import (
     check_hf,
     export_hf,
     hf_config_from_model,
@@ -23,10 +22,9 @@ from trainer.hf import (
     model_config_from_hf,
     model_family,
     read_checkpoint_tensors,
-    read_safetensors,
-    write_safetensors,
 )
-from trainer.tokenizer import HFTokenizer, load_tokenizer
+from trainer.model.tensors import LazyTensor, read_safetensors, write_safetensors
+from trainer.model.tokenizer import HFTokenizer, load_tokenizer
 
 VOCAB = 48
 
@@ -484,7 +482,7 @@ def hf_reference_logits(hf: dict[str, Any], t: dict[str, np.ndarray], ids: np.nd
 def test_model_forward_on_imported_params_matches_hf_reference(which: str, request: pytest.FixtureRequest) -> None:
     import jax.numpy as jnp
 
-    from trainer.model import forward, logits
+    from trainer.model.decoder import forward, logits
 
     path, t = request.getfixturevalue(f"{which}_dir")
     hf = QWEN3 if which == "qwen3" else LLAMA
@@ -613,7 +611,7 @@ def test_qwen2_checkpoint_biases(tmp_path: Path) -> None:
 
 
 def test_family_inference_and_validation() -> None:
-    from trainer.config import ModelConfig
+    from trainer.base.config import ModelConfig
 
     shape = dict(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8, max_seq_len=8)
     assert model_family(ModelConfig(**shape)) == "llama"

@@ -16,10 +16,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from trainer.config import ModelConfig
-from trainer.hf import export_hf, import_hf, read_checkpoint_tensors
-from trainer.model import forward, logits, rope_inv_freq
-from trainer.sampler import sample
+from trainer.base.config import ModelConfig
+from trainer.model.decoder import forward, logits, rope_inv_freq
+from trainer.model.hf import export_hf, import_hf, read_checkpoint_tensors
+from trainer.rl.sampler import sample
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 # name -> ModelConfig fields the import must produce
@@ -174,7 +174,7 @@ def test_export_round_trips_fixture_bitwise(name: str, max_shard_bytes: int, tmp
 
 def test_exported_rope_layouts() -> None:
     """Without a source config, RoPE goes out in the rope_theta + rope_scaling layout every transformers reads."""
-    from trainer.hf import hf_config_from_model
+    from trainer.model.hf import hf_config_from_model
 
     _, cfg = import_hf(FIXTURES / "llama3_untied_sharded")
     plain = hf_config_from_model(cfg)
@@ -222,8 +222,8 @@ def test_llama3_inv_freq_matches_llama_3_1_rule() -> None:
 @pytest.mark.parametrize("name", ["qwen2_bias", "llama3_untied_sharded"])
 def test_sharded_forward_matches_transformers(name: str) -> None:
     """Params (q/k/v biases included) placed on a (1, 2, 4) mesh by param_axes give the same logits under jit."""
-    from trainer.model import abstract_params, param_axes
-    from trainer.sharding import make_mesh, named_shardings
+    from trainer.model.decoder import abstract_params, param_axes
+    from trainer.model.sharding import make_mesh, named_shardings
 
     root, ref, want = load(name)
     params, cfg = import_hf(root)
@@ -246,7 +246,7 @@ def test_sharded_forward_matches_transformers(name: str) -> None:
 
 
 def test_biases_get_gradients() -> None:
-    from trainer.model import completion_logprobs
+    from trainer.model.decoder import completion_logprobs
 
     root, ref, _ = load("qwen2_bias")
     params, cfg = import_hf(root)

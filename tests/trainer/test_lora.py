@@ -14,12 +14,13 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from trainer import lora as L
-from trainer import model as M
-from trainer.config import ConfigError, LoraConfig, ModelConfig, config_from_dict, lora_alpha, lora_scale
-from trainer.hf import export_hf, import_hf, params_to_hf_tensors, read_safetensors
-from trainer.sampler import sample
-from trainer.train import train
+from trainer.base.config import ConfigError, LoraConfig, ModelConfig, config_from_dict, lora_alpha, lora_scale
+from trainer.model import decoder as M
+from trainer.model import lora as L
+from trainer.model.hf import export_hf, import_hf, params_to_hf_tensors
+from trainer.model.tensors import read_safetensors
+from trainer.rl.sampler import sample
+from trainer.rl.train import train
 
 from .conftest import TINY_MODEL
 
@@ -303,8 +304,8 @@ def test_one_scale_for_a_config_and_a_service_slot(rslora: bool) -> None:
 
 
 def test_config_and_each_rows_slot() -> None:
-    from trainer.tasks import Example
-    from trainer.train import _slots
+    from trainer.rl.tasks import Example
+    from trainer.rl.train import _slots
 
     base = {"model": dict(TINY_MODEL), "sampling": {"max_new_tokens": 4, "max_prompt_len": 8}}
     assert config_from_dict({**base, "lora": {}}).lora == LoraConfig()  # PEFT's defaults: r 8, alpha 8

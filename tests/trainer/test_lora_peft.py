@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from tests.tiny_model import FIXTURE
-from trainer import lora as L
-from trainer import model as M
-from trainer.config import LoraConfig
-from trainer.hf import import_hf
+from trainer.base.config import LoraConfig
+from trainer.model import decoder as M
+from trainer.model import lora as L
+from trainer.model.hf import import_hf
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.config import RLConfig
-from trainer.losses import group_advantages, kl_estimate, policy_loss
+from trainer.base.config import RLConfig
+from trainer.rl.losses import group_advantages, kl_estimate, policy_loss
 
 LOGP = jnp.array([[-1.0, -2.0, -0.5], [-1.5, -0.2, -3.0]])
 OLD = jnp.array([[-1.2, -1.5, -0.5], [-1.0, -0.2, -2.0]])

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from trainer import model as M
-from trainer.config import ModelConfig, RLConfig
-from trainer.losses import group_advantages, policy_loss
-from trainer.sharding import batch_sharding, make_mesh, named_shardings
+from trainer.base.config import ModelConfig, RLConfig
+from trainer.model import attention as A
+from trainer.model import decoder as M
+from trainer.model.sharding import batch_sharding, make_mesh, named_shardings
+from trainer.rl.losses import group_advantages, policy_loss
 
 from .conftest import TINY_MODEL
 
@@ -196,7 +197,7 @@ def _flash_case() -> tuple[ModelConfig, M.Params, tuple[jax.Array, ...]]:
 def _matches_the_einsum_path(attention: str, context: Any = contextlib.nullcontext) -> None:
     """compute.attention `attention` gives the einsum path's log-probs and gradient on _flash_case, on one device and
     under an fsdp 2 x tensor 2 mesh, each traced inside `context()`."""
-    from trainer.config import ComputeConfig
+    from trainer.base.config import ComputeConfig
 
     cfg, params, (prompt, valid, completion, mask) = _flash_case()
 
@@ -241,7 +242,7 @@ def test_packed_rows_attention_matches_the_einsum_path() -> None:
 
 def test_packed_order_moves_valid_tokens_first_in_order() -> None:
     valid = jnp.asarray([[0, 0, 1, 1, 1, 0], [1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
-    order, back, lengths = M.packed_order(valid)
+    order, back, lengths = A.packed_order(valid)
     assert lengths.tolist() == [3, 4, 6]
     assert order.tolist() == [[2, 3, 4, 0, 1, 5], [0, 1, 4, 5, 2, 3], [0, 1, 2, 3, 4, 5]]
     x = jnp.arange(18).reshape(3, 6)
@@ -249,7 +250,7 @@ def test_packed_order_moves_valid_tokens_first_in_order() -> None:
 
 
 def test_auto_attention_is_each_platforms_fused_kernel() -> None:
-    from trainer.config import ComputeConfig
+    from trainer.base.config import ComputeConfig
 
     assert [ComputeConfig().on_platform(p).attention for p in ("tpu", "gpu", "cpu")] == ["flash", "cudnn", "xla"]
     assert ComputeConfig(attention="xla").on_platform("gpu").attention == "xla"
@@ -262,7 +263,7 @@ def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place
     from jax.experimental.pallas import tpu as pltpu
 
     B, T, H, K, E = 2, 640, 8, 2, 16
-    assert T % M.FLASH_BLOCK == 0 and T % M.FLASH_BLOCK_MAX != 0  # gcd(640, 512) = 128: five blocks
+    assert T % A.FLASH_BLOCK == 0 and T % A.FLASH_BLOCK_MAX != 0  # gcd(640, 512) = 128: five blocks
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, n, E), jnp.float32) for i, n in enumerate((H, K, K)))
     valid = np.ones((B, T), bool)
     valid[0, :200], valid[1, 500:] = False, False
@@ -274,9 +275,9 @@ def test_flash_attention_skips_no_visible_block_and_reads_grouped_heads_in_place
         out = attend(q, k, v) * valid[:, :, None, None]  # pad queries' outputs are never used
         return jnp.sum(out * jnp.cos(jnp.arange(E)))
 
-    want, want_g = jax.value_and_grad(functools.partial(loss, lambda *a: M.attention(*a, mask)), (0, 1, 2))(q, k, v)
+    want, want_g = jax.value_and_grad(functools.partial(loss, lambda *a: A.attention(*a, mask)), (0, 1, 2))(q, k, v)
     with pltpu.force_tpu_interpret_mode():
-        program = jax.jit(jax.value_and_grad(functools.partial(loss, lambda *a: M.flash_attention(*a, valid)),
+        program = jax.jit(jax.value_and_grad(functools.partial(loss, lambda *a: A.flash_attention(*a, valid)),
                                              (0, 1, 2)))
         # KV heads are not repeated: jnp.repeat would broadcast them to [B, K, H / K, T, E]
         assert f"f32[{B},{K},{H // K},{T},{E}]" not in str(program.trace(q, k, v).jaxpr)
@@ -344,7 +345,7 @@ def test_token_dense_keeps_the_weight_gradient_a_canonical_matmul_on_cpu() -> No
     """compute.dense_grad transposed (CPU's default): the MLP projections' values and gradients are the einsum's,
     and the weight gradient (a matmul over the tokens) runs with both operands canonical, which YNNPACK takes;
     through the plain einsum XLA's CPU contracts the left operand over its major axis (an Eigen dot)."""
-    from trainer.config import ComputeConfig
+    from trainer.base.config import ComputeConfig
 
     x = jax.random.normal(jax.random.key(0), (2, 64, 32))
     w = jax.random.normal(jax.random.key(1), (32, 96)) * 0.1

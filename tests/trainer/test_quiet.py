@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import cli
+from trainer.run import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ def test_mesh_too_big_for_the_cpu_devices_is_one_line_with_the_fix(tmp_path: Pat
 
 _FAKE_GLOO = textwrap.dedent("""
     import os, sys, time
-    from trainer.launch import quiet_native_stdout
+    from trainer.run.launch import quiet_native_stdout
     quiet_native_stdout()
     # Two gloo groups connecting on two threads: their pieces interleave within one stdio buffer.
     os.write(1, b"[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks "

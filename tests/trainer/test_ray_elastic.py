@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import yaml
 
-from trainer.config import config_from_dict
-from trainer.metrics import CLOCK_KEYS, read_metrics
-from trainer.train import train
+from trainer.base.config import config_from_dict
+from trainer.rl.metrics import CLOCK_KEYS, read_metrics
+from trainer.rl.train import train
 
 from .test_checkpoint_damage import _restore, _target, compile_cache_env
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from trainer.metrics import read_metrics
+from trainer.rl.metrics import read_metrics
 
 from .test_checkpoint_damage import _restore, _target, compile_cache_env
 

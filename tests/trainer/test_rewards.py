@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.rewards import (
+from trainer.rl.rewards import (
     REWARDS,
     char_match,
     compute_rewards,

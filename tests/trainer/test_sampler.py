@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer import model as M
-from trainer.config import ModelConfig
-from trainer.sampler import filter_logits, sample, schedule_steps
-from trainer.sharding import make_mesh
+from trainer.base.config import ModelConfig
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh
+from trainer.rl.sampler import filter_logits, sample, schedule_steps
 
 from .conftest import TINY_MODEL
 
@@ -187,7 +187,7 @@ def test_block_attention_decodes_as_the_whole_cache(block: int, attention: str) 
     or continuously batched (rows then sit at different slots), blocks dividing the cache (48 + 16 = 64 slots) or
     not (the last block overlaps the one before); the blocks in a loop (xla) or the step compiled per live-block
     count (unrolled, GPU's default)."""
-    from trainer.config import ComputeConfig
+    from trainer.base.config import ComputeConfig
 
     B, P, n_new = 8, 16, 48
     rng = np.random.default_rng(1)
@@ -216,8 +216,8 @@ def test_block_attention_never_reads_past_the_live_block(attention: str) -> None
     step's logits finite and equal to a clean cache's (the whole-cache einsum reads them: its probabilities are 0
     there, but 0 x NaN is NaN). In bfloat16 the blocks' online softmax rounds differently from the einsum's, within
     a few hundredths of a logit."""
-    from trainer.config import ComputeConfig
-    from trainer.sampler import decode_step, prefill
+    from trainer.base.config import ComputeConfig
+    from trainer.rl.sampler import decode_step, prefill
 
     P, S, block = 8, 40, 8
     prompt, valid = _padded(left=True)
@@ -241,8 +241,8 @@ def test_an_unrolled_decode_step_has_no_loop_inside() -> None:
     """compute.decode_attention unrolled (GPU's default): the step is one compiled branch per live-block count (a
     conditional), with no `while` inside, whose trip count a GPU would read back from the device at every
     iteration; the block loop (xla) has one."""
-    from trainer.config import ComputeConfig
-    from trainer.sampler import decode_step, prefill
+    from trainer.base.config import ComputeConfig
+    from trainer.rl.sampler import decode_step, prefill
 
     P, S, block = 8, 40, 8
     prompt, valid = _padded(left=True)
@@ -274,8 +274,8 @@ def test_a_prefill_attends_its_own_tokens_in_the_flash_kernel() -> None:
     attend pads in the kernel)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from trainer.config import ComputeConfig
-    from trainer.sampler import prefill
+    from trainer.base.config import ComputeConfig
+    from trainer.rl.sampler import prefill
 
     cfg = ModelConfig(**{**TINY_MODEL, "max_seq_len": 256})
     params = M.init_params(cfg, jax.random.PRNGKey(5))
@@ -299,9 +299,9 @@ def test_a_prefill_on_tpu_keeps_no_scores_in_hbm() -> None:
     """Compiled for one v6e chip by libtpu: the flash prefill runs the kernel and no [T, T] scores reach HBM; the
     einsum prefill writes and reads them: 1.58x the bytes here, with the cache's zeroing common to both."""
     from tests.trainer.test_fit import V6E_2X2
-    from trainer import fit as F
-    from trainer.config import ComputeConfig
-    from trainer.sampler import prefill
+    from trainer.base.config import ComputeConfig
+    from trainer.fit import preflight as F
+    from trainer.rl.sampler import prefill
 
     F.prepare_environment(V6E_2X2)
     sh = jax.sharding.SingleDeviceSharding(F.topology_devices(V6E_2X2)[0])
@@ -326,8 +326,8 @@ def test_pick_draws_categoricals_tokens_with_the_log_prob_in_one_pass() -> None:
     """`pick` is jax.random.categorical's draw (argmax of the logits plus the same Gumbel noise, the first index on
     ties) on the temperature-scaled, top-k/top-p-filtered logits, and returns log softmax at the temperature before
     the filter: the same tokens, and the log-probs within float rounding."""
-    from trainer.model import logprobs_and_entropy
-    from trainer.sampler import pick
+    from trainer.model.decoder import logprobs_and_entropy
+    from trainer.rl.sampler import pick
 
     rng = np.random.default_rng(0)
     B, V = 64, 1000
@@ -353,8 +353,8 @@ def test_pick_reads_the_logits_once_on_tpu() -> None:
     from jax.sharding import PartitionSpec as P
 
     from tests.trainer.test_fit import V6E_2X2
-    from trainer import fit as F
-    from trainer.sampler import pick
+    from trainer.fit import preflight as F
+    from trainer.rl.sampler import pick
 
     F.prepare_environment(V6E_2X2)
     mesh = make_mesh(1, 1, 4, F.topology_devices(V6E_2X2))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.sampler import RowSettings, filter_logits, filter_logits_rows, pick, pick_rows, sample
+from trainer.rl.sampler import RowSettings, filter_logits, filter_logits_rows, pick, pick_rows, sample
 
 from .test_sampler import CFG, EOS, PAD, N, _padded, _params, _sample
 

@@ -5,11 +5,9 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from trainer import model as M
-from trainer.batch import from_rows, local_rows, process_rows, read_local_rows
-from trainer.config import ModelConfig, OptimConfig
-from trainer.optim import make_optimizer
-from trainer.sharding import (
+from trainer.base.config import ModelConfig, OptimConfig
+from trainer.model import decoder as M
+from trainer.model.sharding import (
     DATA_AXES,
     batch_sharding,
     logical_to_spec,
@@ -18,6 +16,8 @@ from trainer.sharding import (
     opt_state_shardings,
     regroup,
 )
+from trainer.rl.batch import from_rows, local_rows, process_rows, read_local_rows
+from trainer.rl.optim import make_optimizer
 
 from .conftest import TINY_MODEL
 

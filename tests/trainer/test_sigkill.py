@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import yaml
 
-from trainer.checkpoint import COMMIT_MARKER
-from trainer.metrics import CLOCK_KEYS, read_metrics
+from trainer.rl.checkpoint import COMMIT_MARKER
+from trainer.rl.metrics import CLOCK_KEYS, read_metrics
 
 from .test_checkpoint_damage import _restore, _target, compile_cache_env
 

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 from trainer import stage
-from trainer.hf import check_hf
-from trainer.tasks import get_task
-from trainer.tokenizer import load_tokenizer
+from trainer.model.hf import check_hf
+from trainer.model.tokenizer import load_tokenizer
+from trainer.rl.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"

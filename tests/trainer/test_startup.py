@@ -16,9 +16,9 @@ import jax
 import pytest
 import yaml
 
-from trainer import cli
-from trainer import distributed as D
-from trainer.launch import free_port
+from trainer.run import cli
+from trainer.run import distributed as D
+from trainer.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 POD = D.cpu_slice_env("127.0.0.1:1", 2, 1, 0)  # process 1 of 2; 0 CPU devices: no CPU simulation (jax is mocked)

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer import model as M
-from trainer.batch import replicate
-from trainer.config import ComputeConfig, ConfigError, ModelConfig, config_from_dict, resolve_mesh
-from trainer.sampler import sample
-from trainer.sharding import batch_sharding, make_mesh
-from trainer.step import abstract_args, build_programs
+from trainer.base.config import ComputeConfig, ConfigError, ModelConfig, config_from_dict, resolve_mesh
+from trainer.model import decoder as M
+from trainer.model.sharding import batch_sharding, make_mesh
+from trainer.rl.batch import replicate
+from trainer.rl.sampler import sample
+from trainer.rl.step import abstract_args, build_programs
 
 from .conftest import TINY_MODEL
 
@@ -261,8 +261,8 @@ def test_adafactor_keeps_factored_state_and_trains(base: dict) -> None:
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
     # At real sizes (dims >= 128 get factored) the state is a small fraction of the params, and every leaf gets
     # a sharding that fits its shape.
-    from trainer.optim import make_optimizer
-    from trainer.sharding import named_shardings, opt_state_shardings
+    from trainer.model.sharding import named_shardings, opt_state_shardings
+    from trainer.rl.optim import make_optimizer
 
     big = ModelConfig(**{**TINY_MODEL, "d_model": 256, "d_ff": 512, "head_dim": 64, "vocab_size": 512})
     abstract = M.abstract_params(big)
@@ -299,7 +299,7 @@ def test_unstacked_sampler_weights_give_the_same_samples(base: dict, gather: boo
     """On a GPU the sampler reads one array per layer (XLA there copies each layer's slice of a stacked weight
     before its GEMM, at every decode step): forced on here, the same tokens and log-probs on a sharded mesh,
     gathered or not, from a program that takes no slice of a stacked weight inside its decode loop."""
-    import trainer.step as step_module
+    import trainer.rl.step as step_module
 
     cfg = _cfg(base, (1, 4, 2), sampling={"temperature": 1.0, "gather_weights": gather})
     mesh = make_mesh(1, 4, 2)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.rewards import compute_rewards, extract_answer
-from trainer.tasks import Example, GSM8KTask, Task, get_task, sample_gsm8k_path
-from trainer.tokenizer import CharTokenizer
+from trainer.model.tokenizer import CharTokenizer
+from trainer.rl.rewards import compute_rewards, extract_answer
+from trainer.rl.tasks import Example, GSM8KTask, Task, get_task, sample_gsm8k_path
 
 
 @pytest.mark.parametrize("name", ["digits", "letters", "copy", "reverse", "add"])

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trainer.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from trainer.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
 def test_char_round_trip_and_specials() -> None:

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import yaml
 
-from trainer import model as M
-from trainer.config import ModelConfig, config_from_dict
-from trainer.hf import export_hf
-from trainer.metrics import CLOCK_KEYS, read_metrics
-from trainer.train import train
+from trainer.base.config import ModelConfig, config_from_dict
+from trainer.model import decoder as M
+from trainer.model.hf import export_hf
+from trainer.rl.metrics import CLOCK_KEYS, read_metrics
+from trainer.rl.train import train
 
 
 def _board(run_dir: Path, tag: str) -> list[tuple[int, float]]:

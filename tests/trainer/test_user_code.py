@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from tests.trainer.conftest import tiny_train_config
-from trainer.config import ConfigError, config_from_dict
-from trainer.task_data import load_task_data
-from trainer.user_code import PTH_NAME, install, pins
+from trainer.base.config import ConfigError, config_from_dict
+from trainer.base.user_code import PTH_NAME, install, pins
+from trainer.rl.task_data import load_task_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "my_tasks"
@@ -40,7 +40,7 @@ def _venv(tmp_path: Path) -> Path:
 def _install(python: Path, folder: Path) -> subprocess.CompletedProcess[str]:
     # Offline: no index, and the build backend (setuptools) from this venv instead of a downloaded one.
     env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0"}
-    return subprocess.run([python, "-m", "trainer.user_code", "install", str(folder)], capture_output=True,
+    return subprocess.run([python, "-m", "trainer.base.user_code", "install", str(folder)], capture_output=True,
                           text=True, env=env, timeout=300)
 
 
@@ -114,7 +114,7 @@ def _write(code: Path, module: str, text: str) -> None:
 TASK = """
     import random
     from dataclasses import dataclass
-    from trainer.tasks import Example
+    from trainer.rl.tasks import Example
 
     @dataclass(frozen=True)
     class Parity:

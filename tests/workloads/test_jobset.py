@@ -1,4 +1,4 @@
-"""The JobSet hands each TPU host the environment the trainer reads (trainer/distributed.py), and nothing is left
+"""The JobSet hands each TPU host the environment the trainer reads (trainer/run/distributed.py), and nothing is left
 to chance: every host of every slice resolves to a distinct process id that covers 0..N-1."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from envspec.config import parse_spec
 from tests.deployed.cluster import pod_failure_verdict, rule_applies
 from tests.infra.test_config import _raw
-from trainer import distributed
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
+from trainer.run import distributed
 from workloads import jobset
 
 
@@ -91,8 +91,8 @@ def test_single_slice_gets_no_megascale_env() -> None:
 
 
 def test_trainer_args_span_the_slices_and_keep_user_overrides_last() -> None:
-    from trainer.cli import build_parser
-    from trainer.config import load_config
+    from trainer.base.config import load_config
+    from trainer.run.cli import build_parser
 
     spec = _spec("staging")
     args = jobset.trainer_args(spec)

@@ -17,7 +17,7 @@ from envspec.config import ConfigError, EnvironmentSpec, parse_spec
 from envspec.machines import cpu_millicores, memory_mib
 from tests import k8s_schemas
 from tests.infra.test_config import _raw
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 from workloads import jobset, kueue, rayjob, trainer_pod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +198,7 @@ def test_ray_version_is_the_images() -> None:
 def test_entrypoint_is_the_trainers_own_cli() -> None:
     """The RayJob runs `python -m trainer --ray ...`: the trainer's parser takes it, with the elastic range, Ray's
     TPU type and the config and run folder the JobSet's pods get."""
-    from trainer.cli import build_parser
+    from trainer.run.cli import build_parser
 
     spec = CASES["staging"]()
     argv = shlex.split(_rayjob(spec)["spec"]["entrypoint"])

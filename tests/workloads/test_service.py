@@ -19,8 +19,8 @@ from infra.offline.plan import kubernetes_objects
 from tests import k8s_schemas
 from tests.infra.conftest import stack_config
 from tests.infra.test_config import _raw
-from trainer import distributed
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
+from trainer.run import distributed
 from workloads import jobset, service, trainer_pod
 from workloads import labels as L
 
@@ -240,7 +240,7 @@ def test_the_engine_restarts_on_preemption_without_limit_and_fails_on_a_bug(case
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_engine_host_joins_one_jax_process_group(case: str) -> None:
-    """The engine reads the trainer's env contract (trainer/distributed.py): every host of its slice resolves to a
+    """The engine reads the trainer's env contract (trainer/run/distributed.py): every host of its slice resolves to a
     distinct process id, 0 being the coordinator's pod."""
     spec = CASES[case]()
     obj = service.engine_jobset(spec, _refs(spec))

@@ -14,7 +14,7 @@ from infra.offline.mockrun import run_stack
 from tests import k8s_schemas
 from tests.infra.conftest import stack_config
 from tests.infra.test_config import _raw
-from trainer.config import bundled_configs
+from trainer.base.config import bundled_configs
 from workloads import labels as L
 from workloads import stage, trainer_pod
 
@@ -71,7 +71,7 @@ def test_stage_job_runs_on_the_system_pool_as_the_trainer_with_the_bucket_writab
     # A wrong repo or token (exit 2) fails at once; transient failures (42) and signals are retried.
     [rule] = job["spec"]["podFailurePolicy"]["rules"]
     assert rule == {"action": "FailJob", "onExitCodes": {"containerName": "stage", "operator": "In", "values": [2]}}
-    from trainer.cli import EXIT_CONFIG  # the code trainer.stage exits with for what a retry cannot fix
+    from trainer.run.cli import EXIT_CONFIG  # the code trainer.stage exits with for what a retry cannot fix
 
     assert stage.EXIT_CONFIG == EXIT_CONFIG
     # Not Kueue's to admit: no queue label, so it does not wait behind the TPU workloads.

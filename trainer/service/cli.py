@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 from envspec.engine_args import add_db_option, add_engine_options, add_log_level
 from envspec.pod import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_TRANSIENT
-from trainer.cli import is_transient
-from trainer.config import ConfigError
+from trainer.base.config import ConfigError
+from trainer.run.cli import is_transient
 from trainer.service import auth
 from trainer.service.store import DatabaseUnavailable, NotFound, Store, StoreError, default_db_url, retry_database
 
 if TYPE_CHECKING:  # api/ pulls in fastapi and tinker, the engine JAX: only `serve` and `engine` import them
-    from trainer.config import TrainConfig
+    from trainer.base.config import TrainConfig
     from trainer.service.api import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _log_to_stderr(args: argparse.Namespace) -> None:
 
 def _restart_code(err: BaseException) -> int | None:
     """EXIT_TRANSIENT, after one line on stderr, for a failure a restart can outlast; None for anything else."""
-    from trainer.hf import is_transient_io
+    from trainer.model.hf import is_transient_io
 
     if isinstance(err, DatabaseUnavailable):
         why = str(err)
@@ -194,7 +194,7 @@ def server_config(args: argparse.Namespace, engine_cfg: TrainConfig | None = Non
 def _engine_config(args: argparse.Namespace) -> TrainConfig | None:
     if args.config is None:
         return None
-    from trainer.config import load_config
+    from trainer.base.config import load_config
     from trainer.service.engine import resolve_base_model
 
     cfg = load_config(args.config, args.overrides)
@@ -202,8 +202,8 @@ def _engine_config(args: argparse.Namespace) -> TrainConfig | None:
         raise ConfigError(f"{args.config}: no service section (the engine's base model, batching and storage)")
     cfg = resolve_base_model(cfg)
     if cfg.init.from_ == "hf":
-        from trainer.config import with_model
-        from trainer.hf import check_hf
+        from trainer.base.config import with_model
+        from trainer.model.hf import check_hf
 
         cfg = with_model(cfg, check_hf(cfg.init.path or "", cfg.compute.param_dtype))
     return cfg
@@ -234,11 +234,11 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
     if args.local_processes or args.devices_per_process:
         if args.local_processes < 1 or args.devices_per_process < 1:
             raise ConfigError("--local-processes and --devices-per-process go together, both >= 1")
-        from trainer.launch import run_local
+        from trainer.run.launch import run_local
 
         return run_local(args.local_processes, args.devices_per_process, _child_argv(args.argv),
                          module="trainer.service")
-    from trainer.distributed import initialize_from_env
+    from trainer.run.distributed import initialize_from_env
 
     # A group that has not formed by the start-up timeout exits 42 from a watchdog (jax would abort natively).
     initialize_from_env(exit_on_timeout=EXIT_TRANSIENT)
@@ -246,7 +246,7 @@ def _group(args: argparse.Namespace, cfg: TrainConfig) -> int | None:
 
     assert cfg.service is not None
     if cfg.service.compile_cache:  # every process: each compiles, and reads back, the same programs
-        from trainer import compile_cache
+        from trainer.run import compile_cache
         from trainer.service.engine import state_root
 
         compile_cache.enable(state_root(cfg.service, args.storage) / compile_cache.DIR_NAME)

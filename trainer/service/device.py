@@ -4,7 +4,7 @@
 per-slot gradient accumulator and the slots' scales. Its ops take and return host (NumPy) values only, so process 0
 (the engine, which talks to the database) can send each op to the other processes, which run the same op on the same
 values: every jitted program then runs on every process at once, as jax's multi-controller model requires (the
-trainer's multi-host contract, trainer/distributed.py).
+trainer's multi-host contract, trainer/run/distributed.py).
 
 The ops are DeviceState's methods marked `_op`: the engine calls them as methods (typed, like any other), and on
 process 0 of several each first sends itself (its name and arguments) to the followers through `Leader`; a follower
@@ -28,9 +28,9 @@ import jax
 import numpy as np
 from numpy.typing import ArrayLike
 
-from trainer import model as M
-from trainer.config import LoraConfig, TrainConfig
-from trainer.sampler import RowSettings
+from trainer.base.config import LoraConfig, TrainConfig
+from trainer.model import decoder as M
+from trainer.rl.sampler import RowSettings
 from trainer.service import losses
 from trainer.service import programs as P
 

@@ -31,7 +31,7 @@ their advantages/weights (Tinker docs: "include that in the advantage tensor com
 
 Clip ties follow the torch code in the docs: torch.clamp passes the gradient at a bound and torch.min splits a tie
 evenly, so at r == hi (A > 0) or r == lo (A < 0) the token keeps its full gradient; plain jnp.clip/jnp.minimum
-would give 3/4 of it there. ppo and gspo use the RL trainer's own surrogate (trainer/losses.py
+would give 3/4 of it there. ppo and gspo use the RL trainer's own surrogate (trainer/rl/losses.py
 `clipped_surrogate`, checked against torch), so the two cannot drift apart.
 
 stable_reinforce: Tinker's docs define its inputs (a sampler made with record_stability_info=True, provenance spans
@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
 
-from trainer.losses import clipped_surrogate
+from trainer.rl.losses import clipped_surrogate
 
 # Row loss ids; the order is this module's own (skyrl's LOSS_TYPES numbers only the first four the same way).
 LOSS_IDS: Final[dict[str, int]] = {

@@ -1,5 +1,5 @@
 """The engine's pass rule as plain Python (no JAX): which forward_backward passes it runs. The engine (engine/)
-runs its passes by it and `fit` sizes them by it (fit_estimate.py), so the two cannot drift.
+runs its passes by it and `fit` sizes them by it (trainer/fit/estimate.py), so the two cannot drift.
 
 A datum of n tokens is padded to its length bucket (shapes.bucket: service.min_bucket x 2^k, capped at
 model.max_seq_len). The datums of one bucket b run in passes of max_batch_tokens // b datums (at least one), each
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import ConfigError, ServiceConfig, TrainConfig
+from trainer.base.config import ConfigError, ServiceConfig, TrainConfig
 from trainer.service.shapes import bucket
 from trainer.service.shapes import rows as shape_rows
 

@@ -1,6 +1,6 @@
 """The engine's jitted programs: the trainer's model, sharding rules and sampler on a stack of LoRA slots.
 
-One base model (frozen, sharded by `sharding.RULES`) carries `lora.slots` adapters (trainer/lora.py layout, every
+One base model (frozen, sharded by `sharding.RULES`) carries `lora.slots` adapters (trainer/model/lora.py layout, every
 target, rank `lora.rank`, float32). A client's model holds one slot; its own rank r <= lora.rank lives in the first r
 columns (the rest stay exactly zero: zero A columns and B rows get zero gradients and zero Adam updates) and its own
 targets (train_attn / train_mlp / train_unembed) likewise. Each slot has its own scale (alpha / r), so a batch row
@@ -11,7 +11,7 @@ Programs (all with explicit shardings, inputs placed by `put`, so they run the s
   forward_backward   the same, and the adapters' gradient added into the per-slot accumulator
   optim_step         AdamW on one slot (torch's AdamW with Tinker's AdamParams), its accumulator zeroed
   put_slot/take_slot write a one-slot adapter into the stack / read one slot out (for saving)
-  sample             trainer.sampler.sample with each row's slot
+  sample             trainer.rl.sampler.sample with each row's slot
 `fit` lowers the same programs for a TPU topology (`abstract_args`).
 """
 
@@ -27,13 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import lora as L
-from trainer import model as M
-from trainer.config import LoraConfig, ModelConfig, TrainConfig, lora_alpha
-from trainer.sampler import RowSettings, Samples, sample
-from trainer.service.losses import LossInputs, tinker_losses
-from trainer.service.shapes import rows, stack_config
-from trainer.sharding import (
+from trainer.base.config import LoraConfig, ModelConfig, TrainConfig, lora_alpha
+from trainer.model import decoder as M
+from trainer.model import lora as L
+from trainer.model.sharding import (
     RULES,
     RULES_ACROSS_SLICES,
     MeshJit,
@@ -42,6 +39,9 @@ from trainer.sharding import (
     named_shardings,
     replicated,
 )
+from trainer.rl.sampler import RowSettings, Samples, sample
+from trainer.service.losses import LossInputs, tinker_losses
+from trainer.service.shapes import rows, stack_config
 
 f32 = jnp.float32
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A sample request's settings: checked where they arrive (the API answers 400 naming the field, the engine fails the
 request the same way) and turned into the per-row arrays that one compiled sampler serves whatever their values
-(`trainer.sampler.RowSettings`), so one user's temperature never compiles a program another user waits behind.
+(`trainer.rl.sampler.RowSettings`), so one user's temperature never compiles a program another user waits behind.
 
 What still picks a program is a shape: the token bucket (max_tokens rounded up to service.min_bucket x a power of
 two), the prompt bucket and the row bucket (num_samples rounded up to a power of two)."""
@@ -14,7 +14,7 @@ from typing import Final
 import numpy as np
 from tinker import types
 
-from trainer.sampler import RowSettings
+from trainer.rl.sampler import RowSettings
 
 # Stop token ids a request may have (the model's EOS ids included): the width of the program's stop table.
 MAX_STOP_IDS: Final = 16

@@ -3,7 +3,7 @@ targets the slot stack holds, the sequence-length buckets and the row buckets of
 
 from __future__ import annotations
 
-from trainer.config import LORA_LINEAR_TARGETS, LoraConfig, TrainConfig
+from trainer.base.config import LORA_LINEAR_TARGETS, LoraConfig, TrainConfig
 
 ALL_TARGETS: tuple[str, ...] = (*LORA_LINEAR_TARGETS, "lm_head")
 ATTN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -19,7 +19,7 @@ from collections import UserDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config import LoraConfig, lora_alpha, lora_scale
+from trainer.base.config import LoraConfig, lora_alpha, lora_scale
 from trainer.service.device import DeviceState
 
 log = logging.getLogger(__name__)

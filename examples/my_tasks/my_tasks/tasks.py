@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.tasks import Example
+from trainer.rl.tasks import Example
 
 
 @dataclass(frozen=True)

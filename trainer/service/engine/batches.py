@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from tinker import types
 
-from trainer.config import ModelConfig, ServiceConfig
+from trainer.base.config import ModelConfig, ServiceConfig
 from trainer.service import losses, protocol, provenance
 from trainer.service.device import DeviceState
 from trainer.service.engine.common import (

@@ -12,14 +12,15 @@ from typing import Final
 
 import jax
 
-from trainer import hf
-from trainer.config import (
+from trainer.base.config import (
     ConfigError,
     ServiceConfig,
     TrainConfig,
     resolve_mesh,
     with_model,
 )
+from trainer.model import hf
+from trainer.model.sharding import make_mesh
 from trainer.service import device, protocol
 from trainer.service import programs as P
 from trainer.service.device import DeviceState
@@ -31,7 +32,6 @@ from trainer.service.store import (
     default_data_dir,
     retry_database,
 )
-from trainer.sharding import make_mesh
 
 log = logging.getLogger("trainer.service.engine")  # one logger for the engine's modules, as before the split
 

@@ -53,11 +53,11 @@ from typing import Any
 
 import jax
 
-from trainer import compile_cache
-from trainer.config import (
+from trainer.base.config import (
     ConfigError,
     TrainConfig,
 )
+from trainer.run import compile_cache
 from trainer.service import device, losses, protocol
 from trainer.service import programs as P
 from trainer.service.engine.batches import Passes

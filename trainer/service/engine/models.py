@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from tinker import types
 
-from trainer import lora as L
-from trainer.config import ModelConfig, ServiceConfig
+from trainer.base.config import ModelConfig, ServiceConfig
+from trainer.model import lora as L
 from trainer.service import programs as P
 from trainer.service import protocol
 from trainer.service.device import DeviceState

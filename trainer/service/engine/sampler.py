@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from tinker import types
 
-from trainer import lora as L
-from trainer.config import ModelConfig, ServiceConfig
+from trainer.base.config import ModelConfig, ServiceConfig
+from trainer.model import lora as L
 from trainer.service import losses, protocol, sampling
 from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
@@ -37,7 +37,7 @@ def load_tokenizer(tok_dir: str | None) -> tuple[Any, tuple[int, ...]]:
     config.json, the tokenizer's own), sorted."""
     tokenizer = None
     if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").is_file():
-        from trainer.tokenizer import HFTokenizer
+        from trainer.model.tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer.from_dir(tok_dir)
     ids: list[int] = []

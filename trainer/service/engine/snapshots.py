@@ -24,9 +24,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainer import hf
-from trainer import lora as L
-from trainer.config import LoraConfig, ModelConfig
+from trainer.base.config import LoraConfig, ModelConfig
+from trainer.model import lora as L
+from trainer.model.tensors import read_safetensors, write_safetensors
 from trainer.service.device import DeviceState
 from trainer.service.engine.common import (
     MAX_SNAPSHOT_ATTEMPTS,
@@ -167,7 +167,7 @@ class SnapshotWriter:
             if with_optimizer:
                 tensors = {f"exp_avg.{k}": t for k, t in L.peft_tensors(m).items()}
                 tensors |= {f"exp_avg_sq.{k}": t for k, t in L.peft_tensors(v).items()}
-                hf.write_safetensors(d / OPTIMIZER_FILE, tensors, {"format": "pt"})
+                write_safetensors(d / OPTIMIZER_FILE, tensors, {"format": "pt"})
                 state = {"step": step, "rank": slot.rank, "targets": list(slot.targets), "scale": slot.scale}
                 (d / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
@@ -175,7 +175,7 @@ class SnapshotWriter:
 
     def read_moments(self, root: Path, single_cfg: LoraConfig) -> tuple[tuple[Any, Any], int]:
         """The Adam moments and step a save with its optimizer holds (what write_adapter wrote)."""
-        tensors = hf.read_safetensors(root / OPTIMIZER_FILE)
+        tensors = read_safetensors(root / OPTIMIZER_FILE)
         state = json.loads((root / STATE_FILE).read_text())
         moments = tuple(
             jax.tree.map(lambda x: np.asarray(x, np.float32), L.adapter_from_tensors(

@@ -1,0 +1,54 @@
+"""Host <-> global-array plumbing: each process builds and reads only the batch rows its devices hold.
+
+Rows are prompt-major (row b is sample b % G of prompt b // G). The same code runs with one process or many:
+a process fills the rows `local_rows` reports and `make_array_from_callback` hands each device its slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from trainer.model.sharding import batch_sharding, replicated
+
+
+def local_rows(sharding: NamedSharding, n_rows: int) -> list[int]:
+    """Rows of a [n_rows, ...] array with this sharding that live on this process's devices."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map((n_rows,)).values():
+        assert index is not None  # typed Optional in jax, but taken from devices_indices_map (never None)
+        rows.update(range(*index[0].indices(n_rows)))
+    return sorted(rows)
+
+
+def process_rows(mesh: Mesh, n_rows: int) -> list[int]:
+    """Rows of a batch-sharded [n_rows, ...] array that this process must provide."""
+    return local_rows(batch_sharding(mesh, 1), n_rows)
+
+
+def from_rows(mesh: Mesh, rows: list[int], values: np.ndarray, shape: Sequence[int]) -> jax.Array:
+    """Global batch-sharded array of `shape` from this process's rows (`values[i]` is row `rows[i]`)."""
+    full = np.zeros(tuple(shape), values.dtype)
+    if rows:
+        full[rows] = values
+    return jax.make_array_from_callback(tuple(shape), batch_sharding(mesh, len(shape)), lambda idx: full[idx])
+
+
+def replicate(mesh: Mesh, value: np.ndarray | np.generic) -> jax.Array:
+    """The same host value on every device (every process must pass the same value)."""
+    arr = np.asarray(value)
+    return jax.make_array_from_callback(arr.shape, replicated(mesh), lambda idx: arr[idx])
+
+
+def read_local_rows(x: jax.Array) -> dict[int, np.ndarray]:
+    """This process's rows of a batch-sharded array, keyed by global row index."""
+    n = x.shape[0]
+    out: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        data = np.asarray(shard.data)
+        for i, row in enumerate(range(*shard.index[0].indices(n))):
+            out.setdefault(row, data[i])
+    return out

@@ -1,0 +1,409 @@
+"""Orbax checkpoints of the train state (params, optimizer state) plus step, data position and RNG key.
+
+Restores take a target tree of `jax.ShapeDtypeStruct(..., sharding=...)`, so a run saved on one mesh resumes
+on another. Saves are async: the step loop continues while the previous save is written.
+
+A save renames no directory: orbax writes `<step>` in place and publishes it by writing its commit marker last
+(CommitFileTemporaryPath, orbax's own mode for gs:// paths). The checkpoint folder may be a Cloud Storage FUSE
+mount of a flat bucket, where gcsfuse renames a directory only below `rename-dir-limit`, and never atomically.
+
+A step is used only if it is intact: orbax finished it (its commit marker is there), its meta is well formed and
+names that step, every array reads back, and the arrays' checksums (saved in the meta) match; without the
+checksums a flipped bit in an array file reads back silently. `resume` takes the newest intact step and moves
+damaged newer ones aside as `<step>.damaged` (never deletes them), an interrupted save (no marker) included; all
+processes take the same decision.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import re
+import signal
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from trainer.base.config import ConfigError
+
+# orbax (0.12) writes this into a step directory last: it publishes the step (CommitFileTemporaryPath.finalize).
+COMMIT_MARKER = "commit_success.txt"
+_UNFINISHED = f"no {COMMIT_MARKER}: the save did not finish"
+_STEP_NAME = re.compile(r"0|[1-9]\d*")  # orbax's step folder names (path/step.py, _StandardNameFormat)
+DAMAGED_SUFFIX = ".damaged"
+
+
+@dataclass(frozen=True)
+class Meta:
+    step: int  # completed steps; a resumed run starts at this step
+    data_position: int  # index of the next example
+    rng: list[int]  # raw key data of the base RNG key
+
+    def key(self) -> jax.Array:
+        return jax.numpy.asarray(np.asarray(self.rng, np.uint32))
+
+
+class CheckpointDamaged(Exception):
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"checkpoint step {step} is damaged: {reason}")
+        self.step, self.reason = step, reason
+
+
+class _Damage(ValueError):
+    """A check of ours failed (the message says which); other errors are reported with their type."""
+
+
+class NoUsableCheckpoint(ConfigError):
+    """Every checkpoint is damaged: starting from scratch would silently throw the run away."""
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """A damaged step that `resume` skipped."""
+
+    step: int
+    reason: str
+    path: Path | None  # where it was moved; None if it could not be moved and stays in place
+    move_error: str | None = None  # why not (known on process 0, which does the renames)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True) -> None:
+        self.every = every
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=1,  # the step loop decides when to save
+            enable_async_checkpointing=async_save,
+            create=True,
+            # Written in place, marker last: no directory rename (the default, AtomicRenameTemporaryPath, renames
+            # `<step>.orbax-checkpoint-tmp` and each item folder). orbax then lists only steps with the marker
+            # (path/step.py, is_path_finalized). cleanup_tmp_directories stays off: in this mode it would delete
+            # every folder without a marker (temporary_paths.cleanup_temporary_paths), set-aside steps included.
+            temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath,
+        )
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._in_place: set[int] = set()  # damaged steps that could not be moved aside
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, state: Any, meta: Meta) -> bool:
+        # A damaged step left in place is no orbax step: orbax would delete it to save there (force=True in
+        # CheckpointManager.save, AsyncCheckpointer._prepare_destination_async).
+        if meta.step in self._mngr.all_steps() or meta.step in self._in_place:
+            return False
+        record = {"step": meta.step, "data_position": meta.data_position, "rng": meta.rng,
+                  "checksums": checksums(state)}  # before save returns: the next step donates these buffers
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record))
+        return self._mngr.save(meta.step, args=args, force=True)
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, Meta]:
+        """`target`: tree of ShapeDtypeStruct carrying the shardings to restore onto. Raises CheckpointDamaged."""
+        step = self._mngr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError("no checkpoint to restore")
+        state, meta, reason = self._attempt(target, step)
+        if reason is not None:
+            raise CheckpointDamaged(step, reason)
+        return state, meta  # type: ignore[return-value]  # meta is set when reason is None
+
+    def resume(self, target: Any) -> tuple[Any, Meta, list[SetAside]] | None:
+        """The newest intact step (None if there is no step at all), and the damaged newer ones, now moved aside.
+
+        Raises NoUsableCheckpoint, and moves nothing, when every step is damaged, unless the only step is an
+        unfinished save: then the run's first save was cut off, and it starts from scratch.
+        """
+        damaged: list[tuple[int, str]] = []
+        for step in sorted(_step_folders(self.directory), reverse=True):  # not all_steps(): it skips unfinished saves
+            state, meta, reason = self._attempt(target, step)
+            if reason is None:
+                return state, meta, self._set_aside(damaged)  # type: ignore[return-value]  # meta is set here
+            damaged.append((step, reason))
+        if len(damaged) == 1 and damaged[0][1] == _UNFINISHED:
+            # One save runs at a time and each resume moves an unfinished one aside: no save ever finished here.
+            for d in self._set_aside(damaged):
+                if jax.process_index() == 0:
+                    where = f"moved to {d.path}" if d.path else f"could not be moved aside ({d.move_error})"
+                    print(f"warning: checkpoint step {d.step} in {self.directory} is damaged ({d.reason}); {where}; "
+                          "no save finished before it: starting from scratch", file=sys.stderr)
+            return None
+        if damaged:
+            _AbandonedReads.settle()  # the run ends here: let the failed reads finish while they are still quiet
+            listing = "; ".join(f"step {s}: {r}" for s, r in damaged)
+            raise NoUsableCheckpoint(
+                f"no usable checkpoint in {self.directory} ({listing}). Nothing was moved or deleted: move these "
+                "steps away to start from scratch, or point checkpoint.dir at another folder")
+        return None
+
+    def _attempt(self, target: Any, step: int) -> tuple[Any, Meta | None, str | None]:
+        """(state, meta, None) if `step` is intact on every process, else (None, None, why)."""
+        path = self.directory / str(step)
+        state, meta, sums, reason = None, None, None, None
+        try:
+            if not (path / COMMIT_MARKER).is_file():
+                raise _Damage(_UNFINISHED)
+            meta, sums = _parse_meta(ocp.JsonCheckpointHandler().restore(path / "meta"), step)
+            state = _read_state(path / "state", target)
+        except (jax.errors.JaxRuntimeError, MemoryError):
+            raise  # the device or host failed, not the files: no reason to set this step aside
+        except Exception as err:  # noqa: BLE001 (orbax re-raises tensorstore read errors as a bare Exception)
+            first = str(err).splitlines()[0][:300] if str(err) else ""
+            reason = first if isinstance(err, _Damage) else f"{type(err).__name__}: {first}"
+        reason = self._agree(step, reason)
+        if reason is None and sums is not None:
+            reason = _compare_checksums(state, sums)
+        return (None, None, reason) if reason is not None else (state, meta, None)
+
+    def _agree(self, step: int, reason: str | None) -> str | None:
+        """A step read fine on this process may have failed on another (each reads only its own shards)."""
+        if jax.process_count() == 1:
+            return reason
+        votes = multihost_utils.process_allgather(np.asarray([step, reason is None], np.int32))
+        if len(set(votes[:, 0].tolist())) > 1:
+            raise RuntimeError(f"processes see different checkpoint steps in {self.directory}: {votes[:, 0]}")
+        failed = [i for i, ok in enumerate(votes[:, 1].tolist()) if not ok]
+        return reason if reason is not None or not failed else f"unreadable on process(es) {failed}"
+
+    def _set_aside(self, damaged: list[tuple[int, str]]) -> list[SetAside]:
+        if not damaged:
+            return []
+        # Names are picked before any rename, by every process alike; process 0 renames (the folder is shared).
+        names = {s: _free_name(self.directory, s) for s, _ in damaged}
+        _barrier("checkpoint-set-aside-names")
+        errors: dict[int, str] = {}
+        if jax.process_index() == 0:
+            for s, _ in damaged:
+                # gcsfuse (flat bucket) moves the objects one by one: cut off midway, part stays under `<step>`. That
+                # part is still damaged (the marker or files are missing), so the next resume moves it to a free name.
+                try:
+                    (self.directory / str(s)).rename(names[s])
+                except OSError as err:  # e.g. gcsfuse refuses directory renames without rename-dir-limit
+                    errors[s] = str(err)
+        # Process 0's outcome, so every process skips the same saves (and waits here until its renames are done).
+        moved = multihost_utils.broadcast_one_to_all(np.asarray([s not in errors for s, _ in damaged], np.int32))
+        aside = [SetAside(s, r, names[s] if ok else None, errors.get(s))
+                 for (s, r), ok in zip(damaged, moved.tolist(), strict=True)]
+        self._in_place.update(a.step for a in aside if a.path is None)
+        self._mngr.reload()  # forget the moved steps, so a new save of that step is not skipped as existing
+        return aside
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+
+def _read_state(path: Path, target: Any) -> Any:
+    # Through the handler, not CheckpointManager.restore: that ends in a cross-process barrier which a process
+    # whose read failed never reaches, so the others would hang instead of agreeing on the failure.
+    handler = ocp.StandardCheckpointHandler()
+    _AbandonedReads.quiet()
+    ok = False
+    try:
+        state = handler.restore(path, args=ocp.args.StandardRestore(target))
+        ok = True
+        return state
+    finally:
+        handler.close()
+        _AbandonedReads.done(ok)
+
+
+class _AbandonedReads(logging.Filter):
+    """A failed read leaves orbax's other reads of that step in flight. They end later, harmlessly, but each one
+    prints a traceback: as it posts to orbax's event loop, closed by then (an unraisable RuntimeError), or as an
+    exception nobody retrieved (the asyncio logger). While `quiet`, exactly those are dropped and everything else
+    passes on; `settle` waits until they stop, so none is left to print at interpreter exit."""
+
+    last = 0.0  # monotonic time of the last one dropped
+    failed = False  # a read failed in this process: stay quiet for good
+    _previous: Any = None
+
+    @classmethod
+    def quiet(cls) -> None:
+        """Before a read: a failure's leftovers can print before its exception reaches the caller."""
+        if getattr(sys.unraisablehook, "drops_abandoned_reads", False):
+            return
+        previous = cls._previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            exc = unraisable.exc_value
+            if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+                cls.last = time.monotonic()
+            else:
+                previous(unraisable)
+
+        hook.drops_abandoned_reads = True  # type: ignore[attr-defined]  # a marker on the function, read by getattr
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_ABANDONED_READS)
+
+    @classmethod
+    def done(cls, ok: bool) -> None:
+        """After a read: if none ever failed, nothing is in flight, so put the hooks back."""
+        cls.failed = cls.failed or not ok
+        if cls.failed:
+            cls.last = time.monotonic()
+        elif getattr(sys.unraisablehook, "drops_abandoned_reads", False):
+            sys.unraisablehook = cls._previous
+            logging.getLogger("asyncio").removeFilter(_ABANDONED_READS)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" in record.getMessage():
+            type(self).last = time.monotonic()
+            return False
+        return True
+
+    @classmethod
+    def settle(cls, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:
+        deadline = time.monotonic() + limit_s
+        while cls.failed and time.monotonic() < min(deadline, cls.last + quiet_s):
+            with warnings.catch_warnings():  # the abandoned reads' coroutines, collected unawaited
+                warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+                gc.collect()  # an unretrieved task reports when it is collected
+            time.sleep(0.1)
+
+
+_ABANDONED_READS = _AbandonedReads()
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_meta(record: Any, step: int) -> tuple[Meta, list[int] | None]:
+    if not isinstance(record, dict):
+        raise _Damage("meta is not a JSON object")
+    missing = sorted({"step", "data_position", "rng"} - record.keys())
+    if missing:
+        raise _Damage(f"meta lacks {missing}")
+    if record["step"] != step or not _is_int(record["step"]):
+        raise _Damage(f"meta names step {record['step']!r}")
+    if not _is_int(record["data_position"]) or record["data_position"] < 0:
+        raise _Damage(f"meta has data_position {record['data_position']!r}")
+    rng = record["rng"]
+    if not isinstance(rng, list) or not rng or not all(_is_int(x) and 0 <= x < 2**32 for x in rng):
+        raise _Damage(f"meta has rng {rng!r}")
+    sums = record.get("checksums")  # absent in checkpoints written before checksums existed
+    if sums is not None and (not isinstance(sums, list) or not all(_is_int(x) for x in sums)):
+        raise _Damage("meta checksums are not a list of integers")
+    return Meta(step, record["data_position"], list(rng)), sums
+
+
+def _compare_checksums(state: Any, sums: list[int]) -> str | None:
+    named = jax.tree_util.tree_leaves_with_path(state)
+    if len(sums) != len(named):
+        return f"meta has {len(sums)} checksums for {len(named)} arrays"
+    got = checksums(state)
+    bad = [jax.tree_util.keystr(p) for (p, _), a, b in zip(named, got, sums, strict=True) if a != b]
+    return f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}" if bad else None
+
+
+def _step_folders(directory: Path) -> list[int]:
+    """Every step folder, finished or not (orbax lists only those with a commit marker)."""
+    if not directory.is_dir():
+        return []
+    return [int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir()]
+
+
+def _free_name(directory: Path, step: int) -> Path:
+    path, n = directory / f"{step}{DAMAGED_SUFFIX}", 1
+    while path.exists():
+        path, n = directory / f"{step}{DAMAGED_SUFFIX}.{n}", n + 1
+    return path
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The raw bits as uint32 (so -0.0 vs 0.0 and NaN payloads count, and the sum is exact in any order)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)  # 8 bytes: two uint32 words
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _sums(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.sum(_words(x), dtype=jnp.uint32) for x in leaves])
+
+
+@functools.cache
+def _sums_fn(out: NamedSharding | None) -> Any:
+    return jax.jit(_sums) if out is None else jax.jit(_sums, out_shardings=out)
+
+
+def checksums(tree: Any) -> list[int]:
+    """Per array, the wrapping uint32 sum of its bits: independent of the mesh, so it checks a restore anywhere."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return []
+    sharding = getattr(leaves[0], "sharding", None)
+    # Replicated, so every process can read the result of a multi-process computation.
+    out = NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else None
+    return [int(x) for x in np.asarray(_sums_fn(out)(leaves))]
+
+
+def abstract_like(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs with target shardings: the restore target for a (possibly different) mesh."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits cleanly.
+
+    Idempotent: a terminal's Ctrl-C reaches every process of the group and the launcher forwards a SIGTERM too, so
+    repeated signals must not interrupt the save or the run summary. SIGKILL is the way to stop at once.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._set = True
+
+    def request(self) -> None:
+        self._set = True
+
+    @property
+    def is_set(self) -> bool:
+        """This process was signalled (no collective; `agreed` is the all-process answer)."""
+        return self._set
+
+    def agreed(self) -> bool:
+        """True on every process once any process was signalled (all must save the same step together)."""
+        if jax.process_count() == 1:
+            return self._set
+        flags = multihost_utils.process_allgather(np.asarray(self._set, np.int32))
+        return bool(np.any(flags))

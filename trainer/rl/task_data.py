@@ -1,0 +1,113 @@
+"""A run's task, tokenizer and reward functions, and how each step's prompts are built from them (no JAX here, so
+the CLI checks them before any device is set up)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer.base.config import ConfigError, TrainConfig
+
+
+@dataclass
+class TaskData:
+    """The task, tokenizer and reward fns, and how one step's rows are built and scored."""
+
+    cfg: TrainConfig
+    task: Any
+    tokenizer: Any
+    reward_names: tuple[str, ...]
+
+    def examples(self, step: int, rows: list[int]) -> dict[int, Any]:
+        G = self.cfg.rl.group_size
+        base = step * self.cfg.rl.prompts_per_step
+        return {p: self.task.example(base + p) for p in sorted({r // G for r in rows})}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        if self.tokenizer.bos_id is not None:
+            ids = [self.tokenizer.bos_id, *ids]
+        return ids[-self.cfg.prompt_len :]  # keep the end: the question's tail and answer cue
+
+    def prompts(self, examples: dict[int, Any], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt ids and validity mask for `rows`."""
+        P, G = self.cfg.prompt_len, self.cfg.rl.group_size
+        ids_RP = np.full((len(rows), P), self.tokenizer.pad_id, np.int32)
+        valid_RP = np.zeros((len(rows), P), np.int32)
+        for i, r in enumerate(rows):
+            ids = self.prompt_ids(examples[r // G].prompt)
+            ids_RP[i, P - len(ids) :] = ids
+            valid_RP[i, P - len(ids) :] = 1
+        return ids_RP, valid_RP
+
+    def completion_text(self, tokens: np.ndarray, mask: np.ndarray) -> str:
+        ids = [int(t) for t, m in zip(tokens, mask, strict=True) if m and int(t) != self.tokenizer.eos_id]
+        return self.tokenizer.decode(ids)
+
+
+def load_task_data(cfg: TrainConfig) -> TaskData:
+    from trainer.model.tokenizer import load_tokenizer
+    from trainer.rl.rewards import get_reward
+    from trainer.rl.tasks import get_task
+
+    task_kwargs = {k: v for k, v in cfg.task.model_dump().items() if k != "name"}
+
+    def named(key: str, err: Exception) -> ConfigError:
+        msg = err.args[0] if err.args else str(err)
+        return ConfigError(f"{key}: {msg}")
+
+    try:
+        task = get_task(cfg.task.name, **task_kwargs)
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        raise named("task", err) from None
+    names = tuple(cfg.rewards) if cfg.rewards is not None else tuple(task.reward_names)
+    if not names:
+        raise ConfigError(f"rewards: task {cfg.task.name!r} names no rewards; set rewards: [...]")
+    try:
+        for name in names:
+            get_reward(name)
+    except (KeyError, TypeError, ValueError) as err:
+        raise named("rewards", err) from None
+    try_task(cfg.task.name, task, names)
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        raise named("tokenizer", err) from None
+    if tokenizer.vocab_size > cfg.model_cfg.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model_cfg.vocab_size} is smaller than the tokenizer's vocab "
+            f"({tokenizer.vocab_size})"
+        )
+    return TaskData(cfg, task, tokenizer, names)
+
+
+def try_task(task_name: str, task: Any, reward_names: tuple[str, ...]) -> None:
+    """Example 0, built twice, and every reward on it with two completions, one empty (a policy may stop at once):
+    what the loop will do, so a user's task or reward that breaks fails here, naming it, before any device is set
+    up. Raises ConfigError."""
+    from trainer.rl.rewards import compute_rewards
+
+    try:
+        first, again = task.example(0), task.example(0)
+    except Exception as err:
+        raise ConfigError(f"task: {task_name!r} example(0) failed: {type(err).__name__}: {err}") from None
+    prompt, fields = getattr(first, "prompt", None), getattr(first, "fields", None)
+    if not isinstance(prompt, str) or not isinstance(fields, dict):
+        raise ConfigError(f"task: {task_name!r} example(0) returned {first!r}; expected an object with prompt (str) "
+                          "and fields (dict), e.g. trainer.rl.tasks.Example")
+    if (again.prompt, again.fields) != (prompt, fields):
+        # A resumed run (and every host) derives its prompts from the index alone.
+        raise ConfigError(f"task: {task_name!r} example(0) differs between two calls; an example must depend only "
+                          "on the task's options (seed) and the index")
+    for name in reward_names:
+        try:
+            # Two completions, so a reward that ignores the batch size is caught.
+            scores = compute_rewards([name], [prompt] * 2, ["", "0"], {k: [v] * 2 for k, v in fields.items()})[name]
+        except Exception as err:
+            raise ConfigError(f"rewards: {name!r} failed on example 0 of task {task_name!r} with an empty "
+                              f"completion: {type(err).__name__}: {err}") from None
+        if not all(math.isfinite(x) for x in scores):
+            raise ConfigError(f"rewards: {name!r} returned {scores!r} for two completions; expected finite numbers")

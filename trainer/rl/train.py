@@ -1,0 +1,338 @@
+"""The RL loop: sample G completions per prompt, score them, group-relative advantages, mu policy updates.
+
+All randomness comes from one base key folded with the step, and step s reads examples
+[s * prompts_per_step, (s + 1) * prompts_per_step), so a run is deterministic given the seed and a resumed run
+continues exactly. Every process runs this same code on its share of the global batch.
+
+With `lora`, the base weights are frozen and rebuilt at start (from the seed or init.path), so a checkpoint holds the
+adapters, their optimizer state and the base's checksums (a resume onto other base weights is refused); a finished
+run writes each adapter slot in PEFT format to <run_dir>/adapters/slot-<i>.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from envspec.pod import ENV_CHECKPOINT_DIR
+from trainer.base.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
+from trainer.model import decoder as M
+from trainer.model.sharding import make_mesh, replicated
+from trainer.rl.batch import from_rows, process_rows, read_local_rows, replicate
+from trainer.rl.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
+from trainer.rl.metrics import (
+    PLOT_FILE,
+    MetricsLogger,
+    phase_key,
+    plot_metrics,
+    read_metrics,
+    slot_efficiency,
+    truncate_metrics,
+)
+from trainer.rl.sampler import Samples
+from trainer.rl.step import build_programs
+from trainer.rl.task_data import TaskData, load_task_data
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # completed steps
+    stopped_early: bool  # SIGTERM / stop_after: saved and left before cfg.steps
+    params: M.Params
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _host_params(hf_params: M.Params, param_sh: Any) -> M.Params:
+    """Imported (NumPy) weights onto the mesh; each device takes its slice."""
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: np.asarray(x[idx])), hf_params, param_sh
+    )
+
+
+def checkpoint_dir(cfg: TrainConfig, run_dir: Path) -> Path:
+    """checkpoint.dir, else $CHECKPOINT_DIR (the pod's bucket), else checkpoints/ in the run directory."""
+    import os
+
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    if os.environ.get(ENV_CHECKPOINT_DIR):
+        return Path(os.environ[ENV_CHECKPOINT_DIR])
+    return run_dir / "checkpoints"
+
+
+def _summary(records: list[dict[str, Any]]) -> tuple[float, float, int] | None:
+    """Mean reward over the first and last k steps (k = 10% of the run, at least 1, at most 5)."""
+    if not records:
+        return None
+    k = max(1, min(5, len(records) // 10))
+    first = float(np.mean([r["reward_mean"] for r in records[:k]]))
+    last = float(np.mean([r["reward_mean"] for r in records[-k:]]))
+    return first, last, k
+
+
+def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | None = None,
+          on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+    """Run (or resume) training until cfg.steps, a stop signal, or `stop_after` completed steps.
+
+    JAX must already be initialised for this process (see distributed.initialize_from_env). `on_step` is called on
+    every process after each step (and its checkpoint save, if due) with that step's record.
+    """
+    hf_params = None
+    lcfg = cfg.lora
+    if cfg.init.from_ == "hf":
+        from trainer.model.hf import import_hf, init_path_errors
+
+        with init_path_errors(cfg.init.path or ""):  # a missing or damaged checkpoint is a clear error
+            hf_params, hf_model = import_hf(cfg.init.path or "", cfg.compute.param_dtype)
+        cfg = with_model(cfg, hf_model)
+    try:
+        cfg = resolve_mesh(cfg, jax.device_count(), exact=jax.process_count() > 1)
+    except ConfigError as err:
+        if jax.default_backend() == "cpu" and jax.process_count() == 1:
+            hint = "on CPU, add --local-processes N --devices-per-process M (or set TRAINER_CPU_DEVICES)"
+            raise ConfigError(f"{err}; {hint}") from None
+        raise
+    data = load_task_data(cfg)
+    primary = jax.process_index() == 0
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    n_mesh = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
+    mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n_mesh])
+    tok = data.tokenizer
+    programs = build_programs(cfg, mesh, tok.pad_id, tok.eos_id)
+    param_sh, opt_sh = programs.param_sh, programs.opt_sh
+
+    base_key = jax.random.PRNGKey(cfg.seed)
+    key_rep = replicate(mesh, np.asarray(jax.random.key_data(base_key)))
+    with jax.set_mesh(mesh):
+        if hf_params is None:
+            params = programs.init_params(key_rep)
+        elif lcfg is None:
+            params = _host_params(hf_params, param_sh)
+        else:
+            params = {"base": _host_params(hf_params, param_sh["base"]), "lora": programs.init_lora(key_rep)}
+        # params get donated; with lora the reference is the frozen base inside them (see step.py)
+        ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 and lcfg is None else None
+        opt_state = programs.init_opt(params)
+
+    ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save)
+    start = 0
+    key_data = np.asarray(jax.random.key_data(base_key), np.uint32)
+    base_sums = None if lcfg is None else replicate(mesh, np.asarray(checksums(params["base"]), np.uint32))
+
+    def train_state(params: M.Params, opt_state: Any) -> dict[str, Any]:
+        """What a checkpoint holds: everything trained; with lora, not the (frozen, rebuilt) base."""
+        if lcfg is None:
+            return {"params": params, "opt_state": opt_state}
+        return {"lora": params["lora"], "opt_state": opt_state, "base_checksums": base_sums}
+
+    if lcfg is None:
+        state_sh = {"params": param_sh, "opt_state": opt_sh}
+    else:
+        state_sh = {"lora": param_sh["lora"], "opt_state": opt_sh, "base_checksums": replicated(mesh)}
+    # Raises NoUsableCheckpoint (a ConfigError) if every step is damaged: never silently start over.
+    try:
+        found = ckpt.resume(abstract_like(train_state(params, opt_state), state_sh))
+    except BaseException:
+        ckpt.close()
+        raise
+    if found is not None:
+        state, meta, set_aside = found
+        if primary:
+            _report_resume(ckpt.directory, meta.step, set_aside)
+        if lcfg is None:
+            params = state["params"]
+        else:
+            if not np.array_equal(np.asarray(state["base_checksums"]), np.asarray(base_sums)):
+                ckpt.close()
+                raise ConfigError(f"checkpoint step {meta.step} in {ckpt.directory} trained LoRA adapters on other "
+                                  "base weights than this run's (init, seed or compute.param_dtype changed)")
+            params = {"base": params["base"], "lora": state["lora"]}
+        opt_state, start = state["opt_state"], meta.step
+        key_data = np.asarray(meta.rng, np.uint32)
+        if meta.data_position != start * cfg.rl.prompts_per_step:
+            raise ConfigError(
+                f"checkpoint at step {start} has data position {meta.data_position}, but rl.prompts_per_step="
+                f"{cfg.rl.prompts_per_step} implies {start * cfg.rl.prompts_per_step}"
+            )
+    if primary:
+        truncate_metrics(run_dir, start)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(by_alias=True), sort_keys=False))
+
+    key_arr = replicate(mesh, key_data)
+    logger = MetricsLogger(run_dir, cfg.steps, start, enabled=primary, progress=cfg.progress, log_every=cfg.log_every)
+    own_stop = stop is None
+    stop = StopFlag().install() if stop is None else stop
+    B, P, R = cfg.batch_size, cfg.prompt_len, len(data.reward_names)
+    rows = process_rows(mesh, B)
+    records: list[dict[str, Any]] = []
+    preview: list[tuple[str, str]] = []  # a few (prompt, completion) pairs of the last step, printed at the end
+    step = start
+    stopped = False
+    try:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            examples = data.examples(step, rows)
+            prompt_np, valid_np = data.prompts(examples, rows)
+            prompt = from_rows(mesh, rows, prompt_np, (B, P))
+            prompt_valid = from_rows(mesh, rows, valid_np, (B, P))
+            G = cfg.rl.group_size
+            slot: tuple[jax.Array, ...] = (
+                () if lcfg is None else (from_rows(mesh, rows, _slots(examples, rows, G, lcfg.slots), (B,)),))
+            with jax.set_mesh(mesh):
+                samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)),
+                                          *slot)
+            # Each phase is waited for, so its time is its own (a few ms of dispatch are no longer overlapped).
+            times = {"sample": _waited(samples, t0)}
+            t = time.perf_counter()
+            scores, completions = _score(data, examples, samples, rows)
+            times["score"] = time.perf_counter() - t
+            rewards = from_rows(mesh, rows, scores, (B, R))
+            preview = [(examples[r // G].prompt, c) for r, c in zip(rows[::G], completions[::G], strict=True)][:4]
+            batch = {"prompt": prompt, "prompt_valid": prompt_valid, "completion": samples.tokens_BN,
+                     "mask": samples.mask_BN, "old_logp": samples.logprobs_BN, "rewards": rewards}
+            if lcfg is not None:
+                batch["slot"] = slot[0]
+            with jax.set_mesh(mesh):
+                ref_logp = None
+                t = time.perf_counter()
+                if cfg.rl.kl_beta > 0:
+                    ref_logp = programs.ref_logprobs(params if lcfg is not None else ref_params, batch)
+                    times["reference"] = _waited(ref_logp, t)
+                t = time.perf_counter()
+                params, opt_state, m = programs.update(params, opt_state, batch, ref_logp)
+            m = jax.device_get(m)
+            times["update"] = time.perf_counter() - t
+            dt = time.perf_counter() - t0
+            meta = Meta(step + 1, (step + 1) * cfg.rl.prompts_per_step, [int(x) for x in key_data])
+            leaving = stop.agreed() or (stop_after is not None and step + 1 >= stop_after)
+            t = time.perf_counter()
+            if leaving or step + 1 == cfg.steps or ckpt.due(step + 1):
+                ckpt.save(train_state(params, opt_state), meta)
+            times["checkpoint"] = time.perf_counter() - t  # its start only when saves are asynchronous
+            efficiency = slot_efficiency(int(m["tokens"]), int(samples.steps), cfg.sample_chunk_rows)
+            record = _record(step, m, data.reward_names, dt, efficiency, times)
+            records.append(record)
+            logger.log(record)
+            step += 1
+            if on_step is not None:
+                on_step(record)
+            if leaving and step < cfg.steps:
+                stopped = True
+                break
+    finally:
+        logger.close()
+        ckpt.close()
+        if own_stop:
+            stop.uninstall()
+    if lcfg is not None and not stopped:
+        _export_adapters(run_dir / "adapters", params["lora"], lcfg, cfg.init.path if cfg.init.from_ == "hf" else None)
+    if primary:
+        _finish(run_dir, stopped, step, preview)
+    return TrainResult(run_dir, step, stopped, params, records)
+
+
+def _slots(examples: dict[int, Any], rows: list[int], group_size: int, slots: int) -> np.ndarray:
+    """Each row's adapter slot: its example's `lora_slot` field, else 0; -1 is the base model alone."""
+    out = []
+    for r in rows:
+        slot = examples[r // group_size].fields.get("lora_slot", 0)
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not -1 <= slot < slots:
+            raise ConfigError(f"example {r // group_size}: lora_slot={slot!r} is not an adapter slot (an integer in "
+                              f"[-1, lora.slots = {slots}))")
+        out.append(int(slot))
+    return np.asarray(out, np.int32)
+
+
+def _export_adapters(out: Path, lora: M.Params, lcfg: LoraConfig, base: str | None) -> None:
+    """Every slot as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    from jax.experimental import multihost_utils
+
+    from trainer.model.lora import export_peft
+
+    host = multihost_utils.process_allgather(lora, tiled=True)  # every process holds the full (small) stack
+    if jax.process_index() != 0:
+        return
+    for slot in range(lcfg.slots):
+        export_peft(host, lcfg, out / f"slot-{slot}", slot=slot, base_model_name_or_path=base)
+
+
+def _report_resume(directory: Path, step: int, set_aside: list[SetAside]) -> None:
+    for d in set_aside:
+        where = (f"moved to {d.path}" if d.path is not None
+                 else f"could not be moved aside ({d.move_error or 'rename failed'}); it stays in place")
+        print(f"warning: checkpoint step {d.step} in {directory} is damaged ({d.reason}); {where}", file=sys.stderr)
+    steps = ", ".join(str(d.step) for d in set_aside)
+    skipped = f" (damaged step{'s' if len(set_aside) > 1 else ''} {steps} skipped)" if set_aside else ""
+    print(f"resuming from checkpoint step {step}{skipped}", file=sys.stderr, flush=True)
+
+
+def _score(data: TaskData, examples: dict[int, Any], samples: Samples, rows: list[int]) -> tuple[np.ndarray, list[str]]:
+    """Decode this process's completions and score them with every reward fn: [len(rows), R]."""
+    from trainer.rl.rewards import compute_rewards
+
+    G = data.cfg.rl.group_size
+    tokens = read_local_rows(samples.tokens_BN)
+    masks = read_local_rows(samples.mask_BN)
+    exs = [examples[r // G] for r in rows]
+    completions = [data.completion_text(tokens[r], masks[r]) for r in rows]
+    keys = sorted({k for e in exs for k in e.fields})
+    fields = {k: [e.fields.get(k) for e in exs] for k in keys}
+    scores = compute_rewards(data.reward_names, [e.prompt for e in exs], completions, fields)
+    return np.stack([np.asarray(scores[n], np.float32) for n in data.reward_names], axis=1), completions
+
+
+def _waited(out: Any, since: float) -> float:
+    """Seconds from `since` until `out` is computed."""
+    jax.block_until_ready(out)
+    return time.perf_counter() - since
+
+
+def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: float, efficiency: float,
+            times: dict[str, float] | None = None) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "step": step,
+        "reward_mean": float(m["reward_mean"]),
+        "reward_std": float(m["reward_std"]),
+    }
+    for i, name in enumerate(reward_names):
+        rec[f"reward/{name}"] = float(m["rewards_mean_R"][i])
+        rec[f"reward/{name}_std"] = float(m["rewards_std_R"][i])
+    for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len"):
+        rec[k] = float(m[k])
+    rec["tokens_per_s"] = float(m["tokens"]) / dt
+    rec["slot_efficiency"] = efficiency
+    rec["step_time_s"] = dt  # sample to update; the checkpoint's time is its own key
+    for phase, seconds in (times or {}).items():
+        rec[phase_key(phase)] = seconds
+    return rec
+
+
+def _finish(run_dir: Path, stopped: bool, step: int, preview: list[tuple[str, str]]) -> None:
+    for prompt, completion in preview:
+        print(f"sample: {prompt!r} -> {completion!r}")
+    records = read_metrics(run_dir)
+    if records:
+        plot_metrics(records, run_dir / PLOT_FILE)
+    summary = _summary(records)
+    if summary is not None:
+        first, last, k = summary
+        print(f"mean reward: start {first:.3f} (first {k} steps) -> end {last:.3f} (last {k} steps)")
+    state = f"stopped at step {step}, checkpoint saved" if stopped else f"finished {step} steps"
+    print(f"{state}; metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / PLOT_FILE}")
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"step": step, "stopped": stopped, **({"reward_start": summary[0], "reward_end": summary[1]}
+                                              if summary else {})}) + "\n")
