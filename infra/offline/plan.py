@@ -13,7 +13,6 @@ from infra.base.stack_file import PlanError, load_stack_config, repo_root, stack
 from infra.offline.mockrun import PlanResult, Resource, run_stack
 
 NON_OBJECT_PREFIXES = ("kubernetes:helm.sh/", "kubernetes:yaml/", "kubernetes:kustomize/")
-HEAD_KEYS = ("apiVersion", "kind", "metadata")
 
 
 def plan(env: str, config_file: Path | None = None, root: Path | None = None) -> PlanResult:
