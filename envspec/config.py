@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any
+import types
+import typing
+from typing import Any, Union
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails
 
-from envspec import rules, zones
+from envspec import locations, rules, zones
 from envspec.sections.cluster import ClusterSpec, prefix_can_reach
 from envspec.sections.fields import _BUNDLED, BundledConfigs, _Model, _short_name
 from envspec.sections.network import NetworkSpec
@@ -120,6 +122,12 @@ class EnvironmentSpec(_Model):
     def _project(cls, v: str) -> str:
         if not _PROJECT.match(v):
             raise ValueError(f"{v!r} is not a GCP project id (6-30 chars: a-z, 0-9, '-', starting with a letter)")
+        word = rules.project_restricted(v)
+        if word:
+            raise ValueError(
+                f"{v!r} contains {word!r}: GCP project ids cannot contain it ({rules.PROJECT_ID_RULES}), nor can the "
+                f"Cloud Storage bucket names the stack derives from the project id ({rules.BUCKET_NAMING}); set the "
+                "id of the project to deploy to (`gcloud projects describe <id>` shows it)")
         return v
 
     @field_validator("region")
@@ -127,6 +135,9 @@ class EnvironmentSpec(_Model):
     def _region(cls, v: str) -> str:
         if not _REGION.match(v):
             raise ValueError(f"{v!r} is not a region like us-east5")
+        problem = locations.region_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("zone")
@@ -209,6 +220,9 @@ class EnvironmentSpec(_Model):
             raise ValueError(f"service.name: the service's state bucket name {self.service_state_bucket!r} "
                              "(<project>-<stack>-<service>-state) is longer than Cloud Storage's 63 characters; use a "
                              "shorter service name")
+        self._check_bucket_words("the service's state bucket name", self.service_state_bucket,
+                                 "<project>-<stack>-<service>-state",
+                                 [("project", self.project), (STACK_NAME, self.env), ("service.name", svc.name)])
 
     def _check_ray(self) -> None:
         t = self.trainer
@@ -285,10 +299,26 @@ class EnvironmentSpec(_Model):
         if not rules.BUCKET_NAME.match(self.bucket_name):
             raise ValueError(f"project: the checkpoint bucket name {self.bucket_name!r} (<project>-<stack>-"
                              "checkpoints) is longer than Cloud Storage's 63 characters; use a shorter stack name")
+        self._check_bucket_words("the checkpoint bucket name", self.bucket_name, "<project>-<stack>-checkpoints",
+                                 [("project", self.project), (STACK_NAME, self.env)])
         for g in self.slices:
             if g.shape.multi_host and g.shape.generation.uses_workload_policy:
                 rules.gcp_name(f"{self.cluster_name}-{g.name}-placement", 63,
                                f"slices: group {g.name!r}'s resource policy name")
+
+    @staticmethod
+    def _check_bucket_words(what: str, bucket: str, pattern: str, parts: list[tuple[str, str]]) -> None:
+        """A bucket name the stack derives from config values (`parts`: key and value, in the order they make the
+        name) holds no word Cloud Storage reserves; the error names the key whose value brings it in."""
+        fixes = {"project": "the stack names its buckets after the project id, so deploy to a project whose id does "
+                            f"not begin with {rules.BUCKET_RESERVED_PREFIX!r} nor contain 'google'",
+                 STACK_NAME: "use a stack name without it (pulumi stack init <name>)",
+                 "service.name": "use a service name without it"}
+        for i, (key, value) in enumerate(parts):
+            rule = rules.bucket_reserved_word(value, first=i == 0)
+            if rule:
+                raise ValueError(f"{key}: {value!r} makes {what} {bucket!r} ({pattern}), which Cloud Storage "
+                                 f"refuses: {rule} ({rules.BUCKET_NAMING}); {fixes[key]}")
 
     def _check_dranet(self) -> None:
         d = self.network.dranet
@@ -438,10 +468,43 @@ def _describe(err: ErrorDetails) -> str:
     if err["type"] == "missing":
         return f"{where}: required but not set"
     if err["type"] == "extra_forbidden":
-        return f"{where}: unknown key"
+        return f"{where}: unknown key{_suggest_key(tuple(err['loc']))}"
     if isinstance(value, str | int | float | bool) and repr(value) not in msg:
         return f"{where}: {msg} (got {value!r})"
     return f"{where}: {msg}"
+
+
+def _step(annotation: Any, part: str | int) -> Any:
+    """The type found one loc part below `annotation`: a model's field, a list's item, a dict's value; None when the
+    loc leaves the typed spec."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return next((t for a in typing.get_args(annotation) if (t := _step(a, part)) is not None), None)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(part, str):
+        field = next((f for name, f in annotation.model_fields.items() if part in (name, f.alias)), None)
+        return None if field is None else field.annotation
+    if origin in (list, tuple) and isinstance(part, int):
+        return typing.get_args(annotation)[0]
+    if origin is dict and isinstance(part, str):
+        return typing.get_args(annotation)[1]
+    return None
+
+
+def _suggest_key(loc: tuple[Any, ...]) -> str:
+    """'; did you mean <key>?' for an unknown key: the closest keys the model at its place allows (difflib), or ''."""
+    node: Any = EnvironmentSpec
+    for part in loc[:-1]:
+        node = _step(node, part)
+    options = typing.get_args(node) if typing.get_origin(node) in (Union, types.UnionType) else (node,)
+    model = next((t for t in options if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    if model is None:
+        return ""
+    allowed = [f.alias or name for name, f in model.model_fields.items()]
+    if model is EnvironmentSpec:  # the stack name is no key; the secrets are read beside the spec
+        allowed = [k for k in allowed if k != "env"] + list(SECRET_KEYS)
+    parent = _format_loc(loc[:-1])
+    return locations.did_you_mean([f"{parent}.{k}" if parent else k
+                                   for k in locations.closest(str(loc[-1]), allowed, cutoff=0.6, keep_case=True)])
 
 
 def parse_spec(raw: dict[str, Any], env: str, bundled: BundledConfigs) -> EnvironmentSpec:

@@ -28,6 +28,19 @@ SERVICE_ACCOUNT_ID = re.compile(r"^[a-z]([-a-z0-9]{4,28}[a-z0-9])$")
 # Cloud Storage bucket names: 3-63 characters of a-z, 0-9, '-', '_', '.', starting and ending with a letter or
 # digit (https://cloud.google.com/storage/docs/buckets#naming).
 BUCKET_NAME = re.compile(r"^[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9]$")
+# The same page (read 2026-11-29): "Bucket names cannot begin with the "goog" prefix" and "cannot contain "google" or
+# close misspellings, such as "g00gle"". Which misspellings it refuses is not listed; the check takes "google" with the
+# look-alike digits 0 for o, 1 for l and 3 for e.
+BUCKET_NAMING = "https://cloud.google.com/storage/docs/buckets#naming"
+BUCKET_RESERVED_PREFIX = "goog"
+BUCKET_GOOGLE_LIKE = re.compile(r"g[o0]{2}g[l1][e3]")
+# Project ids "cannot contain restricted strings, such as google, null, undefined, and ssl"
+# (https://cloud.google.com/resource-manager/docs/creating-managing-projects, "Project ID", read 2026-11-29; another
+# revision of the page lists google and ssl as restricted and only advises against null and undefined). The stack
+# deploys to a project that exists, whose id GCP accepted, so it refuses only "google", which every revision lists and
+# which Cloud Storage refuses in the bucket names that embed the project id too.
+PROJECT_ID_RULES = "https://cloud.google.com/resource-manager/docs/creating-managing-projects"
+PROJECT_RESTRICTED = ("google",)
 
 # Resource labels (https://cloud.google.com/resource-manager/docs/labels-overview#requirements): at most 64 per
 # resource; keys 1-63 and values 0-63 characters of lowercase letters, digits, '_' and '-' (international letters
@@ -85,6 +98,22 @@ def gcp_name(value: str, max_len: int, what: str) -> str:
         raise ValueError(f"{what} {value!r} is not a valid GCP name: at most {max_len} characters of a-z, 0-9 "
                          "and '-', starting with a letter and not ending with '-'")
     return value
+
+
+def bucket_reserved_word(part: str, *, first: bool) -> str | None:
+    """The rule a part of a bucket name breaks by itself (`first`: the part the name begins with), or None."""
+    if first and part.startswith(BUCKET_RESERVED_PREFIX):
+        return f"bucket names cannot begin with {BUCKET_RESERVED_PREFIX!r}"
+    m = BUCKET_GOOGLE_LIKE.search(part)
+    if m:
+        spelled = "" if m.group() == "google" else f" (here {m.group()!r})"
+        return f"bucket names cannot contain 'google' or a close misspelling such as 'g00gle'{spelled}"
+    return None
+
+
+def project_restricted(value: str) -> str | None:
+    """The restricted string a project id contains, or None."""
+    return next((w for w in PROJECT_RESTRICTED if w in value), None)
 
 
 def labels(values: Mapping[str, str]) -> dict[str, str]:

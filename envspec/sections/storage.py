@@ -6,6 +6,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
+from envspec import locations
 from envspec.sections.fields import _Model
 
 
@@ -32,6 +33,9 @@ class StorageSpec(_Model):
         # A region (us-east5), dual-region (nam4) or multi-region (US): letters, digits and '-'.
         if v is not None and not re.match(r"^[A-Za-z][-A-Za-z0-9]*[A-Za-z0-9]$", v):
             raise ValueError(f"{v!r} is not a Cloud Storage location like us-east5, nam4 or US")
+        problem = None if v is None else locations.storage_location_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @model_validator(mode="after")
