@@ -88,8 +88,10 @@ class ControllersSpec(_Model):
 
 class EnvironmentSpec(_Model):
     env: str = Field(description="the environment (stack) name")
-    project: str = Field(description="the GCP project id")
-    region: str = Field(description="GCP region of the network, the registry and (by default) the bucket")
+    project: str = Field(description="the GCP project id; it begins the bucket names, so it may not begin with "
+                         "'goog' nor contain 'google' (Cloud Storage's rule)")
+    region: str = Field(description="GCP region of the network, the registry and (by default) the bucket; one of "
+                        "the table in envspec/locations.py")
     zone: str = Field(description="zone of the cluster (zonal) and of every node pool; in region")
     labels: dict[str, str] = Field(default_factory=dict, description="labels added to the GCP resources (cluster, "
                                    "node pools, bucket, registry) beside app and env")

@@ -11,7 +11,9 @@ from envspec.sections.fields import _Model
 
 
 class StorageSpec(_Model):
-    location: str | None = Field(None, description="bucket location; the region when unset")
+    location: str | None = Field(None, description="bucket location: a region, a predefined dual-region (NAM4, "
+                                 "EUR4, ...) or a multi-region (US, EU, ASIA) of the table in "
+                                 "envspec/locations.py; the region when unset")
     protect: bool = Field(True, description="retain the checkpoint bucket on destroy")
     force_destroy: bool = Field(False, description="let the bucket be deleted with its objects in it (needs "
                                 "protect: false)")

@@ -267,11 +267,11 @@ def stack_markdown() -> str:
         "      machineType: e2-standard-8",
         "```",
         "",
-        "and `[i]` is every item of a list (`gke-tpu-rl:slices[0].topology` is the first group's). Unknown keys "
-        "are errors, and so is a value outside what the table allows; validation names the key, the value and "
-        "what is allowed, before any resource is registered. The environment's name is the stack's name "
-        "(`pulumi stack init ENV`), not a key. \"required\": the key has no default and must be set; \"unset\": "
-        "leave the key out (or `null`) and the description says what happens then.",
+        "and `[i]` is every item of a list (`gke-tpu-rl:slices[0].topology` is the first group's). Unknown keys are "
+        "errors (naming the closest allowed keys), and so is a value outside what the table allows; validation names "
+        "the key, the value and what is allowed, before any resource is registered. The environment's name is the "
+        "stack's name (`pulumi stack init ENV`), not a key. \"required\": the key has no default and must be set; "
+        "\"unset\": leave the key out (or `null`) and the description says what happens then.",
         "",
         f"{len(keys)} keys, {sum(k.type == SECTION for k in keys)} of them sections.",
         "",
