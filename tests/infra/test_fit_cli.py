@@ -67,6 +67,8 @@ def test_fit_dev_compiles_the_environments_trainer(tiny_checkpoint: Path, monkey
     assert "1 x v6e 2x2: 4 chips, 32.00 GiB HBM" in out and "mesh slices=1 x fsdp=4 x tensor=1" in out
     assert "skipped: rl.kl_beta = 0" in out and "MFU" in out
     assert "compiling sample for 1 x v6e 2x2 (1/3)" in err and "Traceback" not in err
+    # Every program is counted aloud, the one not compiled too (issue 42: "(2/3)" went missing).
+    assert "skipping ref_logprobs: rl.kl_beta = 0, no reference policy (2/3)" in err
     assert "could not determine TPU" not in err  # libtpu's no-TPU warnings are silenced
 
     assert cli.main([*args, "--format", "json"]) == 0

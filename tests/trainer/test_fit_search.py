@@ -70,6 +70,8 @@ def test_a_budget_of_n_compiles_is_respected(budget: int) -> None:
     # One compile: the sampler only; the update is reported not compiled, and the step gets no time or MFU.
     assert update == ("not compiled" if budget == 1 else "does not fit")
     assert result.base.not_applicable() == ("update not compiled" if budget == 1 else "update does not fit")
+    # The progress says so as it happens, not only the report.
+    assert any(m.startswith("skipping update: the compile budget is spent (") for m in said) == (budget == 1)
 
 
 def _lowered(cfg: Any) -> dict[str, str]:

@@ -65,7 +65,8 @@ def test_resume_is_bitwise_exact(tmp_path: Path, tiny_train_dict: dict) -> None:
 
 
 @pytest.mark.slow
-def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tiny_train_dict: dict) -> None:
+def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tiny_train_dict: dict,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     model_cfg = ModelConfig(**tiny_train_dict.pop("model"))
     start = M.init_params(model_cfg, jax.random.PRNGKey(123))
     export_hf(start, model_cfg, tmp_path / "hf")
@@ -103,4 +104,10 @@ def test_hf_init_gspo_kl_run_writes_metrics_plot_and_summary(tmp_path: Path, tin
     assert (run_dir / "metrics.png").stat().st_size > 1000
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 2 and "reward_start" in summary
+    # What a pod's log shows: one line per step however long (no wrap at 80 columns outside a terminal), and the
+    # summary in words that fit a 2-step run.
+    out = capsys.readouterr().out
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 2 and all("tok/s" in line and line.endswith("s)") for line in step_lines), out
+    assert max(map(len, step_lines)) > 80 and "(first step) -> end" in out and "(last step)" in out
     assert result.params["embed"].sharding.mesh.devices.size == 4

@@ -177,6 +177,7 @@ def _compile(p: ProgramFit, lowered: Any, mesh: Any, target: Target, n_devices: 
             return
         if cache.left == 0:
             p.skipped = BUDGET_SPENT
+            say(f"skipping {p.name}: the compile budget is spent ({counter})")
             return
     say(f"compiling {p.name} for {target.label} ({counter})")
     t0 = time.perf_counter()

@@ -255,6 +255,7 @@ def fit(
         report_programs.append(p)
         if name == "ref_logprobs" and not kl:
             p.skipped, p.model_flops, p.flops = "rl.kl_beta = 0", 0.0, 0.0
+            say(f"skipping {name}: rl.kl_beta = 0, no reference policy ({i + 1}/{len(PROGRAMS)})")
             continue
         p.resident, p.resident_what = resident[name]
         with jax.set_mesh(mesh):

@@ -95,7 +95,9 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"] + 1, info=info)
         elif record["step"] % self.log_every == 0:
-            self.console.print(f"step {record['step']:>5}  {info}  ({record['step_time_s']:.2f}s)", highlight=False)
+            # soft_wrap: one line per step in a pod's log or a pipe, where rich would otherwise wrap at 80 columns.
+            self.console.print(f"step {record['step']:>5}  {info}  ({record['step_time_s']:.2f}s)", highlight=False,
+                               soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -330,7 +330,8 @@ def _finish(run_dir: Path, stopped: bool, step: int, preview: list[tuple[str, st
     summary = _summary(records)
     if summary is not None:
         first, last, k = summary
-        print(f"mean reward: start {first:.3f} (first {k} steps) -> end {last:.3f} (last {k} steps)")
+        span = "step" if k == 1 else f"{k} steps"
+        print(f"mean reward: start {first:.3f} (first {span}) -> end {last:.3f} (last {span})")
     state = f"stopped at step {step}, checkpoint saved" if stopped else f"finished {step} steps"
     print(f"{state}; metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / PLOT_FILE}")
     (run_dir / "summary.json").write_text(json.dumps(
