@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails
 
-from envspec import locations, rules, zones
+from envspec import locations, rules, suggest, zones
 from envspec.sections.cluster import ClusterSpec, prefix_can_reach
 from envspec.sections.fields import _BUNDLED, BundledConfigs, _Model, _short_name
 from envspec.sections.network import NetworkSpec
@@ -505,8 +505,8 @@ def _suggest_key(loc: tuple[Any, ...]) -> str:
     if model is EnvironmentSpec:  # the stack name is no key; the secrets are read beside the spec
         allowed = [k for k in allowed if k != "env"] + list(SECRET_KEYS)
     parent = _format_loc(loc[:-1])
-    return locations.did_you_mean([f"{parent}.{k}" if parent else k
-                                   for k in locations.closest(str(loc[-1]), allowed, cutoff=0.6, keep_case=True)])
+    return suggest.did_you_mean([f"{parent}.{k}" if parent else k
+                                 for k in suggest.closest(str(loc[-1]), allowed, cutoff=0.6, keep_case=True)])
 
 
 def parse_spec(raw: dict[str, Any], env: str, bundled: BundledConfigs) -> EnvironmentSpec:

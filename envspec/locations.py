@@ -1,7 +1,7 @@
 """Where things may be: the Cloud Storage locations a bucket may have and the regions the stack may use, in one table,
-with the closest valid values for a misspelling. The environment spec refuses `storage.location` and `region` values
-this table does not hold before any resource is registered: `pulumi up` would otherwise find out at the bucket (or
-the network), after other resources exist.
+with the closest valid values for a misspelling (envspec/suggest.py). The environment spec refuses `storage.location`
+and `region` values this table does not hold before any resource is registered: `pulumi up` would otherwise find out
+at the bucket (or the network), after other resources exist.
 
 Source: Cloud Storage's "Bucket locations" page, https://cloud.google.com/storage/docs/locations ("Available
 locations": regions, predefined dual-regions, multi-regions), read 2026-11-29. The stored copies of that page read
@@ -19,12 +19,11 @@ which the stack does not expose: `storage.location` takes a region, a predefined
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
 from envspec import zones
+from envspec.suggest import closest, did_you_mean
 
 SOURCE = "https://cloud.google.com/storage/docs/locations"
 RETRIEVED = "2026-11-29"
@@ -70,34 +69,6 @@ def regions() -> tuple[str, ...]:
     table = zones.default_table()
     tpu_regions = {zones.region_of(z) for g in table.zones for z in table.offering(g)}
     return tuple(sorted(set(STORAGE_REGIONS) | tpu_regions))
-
-
-def closest(value: str, allowed: Iterable[str], *, cutoff: float = 0.75, keep_case: bool = False) -> list[str]:
-    """The allowed values nearest to a misspelled one (difflib's ratio, case-insensitive): the best, and up to two
-    more about as close (within 0.05 of it). In the table's spelling with keep_case, else in the case the user wrote
-    (lowercase unless the value is all uppercase)."""
-    by_lower = {a.lower(): a for a in allowed}
-    typed = value.lower()
-    matches = difflib.get_close_matches(typed, list(by_lower), n=3, cutoff=cutoff)
-    if not matches:
-        return []
-
-    def ratio(m: str) -> float:
-        return difflib.SequenceMatcher(None, typed, m).ratio()
-
-    best = ratio(matches[0])
-    near = [m for m in matches if ratio(m) >= best - 0.05]
-    if keep_case:
-        return [by_lower[m] for m in near]
-    return [m.upper() if value.isupper() else m for m in near]
-
-
-def did_you_mean(candidates: list[str]) -> str:
-    """'; did you mean a?', '; did you mean a or b?', '; did you mean a, b or c?', or '' for none."""
-    if not candidates:
-        return ""
-    head, last = candidates[:-1], candidates[-1]
-    return f"; did you mean {', '.join(head) + ' or ' if head else ''}{last}?"
 
 
 def storage_location_problem(value: str) -> str | None:
