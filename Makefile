@@ -10,12 +10,13 @@ CHECKOV_VENV := $(VENV)/checkov
 # imports it.
 CDKTF_VENV := $(VENV)/cdktf
 # uv installs what pip would (the same resolution: every index and wheel folder at once, the best version wins),
-# downloading and unpacking in parallel. It reads no pip config, so it is handed pip's wheel folder ($PIP_FIND_LINKS:
-# where this machine's CPU build of torch lies; without it torch==2.13.0 is PyPI's CUDA build, as it would be for
-# pip). --compile-bytecode as pip does: the as-deployed harness's pods run with PYTHONDONTWRITEBYTECODE=1 (the
+# downloading and unpacking in parallel. It reads no pip config (pip.conf, PIP_INDEX_URL, constraints): it is handed
+# only $PIP_FIND_LINKS, each of its space-separated entries (on this machine the wheel folder holding the CPU build of
+# torch; without it torch==2.13.0 is PyPI's CUDA build, as it would be for pip). An index or wheel folder set only in
+# pip.conf must be given to uv too (UV_INDEX, UV_FIND_LINKS: uv's own settings). --compile-bytecode as pip does: the as-deployed harness's pods run with PYTHONDONTWRITEBYTECODE=1 (the
 # image's env), so without .pyc files every process compiled every module it imported (+26% test CPU).
 UV_VERSION := uv==0.13.9
-UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --index-strategy unsafe-best-match $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --index-strategy unsafe-best-match $(foreach link,$(PIP_FIND_LINKS),--find-links $(link))
 # tinker-cookbook (the official Tinker recipes, run against our service) goes in with --no-deps: it declares
 # tml-renderers>=0.4.1, which is not on PyPI; what its RL recipe imports is in pyproject's dev extra.
 

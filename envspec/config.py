@@ -92,6 +92,8 @@ class EnvironmentSpec(_Model):
                          "'goog' nor contain 'google' (Cloud Storage's rule)")
     region: str = Field(description="GCP region of the network, the registry and (by default) the bucket; one of "
                         "the table in envspec/locations.py")
+    skip_region_check: bool = Field(False, description="skip the check of region against the table in "
+                                    "envspec/locations.py: for a region Google opened after that table was read")
     zone: str = Field(description="zone of the cluster (zonal) and of every node pool; in region")
     labels: dict[str, str] = Field(default_factory=dict, description="labels added to the GCP resources (cluster, "
                                    "node pools, bucket, registry) beside app and env")
@@ -137,9 +139,6 @@ class EnvironmentSpec(_Model):
     def _region(cls, v: str) -> str:
         if not _REGION.match(v):
             raise ValueError(f"{v!r} is not a region like us-east5")
-        problem = locations.region_problem(v)
-        if problem:
-            raise ValueError(problem)
         return v
 
     @field_validator("zone")
@@ -154,6 +153,7 @@ class EnvironmentSpec(_Model):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> EnvironmentSpec:
+        self._check_locations()
         names = [g.name for g in self.slices]
         if len(set(names)) != len(names):
             raise ValueError(f"slices: group names must be unique, got {names}")
@@ -321,6 +321,18 @@ class EnvironmentSpec(_Model):
             if rule:
                 raise ValueError(f"{key}: {value!r} makes {what} {bucket!r} ({pattern}), which Cloud Storage "
                                  f"refuses: {rule} ({rules.BUCKET_NAMING}); {fixes[key]}")
+
+    def _check_locations(self) -> None:
+        problem = None if self.skip_region_check else locations.region_problem(self.region)
+        if problem:
+            raise ValueError(f"region: {problem}")
+        s = self.storage
+        # The bucket goes in the region when storage.location is unset: a region may run TPUs and have no bucket
+        # location (us-central2), which the bucket would find out after the network and the cluster exist.
+        problem = None if s.location is not None or s.skip_location_check else \
+            locations.storage_location_problem(self.region)
+        if problem:
+            raise ValueError(f"storage.location: unset, so the bucket would be in the region, and {problem}")
 
     def _check_dranet(self) -> None:
         d = self.network.dranet

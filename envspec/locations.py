@@ -71,13 +71,20 @@ def regions() -> tuple[str, ...]:
     return tuple(sorted(set(STORAGE_REGIONS) | tpu_regions))
 
 
+# The keys that turn the table's check off, for a location Google opened after it was read (as slices[].skipZoneCheck
+# does for the TPU zone table): a closed list must not hold a deployed stack hostage to a kit edit.
+SKIP_LOCATION_KEY = "storage.skipLocationCheck"
+SKIP_REGION_KEY = "skipRegionCheck"
+
+
 def storage_location_problem(value: str) -> str | None:
     """Why Cloud Storage refuses `value` as a bucket location, naming the closest valid values; None if valid."""
     if value.lower() in {loc.lower() for loc in storage_locations()}:
         return None
     return (f"{value!r} is not a Cloud Storage location: a region (like us-east5), a predefined dual-region "
             f"({', '.join(STORAGE_DUAL_REGIONS)}) or a multi-region ({', '.join(STORAGE_MULTI_REGIONS)}), per the "
-            f"table in {WHERE} (from {SOURCE}, read {RETRIEVED}; a location opened since goes there)"
+            f"table in {WHERE} (from {SOURCE}, read {RETRIEVED}; for a location Google opened since, set "
+            f"{SKIP_LOCATION_KEY}: true)"
             f"{did_you_mean(closest(value, storage_locations()))}")
 
 
@@ -85,6 +92,6 @@ def region_problem(value: str) -> str | None:
     """Why `value` is not a Google Cloud region the table knows, naming the closest ones; None if it is."""
     if value in regions():
         return None
-    return (f"{value!r} is not a Google Cloud region in the table in {WHERE} (from {SOURCE}, read {RETRIEVED}; a "
-            f"region opened since goes there)"
+    return (f"{value!r} is not a Google Cloud region in the table in {WHERE} (from {SOURCE}, read {RETRIEVED}; for "
+            f"a region Google opened since, set {SKIP_REGION_KEY}: true)"
             f"{did_you_mean(closest(value, regions()))}")

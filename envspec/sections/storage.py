@@ -14,6 +14,9 @@ class StorageSpec(_Model):
     location: str | None = Field(None, description="bucket location: a region, a predefined dual-region (NAM4, "
                                  "EUR4, ...) or a multi-region (US, EU, ASIA) of the table in "
                                  "envspec/locations.py; the region when unset")
+    skip_location_check: bool = Field(False, description="skip the check of the bucket's location (location, or "
+                                      "the region when unset) against the table in envspec/locations.py: for a "
+                                      "location Google opened after that table was read")
     protect: bool = Field(True, description="retain the checkpoint bucket on destroy")
     force_destroy: bool = Field(False, description="let the bucket be deleted with its objects in it (needs "
                                 "protect: false)")
@@ -35,10 +38,15 @@ class StorageSpec(_Model):
         # A region (us-east5), dual-region (nam4) or multi-region (US): letters, digits and '-'.
         if v is not None and not re.match(r"^[A-Za-z][-A-Za-z0-9]*[A-Za-z0-9]$", v):
             raise ValueError(f"{v!r} is not a Cloud Storage location like us-east5, nam4 or US")
-        problem = None if v is None else locations.storage_location_problem(v)
-        if problem:
-            raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _listed(self) -> StorageSpec:
+        problem = None if self.location is None or self.skip_location_check else \
+            locations.storage_location_problem(self.location)
+        if problem:
+            raise ValueError(f"storage.location: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _safe(self) -> StorageSpec:

@@ -14,6 +14,7 @@ from envspec.config import NAMESPACE, ConfigError
 from envspec.repo import REPO_ROOT
 from infra.base.pod_config import env_job
 from infra.base.user_code import folder
+from trainer.base.moved import new_name
 
 if TYPE_CHECKING:
     from envspec.config import EnvironmentSpec
@@ -83,7 +84,9 @@ def check_references(spec: EnvironmentSpec, cfg: TrainConfig) -> list[str]:
         except ValueError as err:
             problems.append(f"{key}: {err}")
             continue
-        # The kit's own modules are in the image too (trainer.rl.rewards:gsm8k_answer is a valid reference).
+        # The kit's own modules are in the image too (trainer.rl.rewards:gsm8k_answer is a valid reference), under
+        # their names of before the floors as well (trainer/base/moved.py).
+        module = new_name(module) or module
         homes = [REPO_ROOT] if module.split(".")[0] == "trainer" else ([root] if root else [])
         if not homes:
             problems.append(f"{key}: {ref!r} names your own code, but trainer.code is not set; set it to the folder "
@@ -91,16 +94,41 @@ def check_references(spec: EnvironmentSpec, cfg: TrainConfig) -> list[str]:
             continue
         path = next((p for p in (_module_file(h, module) for h in homes) if p is not None), None)
         if path is None:
-            problems.append(f"{key}: {ref!r}: no module {module!r} in {homes[0].relative_to(REPO_ROOT) or '.'} "
+            problems.append(f"{key}: {ref!r}: no module {module!r} in {_shown(homes[0]) or '.'} "
                             f"(looked for {module.replace('.', '/')}.py or its __init__.py, also under src/)")
             continue
         try:
             tree = ast.parse(path.read_text(), filename=str(path))
         except SyntaxError as err:
-            problems.append(f"{key}: {ref!r}: {path.relative_to(REPO_ROOT)} line {err.lineno}: {err.msg}")
+            problems.append(f"{key}: {ref!r}: {_shown(path)} line {err.lineno}: {err.msg}")
             continue
         if _defines(tree, name) is False:
-            problems.append(f"{key}: {ref!r}: {path.relative_to(REPO_ROOT)} defines no {name!r} at top level")
+            problems.append(f"{key}: {ref!r}: {_shown(path)} defines no {name!r} at top level")
+        problems += [f"{key}: {ref!r}: {problem}" for problem in _kit_imports(tree, path)]
+    return problems
+
+
+def _shown(path: Path) -> Path:
+    return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+
+
+def _kit_imports(tree: ast.Module, path: Path) -> list[str]:
+    """The imports of the kit's own modules (trainer.*) in a module the config names that the image would not have:
+    a user's task written against a name the kit dropped fails the trainer's pre-flight with exit 2, which the
+    rendered failure policy makes final. Names that moved still import (trainer/base/moved.py)."""
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for module in names:
+            if module.split(".")[0] != "trainer" or new_name(module) or _module_file(REPO_ROOT, module):
+                continue
+            problems.append(f"{_shown(path)} line {node.lineno} imports {module!r}, which the kit "
+                            "does not have (its modules: docs/architecture.md, the trainer's floors)")
     return problems
 
 

@@ -125,6 +125,37 @@ def test_a_misspelled_region_is_refused_with_the_closest_one() -> None:
     assert msg.endswith("; did you mean us-east5?")
 
 
+def test_a_region_without_a_bucket_location_needs_storage_location() -> None:
+    # us-central2 runs TPU v4 but is no Cloud Storage location: the bucket, in the region by default, would fail
+    # after the network and the cluster exist.
+    raw = _raw("dev")
+    raw["region"], raw["zone"] = "us-central2", "us-central2-b"
+    for group in raw["slices"]:
+        group["skipZoneCheck"] = True  # dev's v6e is not offered there; the bucket is what this test is about
+    raw.setdefault("storage", {}).pop("location", None)
+    msg = _error(raw)
+    assert msg.startswith("invalid stack config for environment 'dev':\n  gke-tpu-rl:storage.location: unset, so the "
+                          "bucket would be in the region, and "
+                          "'us-central2' is not a Cloud Storage location") and msg.endswith("did you mean us-central1?")
+    raw["storage"]["location"] = "US"
+    assert parse_spec(raw, "dev", bundled_configs()).storage.location == "US"
+
+
+def test_a_location_or_region_opened_after_the_table_passes_with_its_skip_key() -> None:
+    # As slices[].skipZoneCheck does for the TPU zone table: a closed list must not hold a deployed stack hostage.
+    raw = _raw("dev")
+    raw.setdefault("storage", {})["location"] = "europe-north9"
+    assert "for a location Google opened since, set storage.skipLocationCheck: true)" in _error(raw)
+    raw["storage"]["skipLocationCheck"] = True
+    assert parse_spec(raw, "dev", bundled_configs()).storage.location == "europe-north9"
+    raw["region"], raw["zone"] = "europe-north9", "europe-north9-a"
+    for group in raw["slices"]:
+        group["skipZoneCheck"] = True
+    assert "for a region Google opened since, set skipRegionCheck: true)" in _error(raw)
+    raw["skipRegionCheck"] = True
+    assert parse_spec(raw, "dev", bundled_configs()).region == "europe-north9"
+
+
 def test_every_region_of_the_tpu_zone_table_is_a_region() -> None:
     # us-central2 (v4's only zone) is not a Cloud Storage region, but the stack may run there.
     table = zones.default_table()

@@ -146,3 +146,26 @@ def test_a_change_to_the_users_code_rebuilds_the_image_and_replaces_the_job(tmp_
     assert "changed cloud resources:\n  staging-image-trainer  docker-build:index:Image\n" in changed
     assert "Replaced: jobset-rl-grpo-stg (JobSet): training restarts from its last checkpoint." in changed
     assert "Resources: no change." in diff("HEAD")
+
+
+def test_a_task_importing_the_kit_by_a_name_it_no_longer_has_fails_the_plan(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's task module is checked for the kit modules it imports: one the image lacks would fail the trainer's
+    pre-flight (exit 2, final under the rendered policy); the names of before the floors still import."""
+    from infra.base.pod_config import env_job
+    from infra.checks import code_refs
+    from trainer.base.config import TaskConfig
+
+    (tmp_path / "mytask.py").write_text(
+        "from trainer.tasks import Example  # before the floors: still imports\n"
+        "import trainer.rl.rewards\n"
+        "from trainer import tasks\n"
+        "from trainer.nosuch import Thing\n"
+        "class T:\n    pass\n")
+    spec = run_stack("staging", _config(code=EXAMPLE, config="configs/max-digit.yaml")).spec
+    monkeypatch.setattr(code_refs, "folder", lambda spec: tmp_path)  # the user's folder, with that module in it
+    cfg = env_job(spec).cfg.model_copy(update={"task": TaskConfig(name="mytask:T"),
+                                               "rewards": ["trainer.rewards:length"]})
+    assert code_refs.check_references(spec, cfg) == [
+        f"task.name: 'mytask:T': {tmp_path / 'mytask.py'} line 4 imports 'trainer.nosuch', which the kit does not "
+        "have (its modules: docs/architecture.md, the trainer's floors)"]

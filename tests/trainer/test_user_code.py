@@ -222,3 +222,26 @@ def test_the_example_package_trains_under_the_real_cli(tmp_path: Path) -> None:
     assert all(0 <= r["reward/my_tasks.rewards:first_char"] <= 1.5 for r in records)
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["task"] == {"name": "my_tasks.tasks:MaxDigit", "digits": 3}
+
+
+def test_the_flat_module_names_of_before_the_floors_still_import(tmp_path: Path) -> None:
+    """docs/own-tasks.md once said `from trainer.tasks import Example`: a user's task written so keeps running after
+    the kit put trainer/ in floors, told where the module is now (trainer/base/moved.py)."""
+    (tmp_path / "old_task.py").write_text(
+        "from trainer.tasks import Example\n"
+        "from trainer.rewards import extract_answer\n"
+        "class Old:\n"
+        "    name, reward_names = 'old', ('char_match',)\n"
+        "    def example(self, index):\n"
+        "        return Example(prompt=f'rep {index % 10}', fields={'answer': str(index % 10) * 4})\n")
+    code = ("import trainer.rl.tasks, trainer.tasks\n"
+            "from trainer.base.user_code import resolve\n"
+            "task = resolve('old_task:Old')()\n"
+            "assert trainer.tasks is trainer.rl.tasks and isinstance(task.example(3), trainer.rl.tasks.Example)\n"
+            "print(resolve('trainer.rewards:length').__module__)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["trainer.rl.rewards"]
+    assert "FutureWarning: trainer.tasks moved to trainer.rl.tasks: import it from there" in run.stderr
+    assert "trainer.rewards moved to trainer.rl.rewards" in run.stderr
