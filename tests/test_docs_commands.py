@@ -992,9 +992,33 @@ def controller_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         {RAY_NODE_TYPE: "worker", "ray.io/cluster": cluster, "ray.io/group": group["groupName"]})
         else:
             continue
-        made.append({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
-                     "metadata": {"name": f"{kind.lower()}-{name}-5b1e3", "namespace": ns}})
+        if "kueue.x-k8s.io/queue-name" in obj["metadata"].get("labels", {}):  # Kueue leaves unlabelled jobs alone
+            made.append(admitted_workload(obj, objects))
     return made
+
+
+def admitted_workload(owner: dict[str, Any], objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Workload Kueue v0.19.2 keeps for a queued job once admitted (apis/kueue/v1beta2/workload_types.go): its
+    name <kind>-<name>-<hash> and controller ownerReference (pkg/controller/jobframework), QuotaReserved, Admitted
+    and PodsReady true, the admission by the plan's ClusterQueue with its first TPU flavor."""
+    [cq] = [o for o in objects if o["kind"] == "ClusterQueue"] or [{"metadata": {"name": "?"}, "spec": {
+        "resourceGroups": [{"flavors": [{"name": "?"}]}]}}]
+    flavor = cq["spec"]["resourceGroups"][0]["flavors"][0]["name"]
+    meta, kind = owner["metadata"], owner["kind"]
+    cq_name = cq["metadata"]["name"]
+    ok = [{"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": "2026-01-01T00:00:00Z"}
+          for t, r, m in (("QuotaReserved", "QuotaReserved", f"Quota reserved in ClusterQueue {cq_name}"),
+                          ("Admitted", "Admitted", "The workload is admitted"),
+                          ("PodsReady", "PodsReady", "All pods reached readiness and the workload is running"))]
+    pod_sets = [rj["name"] for rj in owner["spec"].get("replicatedJobs", [])] or ["main"]
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+            "metadata": {"name": f"{kind.lower()}-{meta['name']}-5b1e3", "namespace": meta.get("namespace"),
+                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": kind, "name": meta["name"],
+                                              "uid": f"uid-{meta['name']}", "controller": True}]},
+            "spec": {"queueName": meta.get("labels", {}).get("kueue.x-k8s.io/queue-name", "")},
+            "status": {"conditions": ok, "admission": {
+                "clusterQueue": cq["metadata"]["name"],
+                "podSetAssignments": [{"name": n, "flavors": {"google.com/tpu": flavor}} for n in pod_sets]}}}
 
 
 @dataclass
