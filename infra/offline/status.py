@@ -122,8 +122,11 @@ def jobset_line(js: dict[str, Any]) -> tuple[str, str]:
     max_restarts = ((js.get("spec") or {}).get("failurePolicy") or {}).get("maxRestarts", 0)
     counted = int(status.get("restartsCountTowardsMax") or 0)
     restarts = f"restarts {int(status.get('restarts') or 0)}, {counted} of maxRestarts {max_restarts} counted"
-    if counted >= max_restarts and max_restarts:
+    # JobSet fails instead of restarting once restartsCountTowardsMax >= maxRestarts (restartJobSetActionApplier).
+    if counted >= max_restarts:
         restarts += " (the next counted failure fails the JobSet)"
+    elif counted == max_restarts - 1:
+        restarts += " (one restart left)"
     for kind in ("Failed", "Completed"):
         if c := _true(conds, kind):
             return f"{kind.upper()}: {_said(c)}", restarts

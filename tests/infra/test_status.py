@@ -6,6 +6,7 @@ workload_types.go and its scheduler's messages; core/v1 Pod)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,10 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 
 def status(objects: list[dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
-           monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str, FakeAPIServer]:
+           monkeypatch: pytest.MonkeyPatch, env: str = ENV) -> tuple[int, str, str, FakeAPIServer]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
-    for key in [k for k in __import__("os").environ if "proxy" in k.lower() or k.startswith("KUBE")]:
+    for key in [k for k in os.environ if "proxy" in k.lower() or k.startswith("KUBE")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("HOME", str(tmp_path))
     server = FakeAPIServer(objects)
@@ -53,7 +54,7 @@ def status(objects: list[dict[str, Any]], tmp_path: Path, capsys: pytest.Capture
                      {"name": "other", "context": {"cluster": "missing", "user": "stg"}}]}))
     capsys.readouterr()
     try:
-        code = cli.main(["status", ENV, "--context", "stg", "--kubeconfig", str(config)])
+        code = cli.main(["status", env, "--context", "stg", "--kubeconfig", str(config)])
     finally:
         server.close()
     out = capsys.readouterr()
@@ -161,3 +162,27 @@ def test_a_missing_jobset_and_an_unreachable_cluster(rendered: list[dict[str, An
     assert code == cli.EXIT_UNREACHABLE and "error: `kubectl get jobsets.jobset.x-k8s.io," in err
     assert "hint: gcloud container clusters get-credentials" in err
     assert cli.main(["status", "nosuchenv"]) == cli.EXIT_CONFIG
+
+
+def test_restarts_left_as_jobset_counts_them() -> None:
+    """JobSet v0.12.0 restartJobSetActionApplier fails the JobSet once restartsCountTowardsMax >= maxRestarts."""
+    from infra.offline.status import jobset_line
+
+    def line(counted: int, max_restarts: int) -> str:
+        return jobset_line({"spec": {"failurePolicy": {"maxRestarts": max_restarts}},
+                            "status": {"restarts": counted + 5, "restartsCountTowardsMax": counted}})[1]
+
+    assert line(1, 3) == "restarts 6, 1 of maxRestarts 3 counted"
+    assert line(2, 3) == "restarts 7, 2 of maxRestarts 3 counted (one restart left)"
+    assert line(3, 3).endswith("(the next counted failure fails the JobSet)")
+    assert line(0, 0).endswith("(the next counted failure fails the JobSet)")  # maxRestarts 0: no restart at all
+
+
+def test_a_ray_environment_shows_its_rayjobs_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """dev runs the trainer as a RayJob: no JobSet is expected, and Kueue's verdict on the RayJob is on the screen."""
+    objects = served(kubernetes_objects(run_stack("dev", stack_config("dev"))))
+    code, out, err, _ = status(objects, tmp_path, capsys, monkeypatch, env="dev")
+    assert code == 0, err
+    assert out.splitlines()[1:] == ["RayJob grpo-dev: Kueue: admitted by cluster queue tpu-cluster-queue, flavor "
+                                    "v6e-2x2; pods ready [rayjob-grpo-dev-5b1e3]"], out
