@@ -60,3 +60,26 @@ CHECKPOINT_MOUNT: Final = "/checkpoints"
 # Where the image holds the environment's trainer.code (trainer/Dockerfile's USER_CODE_DIR; a test checks they
 # agree): a pod's `--config` names a file of it by this path (workloads/trainer_pod.py config_args).
 USER_CODE_DIR: Final = "/opt/user-code"
+
+# ---------------------------------------------------------------- what an exit code says (`gke-tpu-rl status`)
+
+_SIGNALS: Final = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+
+
+def exit_code_meaning(code: int) -> str:
+    """What a trainer-image container's exit code says, in the terms of the codes above."""
+    if code == 0:
+        return "finished"
+    if code == EXIT_CONFIG:
+        return "bad config, flag or input (a retry cannot fix it)"
+    if code == EXIT_TRANSIENT:
+        return "transient failure (a lost peer, a timeout, the bucket or store unavailable): restart me"
+    if code == EXIT_STOPPED:
+        return "SIGTERM (preemption, maintenance or a delete): the trainer saved a checkpoint and stopped"
+    if code == EXIT_INTERRUPTED:
+        return "SIGINT: stopped by hand"
+    if code in SIGNAL_EXIT_CODES:
+        name = _SIGNALS.get(code - 128, f"signal {code - 128}")
+        return f"killed by {name}" + {9: " (out of memory, or still running when the grace period ended)",
+                                      6: " (an abort, e.g. libtpu)"}.get(code - 128, "")
+    return "an error of the program (a bug: the traceback is in the container's log)"

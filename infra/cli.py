@@ -1,5 +1,6 @@
 """`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline), `synth` (the same environment as Terraform), `fit`
-(the trainer compiled for a TPU slice on this machine) and `train` (the trainer's own CLI)."""
+(the trainer compiled for a TPU slice on this machine), `status` (the deployed environment's jobs, read with kubectl)
+and `train` (the trainer's own CLI)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--state-bucket", metavar="BUCKET",
                        help="the gcs backend's bucket (default: <project>-tfstate); each stack's state is under "
                        "gke-tpu-rl/ENV/<stack>")
+    status = sub.add_parser(
+        "status", help="what runs in an environment's cluster, what is pending and why (reads it with kubectl)",
+        description="Reads the environment's namespace with `kubectl get -o json` (JobSets, Kueue Workloads, pods, "
+        "events) and prints one screen: each JobSet, Kueue's verdict (admitted to which flavor, or pending with the "
+        "scheduler's message), its state and restarts against maxRestarts, its pods by phase, why pending pods wait, "
+        "and the last exit codes with what they mean. Exit 0; 1 when the cluster cannot be read; 2 on a bad ENV.",
+        epilog="docs/operations.md has the runbook around it")
+    status.add_argument("env", metavar="ENV", help="environment: its namespace and job names come from its stack file")
+    status.add_argument("--config-file", type=Path, metavar="FILE", help="read ENV's stack config from FILE")
+    status.add_argument("--context", metavar="CTX", help="the kubeconfig context (default: the current one)")
+    status.add_argument("--kubeconfig", metavar="FILE", help="the kubeconfig file (default: kubectl's)")
     ref = sub.add_parser(
         "reference", help="print the stack or trainer config reference, or rewrite both docs with --write",
         description="Renders docs/stack-config.md and docs/trainer-config.md from the typed specs "
@@ -313,6 +325,31 @@ def _plan_fit(spec: EnvironmentSpec) -> FitReport | None:
         raise ConfigError(f"{spec.env}: fit: {e}") from None
 
 
+EXIT_UNREACHABLE = 1  # status: kubectl could not read the cluster
+
+
+def _status(args: argparse.Namespace) -> int:
+    from envspec.config import ConfigError
+    from infra.base.stack_file import PlanError, env_spec
+    from infra.offline import status
+
+    try:
+        spec = env_spec(args.env, args.config_file)
+    except (ConfigError, PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        objects = status.read(spec.queues.namespace, args.context, args.kubeconfig)
+    except status.StatusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        print("hint: gcloud container clusters get-credentials CLUSTER --location LOCATION --dns-endpoint sets up "
+              "kubectl (`pulumi stack output clusterName`)", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    where = f"context {args.context}" if args.context else ""
+    sys.stdout.write(status.report(spec, objects, where))
+    return EXIT_OK
+
+
 def _reference(args: argparse.Namespace) -> int:
     from infra.base.stack_file import repo_root
     from infra.offline import reference
@@ -341,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         return _reference(args)
     if args.command == "synth":
         return _synth(args)
+    if args.command == "status":
+        return _status(args)
     return _fit(args) if args.command == "fit" else _plan(args)
 
 

@@ -94,6 +94,16 @@ RUN: dict[str, str] = {
     "kubectl get pods -n rl -l gke-tpu-rl/rayjob=grpo -o wide": "test_walkthrough",
     # docs/terraform.md
     "gke-tpu-rl synth staging --out terraform-out": "test_terraform_commands",
+    # docs/operations.md
+    "gke-tpu-rl status qa": "test_operations",
+    "kubectl get workloads -n rl -o custom-columns='NAME:.metadata.name,JOB:.metadata.ownerReferences[0].name,"
+    "RESERVED:.status.conditions[?(@.type==\"QuotaReserved\")].reason,MESSAGE:.status.conditions[?(@.type=="
+    "\"QuotaReserved\")].message'": "test_operations",
+    "kubectl describe clusterqueue tpu-cluster-queue": "test_operations",
+    "kubectl get resourceflavor v6e-2x2 -o jsonpath='{.spec.nodeLabels}'": "test_operations",
+    "kubectl get jobset grpo -n rl -o jsonpath='{.status.restartsCountTowardsMax}/{.spec.failurePolicy.maxRestarts}'":
+        "test_operations",
+    "kubectl get events -n rl --field-selector reason=RestartJobSetFailurePolicyAction": "test_operations",
 }
 
 _NO_CLI = "needs the Pulumi CLI and a state backend (no pulumi binary here)"
@@ -195,6 +205,27 @@ CHECKED: dict[str, tuple[str, str]] = {
     "gcloud compute networks peerings delete servicenetworking-googleapis-com --network=tinker-network-vpc "
     "--project=acme-rl-tinker": ("test_terraform_commands", "needs GCP: command tree; the VPC and project are the "
                                  "ones the tinker gcp stack's peering connection uses"),
+    # docs/operations.md
+    "gcloud logging read 'resource.type=\"k8s_container\" AND resource.labels.cluster_name=\"rl-qa\" AND "
+    "resource.labels.namespace_name=\"rl\" AND resource.labels.container_name=\"trainer\"' --freshness=1d "
+    "--limit=200": ("test_operations", "needs GCP: command tree; cluster, namespace and container are the plan's"),
+    "gcloud storage ls gs://acme-rl-qa-qa-checkpoints/grpo/": (
+        "test_operations", "needs GCP: command tree; the JobSet's CHECKPOINT_DIR in the plan's bucket"),
+    "gcloud storage ls --long gs://acme-rl-qa-qa-checkpoints/grpo/run/metrics.jsonl": (
+        "test_operations", "needs GCP: command tree; the metrics file of the JobSet's --run-dir"),
+    "gcloud artifacts docker images list us-east5-docker.pkg.dev/acme-rl-qa/rl-qa/trainer --include-tags "
+    "--sort-by=~CREATE_TIME --limit=5": ("test_operations", "needs GCP: command tree; the repository the plan's "
+                                         "trainerImage is pushed to"),
+    "pulumi config set --path gke-tpu-rl:trainer.image us-east5-docker.pkg.dev/acme-rl-qa/rl-qa/"
+    "trainer@sha256:DIGEST": (
+        "test_operations", f"{_CONFIG_SET}, DIGEST filled in"),
+    "pulumi config rm --path gke-tpu-rl:trainer.image": ("test_operations", f"{_NO_CLI}: removed from the stack "
+                                                         "file as Pulumi removes it, and planned"),
+    "pulumi config set --path 'gke-tpu-rl:trainer.args[2]' -- --set": ("test_operations", _CONFIG_SET),
+    "pulumi config set --path 'gke-tpu-rl:trainer.args[3]' checkpoint.resume_step=100": (
+        "test_operations", f"{_CONFIG_SET}; the pod's trainer config has checkpoint.resume_step 100"),
+    "gcloud storage rm gs://acme-rl-qa-qa-checkpoints/grpo/rolled-back-to-100.json": (
+        "test_operations", "needs GCP: command tree; the record trainer/rl/checkpoint.py writes in CHECKPOINT_DIR"),
 }
 
 
@@ -257,6 +288,14 @@ INLINE: dict[str, tuple[str, str]] = {
     "pulumi up -s qa --refresh": ("test_walkthrough", f"{_NO_CLI}: `-s qa` is the stack planned"),
     "pulumi stack output -s qa": ("test_walkthrough", f"{_NO_CLI}: the plan's outputs hold what the doc lists"),
     "pulumi stack rm qa": ("test_walkthrough", f"{_NO_CLI}: `qa` is the stack file made above"),
+    "gke-tpu-rl status": (MENTION, "`gke-tpu-rl status qa` in docs/operations.md"),
+    "gke-tpu-rl status ENV": (MENTION, "a template of `gke-tpu-rl status qa` in docs/operations.md"),
+    "kubectl get ... -o json": (MENTION, "what `gke-tpu-rl status` runs; tests/infra/test_status.py checks its "
+                                "requests"),
+    "kubectl logs": (MENTION, "the walkthrough's kubectl logs lines"),
+    "pulumi config": (MENTION, "the pulumi config lines of docs/operations.md"),
+    "git revert": (MENTION, "a git command of the user's own history"),
+    "gcloud storage ls": (MENTION, "its concrete forms in docs/operations.md"),
 }
 
 
@@ -930,7 +969,10 @@ def test_the_gcloud_checker_refuses_what_gcloud_refuses() -> None:
 # Kueue's Workload (v0.19: kueue.x-k8s.io/v1beta2) and KubeRay's RayCluster (v1.7: ray.io/v1) are not vendored.
 BUILTIN = [("", "v1", "pods", "Pod", ["po"]), ("", "v1", "events", "Event", ["ev"]), ("batch", "v1", "jobs", "Job", []),
            ("kueue.x-k8s.io", "v1beta2", "workloads", "Workload", ["wl"]),
+           ("kueue.x-k8s.io", "v1beta2", "clusterqueues", "ClusterQueue", ["cq"]),
+           ("kueue.x-k8s.io", "v1beta2", "resourceflavors", "ResourceFlavor", ["rf"]),
            ("ray.io", "v1", "rayclusters", "RayCluster", [])]
+CLUSTER_SCOPED = {"ClusterQueue", "ResourceFlavor"}  # Kueue's CRDs (their scope: Cluster)
 CRDS = [ROOT / "tests" / "schemas" / "crds" / "jobset" / "jobset.x-k8s.io_jobsets.yaml",
         ROOT / "tests" / "schemas" / "crds" / "kuberay" / "ray.io_rayjobs.yaml"]
 # Labels and containers the controllers add (upstream names): JobSet's pod labels (our pods read jobset-name through
@@ -992,9 +1034,33 @@ def controller_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         {RAY_NODE_TYPE: "worker", "ray.io/cluster": cluster, "ray.io/group": group["groupName"]})
         else:
             continue
-        made.append({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
-                     "metadata": {"name": f"{kind.lower()}-{name}-5b1e3", "namespace": ns}})
+        if "kueue.x-k8s.io/queue-name" in obj["metadata"].get("labels", {}):  # Kueue leaves unlabelled jobs alone
+            made.append(admitted_workload(obj, objects))
     return made
+
+
+def admitted_workload(owner: dict[str, Any], objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Workload Kueue v0.19.2 keeps for a queued job once admitted (apis/kueue/v1beta2/workload_types.go): its
+    name <kind>-<name>-<hash> and controller ownerReference (pkg/controller/jobframework), QuotaReserved, Admitted
+    and PodsReady true, the admission by the plan's ClusterQueue with its first TPU flavor."""
+    [cq] = [o for o in objects if o["kind"] == "ClusterQueue"] or [{"metadata": {"name": "?"}, "spec": {
+        "resourceGroups": [{"flavors": [{"name": "?"}]}]}}]
+    flavor = cq["spec"]["resourceGroups"][0]["flavors"][0]["name"]
+    meta, kind = owner["metadata"], owner["kind"]
+    cq_name = cq["metadata"]["name"]
+    ok = [{"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": "2026-01-01T00:00:00Z"}
+          for t, r, m in (("QuotaReserved", "QuotaReserved", f"Quota reserved in ClusterQueue {cq_name}"),
+                          ("Admitted", "Admitted", "The workload is admitted"),
+                          ("PodsReady", "PodsReady", "All pods reached readiness and the workload is running"))]
+    pod_sets = [rj["name"] for rj in owner["spec"].get("replicatedJobs", [])] or ["main"]
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+            "metadata": {"name": f"{kind.lower()}-{meta['name']}-5b1e3", "namespace": meta.get("namespace"),
+                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": kind, "name": meta["name"],
+                                              "uid": f"uid-{meta['name']}", "controller": True}]},
+            "spec": {"queueName": meta.get("labels", {}).get("kueue.x-k8s.io/queue-name", "")},
+            "status": {"conditions": ok, "admission": {
+                "clusterQueue": cq["metadata"]["name"],
+                "podSetAssignments": [{"name": n, "flavors": {"google.com/tpu": flavor}} for n in pod_sets]}}}
 
 
 @dataclass
@@ -1053,7 +1119,8 @@ class FakeAPIServer:
         out: dict[str, list[dict[str, Any]]] = {}
         for group, version, plural, kind, short in self.types:
             gv = f"{group}/{version}" if group else version
-            out.setdefault(gv, []).append({"name": plural, "singularName": kind.lower(), "namespaced": True,
+            out.setdefault(gv, []).append({"name": plural, "singularName": kind.lower(),
+                                           "namespaced": kind not in CLUSTER_SCOPED,
                                            "kind": kind, "shortNames": short,
                                            "verbs": ["get", "list", "delete"]})
             if plural == "pods":
@@ -1093,12 +1160,16 @@ class FakeAPIServer:
             return status(404, f"no API {gv}")
         if not rest:
             return 200, {"kind": "APIResourceList", "groupVersion": gv, "resources": versions[gv]}
-        if rest[0] != "namespaces" or len(rest) < 3:
+        namespace: str | None
+        if rest[0] == "namespaces" and len(rest) >= 3:
+            namespace, plural, rest = rest[1], rest[2], rest[3:]
+        elif rest[0] != "namespaces":  # a cluster-scoped type
+            namespace, plural, rest = None, rest[0], rest[1:]
+        else:
             return status(404, f"not served here: {path}")
-        namespace, plural, rest = rest[1], rest[2], rest[3:]
         [kind] = [r["kind"] for r in versions[gv] if r["name"] == plural] or [None]
-        if kind is None:
-            return status(404, f"no resource {plural} in {gv}")
+        if kind is None or (kind in CLUSTER_SCOPED) != (namespace is None):
+            return status(404, f"no resource {plural} in {gv}{' in a namespace' if namespace else ''}")
         selector = self._selector(query.get("labelSelector", [""])[0])
         if selector is None:
             return status(400, f"label selector {query['labelSelector'][0]!r} not served here")
@@ -1530,4 +1601,187 @@ def test_terraform_commands(clone: Path, capsys: pytest.CaptureFixture[str], mon
                 script = arg.split("$(", 1)[1].rstrip(")")
                 assert os.access(clone / script, os.X_OK) and "docker buildx build" in (clone / script).read_text()
         ledger.checked(command)
+    ledger.close()
+
+
+# ------------------------------------------------------------------------------------------------ docs/operations.md
+
+OPERATIONS = ROOT / "docs" / "operations.md"
+
+
+def _operations_state(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The qa plan's objects as the controllers would have them in the doc's section 1: the JobSet restarting for the
+    second time after spot preemptions (JobSet v0.12.0 status and condition, its DefaultFailurePolicy restart), its
+    Workload admitted, the new pod unschedulable while the old one, SIGTERMed by the kubelet, is still there; the
+    ClusterQueue's usage (Kueue v0.19.2 ClusterQueueStatus) and JobSet's restart event."""
+    objects = json.loads(json.dumps(objects))
+    served = objects + controller_objects(objects)
+    [js] = [o for o in served if o["kind"] == "JobSet"]
+    first_job = f"{js['metadata']['name']}-{js['spec']['replicatedJobs'][0]['name']}-0"
+    restart = f"applying RestartJobSet failure policy action (first failed job: {first_job})"
+    js["status"] = {"restarts": 2, "restartsCountTowardsMax": 2, "conditions": [
+        {"type": "RestartingJobSet", "status": "True", "reason": "DefaultFailurePolicy", "message": restart}]}
+    [wl] = [o for o in served if o["kind"] == "Workload" and o["metadata"]["ownerReferences"][0]["kind"] == "JobSet"]
+    wl["status"]["conditions"] = [c for c in wl["status"]["conditions"] if c["type"] != "PodsReady"]
+    [pod] = [o for o in served if o["kind"] == "Pod" and o["metadata"]["labels"].get(JOBSET_NAME)]
+    old = json.loads(json.dumps(pod))
+    pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                     "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient google.com/tpu."}]}
+    old["metadata"]["name"] = pod["metadata"]["name"].replace("x7k2p", "p2w8d")
+    old["status"] = {"phase": "Failed", "conditions": [{
+        "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+        "message": "Pod was terminated in response to imminent node shutdown."}], "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}]}
+    [cq] = [o for o in served if o["kind"] == "ClusterQueue"]
+    usage = [{"name": f["name"], "resources": [{"name": r["name"], "total": str(r["nominalQuota"]), "borrowed": "0"}
+                                               for r in f["resources"]]}
+             for g in cq["spec"]["resourceGroups"] for f in g["flavors"]]
+    cq["status"] = {"flavorsReservation": usage, "flavorsUsage": usage, "pendingWorkloads": 0,
+                    "reservingWorkloads": 1, "admittedWorkloads": 1, "conditions": [
+                        {"type": "Active", "status": "True", "reason": "Ready", "message": "Can admit new workloads",
+                         "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
+    event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "grpo.1", "namespace": js["metadata"]
+             ["namespace"]}, "involvedObject": {"apiVersion": js["apiVersion"], "kind": "JobSet", "name":
+             js["metadata"]["name"], "namespace": js["metadata"]["namespace"]}, "type": "Warning",
+             "reason": "RestartJobSetFailurePolicyAction", "message": restart, "count": 2,
+             "firstTimestamp": "2026-01-01T00:00:00Z", "lastTimestamp": "2026-01-01T01:00:00Z",
+             "source": {"component": "jobset"}}
+    return [*served, old, event]
+
+
+def _config_rm(config: dict[str, Any], argv: list[str]) -> None:
+    """`pulumi config rm --path KEY` on a stack file's `config:` map."""
+    assert argv[:1] == ["--path"] and len(argv) == 2, argv
+    namespace, _, rest = argv[1].partition(":")
+    top, *parts = rest.split(".")
+    node = config[f"{namespace}:{top}"]
+    for part in parts[:-1]:
+        node = node[part]
+    del node[parts[-1]]
+
+
+def test_operations(clone: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/operations.md on the walkthrough's qa environment (its section 3 lines: one slice): `status` and the
+    kubectl lines against the stand-in API server serving the doc's state, the gcloud lines against the SDK's tree
+    and the plan, the pulumi config lines applied and planned."""
+    from envspec.pod import CHECKPOINT_MOUNT
+    from infra.base.pod_config import env_job
+    from infra.base.stack_file import env_spec
+    from trainer.rl.checkpoint import rollback_record
+
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    ledger = Ledger("test_operations", OPERATIONS, inline=[OPERATIONS])
+    monkeypatch.chdir(clone)
+    walk = Walk(clone, tmp_path, capsys)
+    for command in doc_commands(WALKTHROUGH):
+        argv = shlex.split(command)
+        if argv[:3] == ["pulumi", "config", "set"] and not any(k in command for k in ("].count", "trainer.slices")):
+            _pulumi_config_set(walk.config, argv[3:])
+    walk.save()
+    spec = env_spec("qa", walk.stack_file)
+    objects = walk.plan_objects("jobset")
+    js = walk.one("jobset", "JobSet")
+    [trainer] = [c for c in js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "trainer"]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    bucket = walk.outputs["checkpointBucket"]
+    job_dir = env["CHECKPOINT_DIR"].removeprefix(CHECKPOINT_MOUNT + "/")  # the job's folder in the bucket
+    run_dir = trainer["args"][trainer["args"].index("--run-dir") + 1].removeprefix(CHECKPOINT_MOUNT + "/")
+    blocks = [b for _, b in fenced_blocks(OPERATIONS)]
+
+    def served_kubectl(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], FakeAPIServer]:
+        server = FakeAPIServer(_operations_state(objects))
+        try:
+            return kubectl(argv, server, tmp_path), server
+        finally:
+            server.close()
+
+    for command, argv in commands_of(OPERATIONS, ledger):
+        if argv[:2] == ["gke-tpu-rl", "status"]:
+            server = FakeAPIServer(_operations_state(objects))
+            try:
+                kubectl(["kubectl", "version"], server, tmp_path)  # writes the stand-in's kubeconfig
+                monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+                r = gke_tpu_rl(argv, capsys)
+            finally:
+                server.close()
+            assert r.status == 0, r.err
+            # The doc's sample is what it prints for that state, line for line.
+            sample = blocks[blocks.index(command + "\n") + 1]
+            assert r.out == sample, r.out
+            ledger.ran(command)
+        elif argv[0] == "kubectl":
+            r, server = served_kubectl(argv)
+            assert r.returncode == 0, f"{command}: {r.stderr}"
+            if "custom-columns=" in command:  # each Workload: its JobSet, QuotaReserved's reason and message
+                [header, row] = r.stdout.splitlines()
+                assert header.split()[:3] == ["NAME", "JOB", "RESERVED"]
+                assert row.split()[:4] == ["jobset-grpo-5b1e3", "grpo", "QuotaReserved", "Quota"]
+                assert row.endswith(f"Quota reserved in ClusterQueue {spec.queues.cluster_queue}")
+            elif argv[1] == "describe":  # the plan's ClusterQueue: its quota and what is reserved
+                assert argv[3] == spec.queues.cluster_queue
+                assert re.search(rf"^Name:\s+{argv[3]}$", r.stdout, re.M), r.stdout
+                assert re.search(r"Nominal Quota:\s+4$", r.stdout, re.M) and re.search(r"Total:\s+4$", r.stdout,
+                                                                                          re.M), r.stdout
+                assert re.search(r"Pending Workloads:\s+0$", r.stdout, re.M), r.stdout
+            elif argv[2] == "resourceflavor":  # the flavor of the qa slice, the node labels GKE puts on its nodes
+                [flavor] = [o for o in objects if o["kind"] == "ResourceFlavor"]
+                assert argv[3] == flavor["metadata"]["name"]
+                assert json.loads(r.stdout) == flavor["spec"]["nodeLabels"] == {
+                    "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice", "cloud.google.com/gke-tpu-topology": "2x2"}
+            elif argv[2] == "jobset":  # counted restarts / maxRestarts
+                assert argv[3] == js["metadata"]["name"]
+                assert r.stdout == f"2/{spec.trainer.max_restarts}" == f"2/{js['spec']['failurePolicy']['maxRestarts']}"
+            else:  # the restart events, selected by their reason
+                [(_, path, query)] = [q for q in server.requests if q[1].endswith("/events")]
+                assert path == f"/api/v1/namespaces/{spec.queues.namespace}/events"
+                assert query["fieldSelector"] == ["reason=RestartJobSetFailurePolicyAction"]
+                # The stand-in serves no server-side Table (a cluster's has REASON, OBJECT and MESSAGE columns).
+                assert r.stdout.splitlines()[1].split()[0] == "grpo.1"
+            ledger.ran(command)
+        elif argv[0] == "gcloud":
+            path, flags, positionals = gcloud_parse(argv)
+            if path == ["logging", "read"]:
+                [query] = positionals
+                terms = dict(re.findall(r'resource\.labels\.(\w+)="([^"]+)"', query))
+                assert 'resource.type="k8s_container"' in query
+                assert terms == {"cluster_name": walk.outputs["clusterName"], "namespace_name": spec.queues.namespace,
+                                 "container_name": trainer["name"]}, terms
+            elif path == ["storage", "ls"]:
+                [url] = positionals
+                assert url in (f"{bucket}/{job_dir}/", f"{bucket}/{run_dir}/metrics.jsonl")
+                assert job_dir == spec.trainer.name and ("--long" in flags) == url.endswith(".jsonl")
+            elif path == ["storage", "rm"]:
+                assert positionals == [f"{bucket}/{job_dir}/{rollback_record(100)}"]
+            else:
+                assert path == ["artifacts", "docker", "images", "list"]
+                assert positionals == [spec.trainer_image_repository]
+                assert walk.outputs["trainerImage"].startswith(spec.trainer_image_repository + "@sha256:")
+            ledger.checked(command)
+        else:
+            assert argv[:3] in (["pulumi", "config", "set"], ["pulumi", "config", "rm"]), command
+            if argv[2] == "rm":
+                _config_rm(walk.config, argv[3:])
+                assert "image" not in walk.config["gke-tpu-rl:trainer"]
+            else:
+                # DIGEST is the one the listing printed: a digest's form here.
+                _pulumi_config_set(walk.config, [a.replace("DIGEST", "ab" * 32) for a in argv[3:]])
+            walk.save()
+            if argv[-1] == "--set":  # half of a flag and its value: the next line completes it
+                ledger.checked(command)
+                continue
+            planned = env_spec("qa", walk.stack_file)
+            job = env_job(planned)
+            if "trainer.image" in command and argv[2] == "set":  # the JobSet runs it, and no image is built
+                pinned = f"{spec.trainer_image_repository}@sha256:{'ab' * 32}"
+                result = run_stack("qa", walk.config)
+                [jobset] = [o for o in kubernetes_objects(result) if o["kind"] == "JobSet"]
+                pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+                assert planned.trainer.image == pinned and {c["image"] for c in pod["containers"]} == {pinned}
+                assert not result.of_type("docker-build:index:Image")
+            if "resume_step" in command:  # what the pod's trainer reads: its config with trainer.args applied
+                assert job.cfg.checkpoint.resume_step == 100
+            ledger.checked(command)
     ledger.close()

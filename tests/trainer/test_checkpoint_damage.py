@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from trainer.base.config import config_from_dict, resolve_mesh
+from trainer.base.config import ConfigError, config_from_dict, resolve_mesh
 from trainer.model import decoder as M
 from trainer.model.sharding import make_mesh
 from trainer.rl.checkpoint import COMMIT_MARKER, Checkpointer, NoUsableCheckpoint, abstract_like
@@ -255,3 +255,27 @@ def test_processes_agree_when_only_one_of_them_cannot_read_the_newest_step(
     assert _steps(ckpt) == ["1", "2", "3", "3.damaged"]
     strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
     assert strip(read_metrics(run)) == strip(before)  # step 2 again, with the same result
+
+
+@pytest.mark.slow
+def test_resume_step_rolls_back_once(runs: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """checkpoint.resume_step: the run goes on from that step as the straight run did from it (steps after it moved
+    aside, not deleted); a restart with the same config (a preemption) resumes from its own newer saves."""
+    run = _copy(runs, "rolled-back")
+    ckpt = run / "checkpoints"
+    cfg = config_from_dict(_cfg_dict(run, checkpoint={"every": 1, "keep": 3, "resume_step": 2}))
+    capsys.readouterr()
+    rolled = train(cfg)
+    err = capsys.readouterr().err
+    assert "rolling back to checkpoint step 2: steps 3, 4 moved aside (3.rolled-back, 4.rolled-back)" in err, err
+    assert "resuming from checkpoint step 2\n" in err and "damaged" not in err
+    assert [r["step"] for r in rolled.records] == [2, 3, 4]
+    _same(runs["straight"].params, rolled.params)
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
+    assert strip(read_metrics(run)) == strip(runs["straight"].records)  # the rolled-back steps' lines replaced
+    assert _steps(ckpt) == ["3", "3.rolled-back", "4", "4.rolled-back", "5", "rolled-back-to-2.json"]
+    assert json.loads((ckpt / "rolled-back-to-2.json").read_text())["step"] == 2
+    again = train(cfg)  # the same job restarted: no second roll-back
+    assert again.records == [] and "resuming from checkpoint step 5\n" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"checkpoint.resume_step=7: no step 7 in .*; it holds 3, 4, 5"):
+        train(config_from_dict(_cfg_dict(run, checkpoint={"every": 1, "keep": 3, "resume_step": 7})))

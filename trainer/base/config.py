@@ -390,6 +390,10 @@ class CheckpointConfig(_Strict):
     dir: str | None = Field(None, description="checkpoint directory; unset: $CHECKPOINT_DIR, else "
                             "<run_dir>/checkpoints")
     async_save: bool = Field(True, description="write checkpoints in the background while training goes on")
+    resume_step: int | None = Field(None, ge=0, description="resume from this saved step instead of the newest: the "
+                                    "steps after it are moved aside as <step>.rolled-back (never deleted), once; a "
+                                    "record (rolled-back-to-<step>.json) makes later restarts resume from the "
+                                    "newest step again")
     compile_cache: bool = Field(True, description="keep the compiled programs in _jax-compile-cache/ beside the "
                                 "checkpoints, so a restarted run (a preemption, a crash) reads them back instead of "
                                 "compiling them again (`python -m trainer` without --ray; "

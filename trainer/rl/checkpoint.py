@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import logging
 import re
 import signal
@@ -44,6 +45,14 @@ COMMIT_MARKER = "commit_success.txt"
 _UNFINISHED = f"no {COMMIT_MARKER}: the save did not finish"
 _STEP_NAME = re.compile(r"0|[1-9]\d*")  # orbax's step folder names (path/step.py, _StandardNameFormat)
 DAMAGED_SUFFIX = ".damaged"
+# checkpoint.resume_step: the steps after it are moved aside under this suffix, and a record of the roll-back is
+# left beside them, so a restart of the same job (a preemption) resumes from its own newer saves instead of rolling
+# back again.
+ROLLED_BACK_SUFFIX = ".rolled-back"
+
+
+def rollback_record(step: int) -> str:
+    return f"rolled-back-to-{step}.json"
 
 
 @dataclass(frozen=True)
@@ -72,12 +81,13 @@ class NoUsableCheckpoint(ConfigError):
 
 @dataclass(frozen=True)
 class SetAside:
-    """A damaged step that `resume` skipped."""
+    """A damaged step that `resume` skipped, or a step after checkpoint.resume_step (rolled_back)."""
 
     step: int
     reason: str
     path: Path | None  # where it was moved; None if it could not be moved and stays in place
     move_error: str | None = None  # why not (known on process 0, which does the renames)
+    rolled_back: bool = False
 
 
 class Checkpointer:
@@ -124,12 +134,17 @@ class Checkpointer:
             raise CheckpointDamaged(step, reason)
         return state, meta  # type: ignore[return-value]  # meta is set when reason is None
 
-    def resume(self, target: Any) -> tuple[Any, Meta, list[SetAside]] | None:
+    def resume(self, target: Any, rollback_to: int | None = None) -> tuple[Any, Meta, list[SetAside]] | None:
         """The newest intact step (None if there is no step at all), and the damaged newer ones, now moved aside.
 
         Raises NoUsableCheckpoint, and moves nothing, when every step is damaged, unless the only step is an
         unfinished save: then the run's first save was cut off, and it starts from scratch.
+
+        `rollback_to` (checkpoint.resume_step): that step instead, once: the steps after it are moved aside (never
+        deleted) and the roll-back recorded; when the record is there already, the newest intact step as above.
         """
+        if rollback_to is not None and not self._rolled_back(rollback_to):
+            return self._roll_back(target, rollback_to)
         damaged: list[tuple[int, str]] = []
         for step in sorted(_step_folders(self.directory), reverse=True):  # not all_steps(): it skips unfinished saves
             state, meta, reason = self._attempt(target, step)
@@ -151,6 +166,37 @@ class Checkpointer:
                 f"no usable checkpoint in {self.directory} ({listing}). Nothing was moved or deleted: move these "
                 "steps away to start from scratch, or point checkpoint.dir at another folder")
         return None
+
+    def _rolled_back(self, step: int) -> bool:
+        """Process 0's view of the record, so that every process decides alike."""
+        seen = (self.directory / rollback_record(step)).is_file()
+        if jax.process_count() == 1:
+            return seen
+        return bool(multihost_utils.broadcast_one_to_all(np.asarray(seen, np.int32)))
+
+    def _roll_back(self, target: Any, step: int) -> tuple[Any, Meta, list[SetAside]]:
+        steps = sorted(_step_folders(self.directory))
+        if step not in steps:
+            raise ConfigError(f"checkpoint.resume_step={step}: no step {step} in {self.directory}; it holds "
+                              f"{', '.join(map(str, steps)) or 'none'}")
+        state, meta, reason = self._attempt(target, step)
+        if reason is not None:
+            _AbandonedReads.settle()
+            raise NoUsableCheckpoint(f"checkpoint.resume_step={step}: step {step} in {self.directory} is damaged "
+                                     f"({reason}); nothing was moved: pick another step")
+        aside = self._set_aside([(s, f"after checkpoint.resume_step={step}") for s in steps if s > step],
+                                ROLLED_BACK_SUFFIX)
+        if stuck := [a for a in aside if a.path is None]:
+            # Left in place, a newer step would be the newest again at the next restart: no record, no run.
+            raise ConfigError(f"checkpoint.resume_step={step}: could not move step(s) "
+                              f"{', '.join(str(a.step) for a in stuck)} in {self.directory} aside "
+                              f"({stuck[0].move_error}); move them out of that folder, then start again")
+        if jax.process_index() == 0:
+            record = {"step": step, "set_aside": [{"step": a.step, "path": str(a.path) if a.path else None,
+                                                   "error": a.move_error} for a in aside]}
+            (self.directory / rollback_record(step)).write_text(json.dumps(record, indent=1) + "\n")
+        _barrier("checkpoint-rolled-back")
+        return state, meta, aside  # type: ignore[return-value]  # meta is set when reason is None
 
     def _attempt(self, target: Any, step: int) -> tuple[Any, Meta | None, str | None]:
         """(state, meta, None) if `step` is intact on every process, else (None, None, why)."""
@@ -181,11 +227,11 @@ class Checkpointer:
         failed = [i for i, ok in enumerate(votes[:, 1].tolist()) if not ok]
         return reason if reason is not None or not failed else f"unreadable on process(es) {failed}"
 
-    def _set_aside(self, damaged: list[tuple[int, str]]) -> list[SetAside]:
+    def _set_aside(self, damaged: list[tuple[int, str]], suffix: str = DAMAGED_SUFFIX) -> list[SetAside]:
         if not damaged:
             return []
         # Names are picked before any rename, by every process alike; process 0 renames (the folder is shared).
-        names = {s: _free_name(self.directory, s) for s, _ in damaged}
+        names = {s: _free_name(self.directory, s, suffix) for s, _ in damaged}
         _barrier("checkpoint-set-aside-names")
         errors: dict[int, str] = {}
         if jax.process_index() == 0:
@@ -198,7 +244,7 @@ class Checkpointer:
                     errors[s] = str(err)
         # Process 0's outcome, so every process skips the same saves (and waits here until its renames are done).
         moved = multihost_utils.broadcast_one_to_all(np.asarray([s not in errors for s, _ in damaged], np.int32))
-        aside = [SetAside(s, r, names[s] if ok else None, errors.get(s))
+        aside = [SetAside(s, r, names[s] if ok else None, errors.get(s), suffix == ROLLED_BACK_SUFFIX)
                  for (s, r), ok in zip(damaged, moved.tolist(), strict=True)]
         self._in_place.update(a.step for a in aside if a.path is None)
         self._mngr.reload()  # forget the moved steps, so a new save of that step is not skipped as existing
@@ -323,10 +369,10 @@ def _step_folders(directory: Path) -> list[int]:
     return [int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir()]
 
 
-def _free_name(directory: Path, step: int) -> Path:
-    path, n = directory / f"{step}{DAMAGED_SUFFIX}", 1
+def _free_name(directory: Path, step: int, suffix: str = DAMAGED_SUFFIX) -> Path:
+    path, n = directory / f"{step}{suffix}", 1
     while path.exists():
-        path, n = directory / f"{step}{DAMAGED_SUFFIX}.{n}", n + 1
+        path, n = directory / f"{step}{suffix}.{n}", n + 1
     return path
 
 

@@ -145,7 +145,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         state_sh = {"lora": param_sh["lora"], "opt_state": opt_sh, "base_checksums": replicated(mesh)}
     # Raises NoUsableCheckpoint (a ConfigError) if every step is damaged: never silently start over.
     try:
-        found = ckpt.resume(abstract_like(train_state(params, opt_state), state_sh))
+        found = ckpt.resume(abstract_like(train_state(params, opt_state), state_sh),
+                            rollback_to=cfg.checkpoint.resume_step)
     except BaseException:
         ckpt.close()
         raise
@@ -271,6 +272,11 @@ def _export_adapters(out: Path, lora: M.Params, lcfg: LoraConfig, base: str | No
 
 
 def _report_resume(directory: Path, step: int, set_aside: list[SetAside]) -> None:
+    if set_aside and set_aside[0].rolled_back:  # checkpoint.resume_step: all of them moved, or no run
+        steps = ", ".join(str(d.step) for d in set_aside)
+        print(f"rolling back to checkpoint step {step}: step{'s' if len(set_aside) > 1 else ''} {steps} moved "
+              f"aside ({', '.join(d.path.name for d in set_aside if d.path)})", file=sys.stderr)
+        set_aside = []
     for d in set_aside:
         where = (f"moved to {d.path}" if d.path is not None
                  else f"could not be moved aside ({d.move_error or 'rename failed'}); it stays in place")
