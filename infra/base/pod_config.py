@@ -113,12 +113,25 @@ class HubSplits:
 
 def hub_splits(spec: EnvironmentSpec) -> HubSplits | None:
     """The dataset the environment's trainer config names for staging (task: {name: dataset, hub: ...}), or None.
-    Raises ConfigError for a key of the wrong type (the trainer's own checks of the task run in its preflight)."""
+    Raises ConfigError for a key of the wrong type, a bad filter or prompt template (the trainer's preflight checks
+    the rest against the data)."""
     if not spec.trainer.enabled or spec.trainer_group is None:
         return None
     task = env_job(spec).cfg.task
     extra = task.model_extra or {}
-    if task.name != "dataset" or extra.get("hub") is None:
+    if task.name != "dataset":
+        return None
+    # What can be told without the data (which is in the bucket, or not staged yet): the filter and the template.
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.rl.dataset_files import parse_filter, template_fields
+
+    try:
+        parse_filter(extra.get("filter"))
+        if isinstance(extra.get("prompt_template"), str):
+            template_fields(extra["prompt_template"])
+    except TrainerConfigError as err:
+        raise ConfigError(f"trainer config {err}") from None
+    if extra.get("hub") is None:
         return None
     for key in ("hub", "path", "hub_config", "hub_revision"):
         value = extra.get(key)

@@ -143,3 +143,9 @@ def test_a_named_dataset_needs_a_folder_on_the_bucket_and_one_source() -> None:
         stage_targets(_spec("dev", args=HUB_TASK))  # dev stages openai/gsm8k into task.path as well
     with pytest.raises(ConfigError, match=r"^trainer config task\.hub: 'qa' is not a Hugging Face dataset repo id"):
         stage_targets(_spec("dev", stage=None, args=[*HUB_TASK, "--set", "task.hub=qa"]))
+    # The plan refuses what can be told without the data: the filter and the prompt template.
+    with pytest.raises(ConfigError, match=r"^trainer config task\.filter\[0\]: unknown operator 'eq'; give exactly "
+                                          r"one of equals, not_equals, in, not_in, regex$"):
+        stage_targets(_spec("dev", stage=None, args=[*HUB_TASK, "--set", "task.filter={field: level, eq: 1}"]))
+    with pytest.raises(ConfigError, match=r"^trainer config task\.prompt_template: \{q!r\} is not a plain field"):
+        stage_targets(_spec("dev", stage=None, args=[*HUB_TASK, "--set", "task.prompt_template='Q {q!r}'"]))
