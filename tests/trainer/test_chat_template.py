@@ -153,3 +153,27 @@ def test_the_sandbox_holds(tmp_path: Path) -> None:
                    "{{ messages.append(1) }}"):
         with pytest.raises((SecurityError, ChatTemplateError)):
             ChatTemplate(source, {}).render([{"role": "user", "content": "x"}])
+
+
+def test_the_helpers_templates_use_render_as_transformers_renders_them() -> None:
+    """What the published templates above do not all use: the {% generation %} tag, loop controls, namespace(),
+    dict(), tojson (non-ASCII and HTML characters kept, indent), strftime_now, trim_blocks/lstrip_blocks."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = """{%- set ns = namespace(n=0) %}
+{% for m in messages %}
+    {% if m.role == 'skip' %}{% continue %}{% endif %}
+    {% set ns.n = ns.n + 1 %}
+    {% generation %}[{{ ns.n }}:{{ m.role }}] {{ m.content }}{% endgeneration %}
+    {{ dict(role=m.role, text=m.content) | tojson }}
+    {{ {'a': [1, 'é<&>']} | tojson(indent=2) }}
+    {% if loop.index >= 3 %}{% break %}{% endif %}
+{% endfor %}
+{{ bos_token ~ strftime_now('%Y') }}{% if add_generation_prompt %}<gen>{% endif %}"""
+    messages = [{"role": "system", "content": "s"}, {"role": "skip", "content": "x"},
+                {"role": "user", "content": "ü \"q\" <b>"}, {"role": "assistant", "content": "a"}]
+    tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    [want], _ = render_jinja_template(conversations=[messages], chat_template=source, add_generation_prompt=True,
+                                      **tokens)
+    assert ChatTemplate(source, tokens).render(messages) == want
+    assert "é<&>" in want and "[2:user]" in want and "[3:assistant]" not in want  # the break after 3 messages
