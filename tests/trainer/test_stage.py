@@ -346,6 +346,24 @@ def test_stages_a_datasets_splits_for_the_dataset_task(qa_hub: Path, tmp_path: P
     assert len(get_task("dataset", path=str(out))) == 3  # type: ignore[arg-type]  # sized, as above
 
 
+def test_the_hubs_parquet_conversion_is_a_folder_per_split(qa_hub: Path, tmp_path: Path) -> None:
+    """A dataset kept in another format is read from the Hub's own conversion (revision refs/convert/parquet), whose
+    layout is <config>/<split>/NNNN.parquet: the folder keeps it, and the dataset task reads it."""
+    sha = hashlib.sha1(b"converted").hexdigest()
+    add_snapshot(qa_hub, QA, sha, {"main/train/0000.parquet": _parquet(QA_ROWS[:5]),
+                                   "main/validation/0000.parquet": _parquet(QA_ROWS[5:])}, repo_type="dataset")
+    ref = qa_hub / f"datasets--{QA.replace('/', '--')}" / "refs" / "refs" / "convert" / "parquet"
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.write_text(sha)  # huggingface_hub's cache keeps a ref named refs/convert/parquet under that path
+    out = tmp_path / "qa"
+    r = run_stage(qa_hub, "--hub-dataset", QA, "--hub-config", "main", "--hub-revision", "refs/convert/parquet",
+                  "--splits-to", str(out))
+    assert r.returncode == 0, r.stderr
+    assert (out / "validation" / "0000.parquet").is_file()
+    val = get_task("dataset", path=str(out), split="validation", shuffle=False)
+    assert [val.example(i).prompt for i in range(3)] == [r["prompt"] for r in QA_ROWS[5:]]
+
+
 def test_a_dataset_without_split_files_exits_2_naming_its_folders(qa_hub: Path, tmp_path: Path) -> None:
     out = tmp_path / "qa"
     r = run_stage(qa_hub, "--hub-dataset", QA, "--splits-to", str(out), "--hub-config", "nope")
