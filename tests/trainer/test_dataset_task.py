@@ -122,6 +122,7 @@ def test_a_prompt_template_fills_plain_fields(tmp_path: Path) -> None:
     ({"prompt_template": "{level}"}, None),
     ({"prompt_field": "level"}, r"^task\.prompt_field: .*\(row 1\): field 'level' is int, not text$"),
     ({"prompt_template": "{nope}"}, r"^task\.prompt_template: .* has no field 'nope'"),
+    ({"prompt_template": "Q {topic}", "answer_field": "topic"}, None),
 ])
 def test_bad_options_name_the_key(tmp_path: Path, options: dict[str, Any], error: str | None) -> None:
     path = _jsonl(tmp_path / "d.jsonl", ROWS)
@@ -202,3 +203,10 @@ def test_the_worked_config_in_the_docs(tmp_path: Path) -> None:
     gold = ex.fields["answer"]
     assert compute_rewards(data.reward_names, [ex.prompt], [f"so {gold[-40:]}"], {"answer": [gold]}) == {
         "numeric_match": [1.0], "gsm8k_format": [1.0]}
+
+
+def test_a_template_refuses_a_cell_that_is_neither_text_nor_a_number(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "d.jsonl", [{"question": ["a", "b"], "answer": 1}])
+    with pytest.raises(ConfigError, match=r"^task\.prompt_template: .*\(row 1\): field 'question' is list, not text "
+                                          r"or a number$"):
+        _task(path, prompt_template="Q: {question}")

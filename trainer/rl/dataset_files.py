@@ -232,8 +232,8 @@ def load_pairs(path: str, split: str | None, prompt_field: str, answer_field: st
                 # A template may put numbers in the prompt; the prompt field itself must be text.
                 ok = isinstance(row[f], str) or (prompt_template is not None and isinstance(row[f], (int, float)))
                 if not ok or isinstance(row[f], bool):
-                    raise ConfigError(f"task.prompt_field: {file}{where}: field {f!r} is {type(row[f]).__name__}, "
-                                      "not text")
+                    raise ConfigError(f"{columns[f]}: {file}{where}: field {f!r} is {type(row[f]).__name__}, not "
+                                      f"{'text' if prompt_template is None else 'text or a number'}")
             prompt = row[prompt_field] if prompt_template is None else prompt_template.format_map(
                 {f: row[f] for f in fields})
             answer = answer_text(row[answer_field])
