@@ -1,8 +1,10 @@
-"""`python -m trainer.stage`: put a Hugging Face model, and optionally one GSM8K dataset file, where a trainer config
-reads them (init.path and tokenizer, task.path), usually on the checkpoint bucket's GCS FUSE mount.
+"""`python -m trainer.stage`: put a Hugging Face model, and optionally one GSM8K dataset file or the splits of a
+dataset, where a trainer config reads them (init.path and tokenizer, task.path), usually on the checkpoint bucket's
+GCS FUSE mount.
 
     python -m trainer.stage --model REPO_ID [--revision REV] --model-to DIR
                             [--dataset REPO_ID --dataset-file PATH_IN_REPO [--dataset-revision REV] --dataset-to FILE]
+                            [--hub-dataset REPO_ID [--hub-config NAME] [--hub-revision REV] --splits-to DIR]
 
 Model: config.json and the repo's other top-level *.json files (tokenizer.json, tokenizer_config.json,
 special_tokens_map.json, generation_config.json, model.safetensors.index.json: what trainer/model/hf.py and
@@ -24,6 +26,10 @@ as main is not re-resolved once staged: pin a commit sha as --revision to move o
 Dataset: the one file, .parquet (converted with pyarrow) or .jsonl (copied as is), written as GSM8K JSONL
 ({"question", "answer"}) through a temporary file and os.replace, validated with the trainer's gsm8k task loader
 before it replaces FILE; FILE.staged.json marks it.
+
+Dataset splits (the dataset task's task.hub, hub_config, hub_revision and path): the parquet and JSONL files of the
+config's folder (or the repo's), as they are, into DIR under their names, each through a temporary name; the
+trainer's dataset task reads DIR as a folder of splits. DIR/.gke-tpu-rl-staged.json marks them, written last.
 
 Exit codes (the trainer's, trainer/run/cli.py): 0 staged or already staged; 2 for what a retry cannot fix (a repo,
 revision or file that is not there, a gated repo or a refused token, a checkpoint or dataset the trainer would
@@ -546,6 +552,93 @@ def stage_dataset(repo: str, filename: str, dest: str | Path, revision: str | No
     return out
 
 
+# ---------------------------------------------------------------------------------------------- dataset splits
+
+
+def _split_patterns(config: str | None) -> list[str]:
+    """The repo files a folder of splits can come from: the config's folder, or (no config) every data file (a
+    repo's root, data/, or <split>/ folders; huggingface_hub's fnmatch `*` crosses `/`)."""
+    base = f"{config}/" if config else ""
+    return [f"{base}*.parquet", f"{base}*.jsonl"]
+
+
+def stage_splits(repo: str, config: str | None, revision: str | None, dest: str | Path) -> Path:
+    """Every split of a Hugging Face dataset (its `config` folder, or the repo's data files), copied into the folder
+    `dest` under their names in the repo (relative to the config's folder), for the dataset task's task.path. The
+    repo's own data files: parquet or JSONL in the layouts the Hub uses (trainer/rl/dataset_files.py
+    files_by_split); a dataset kept in another format is read from the Hub's parquet conversion with
+    --hub-revision refs/convert/parquet. A marker (dest/.gke-tpu-rl-staged.json) makes a second run a no-op."""
+    from huggingface_hub import snapshot_download
+
+    from trainer.rl.dataset_files import files_by_split
+
+    root = Path(dest)
+    src = Source("--hub-dataset", repo, revision, "--hub-revision")
+    marker_path = root / MARKER
+    marker = _read_json(marker_path)
+    if (marker is not None and marker.get("repo") == repo and marker.get("config") == config
+            and revision in (None, marker.get("revision"))):
+        problem = _marker_files_intact(root, marker)
+        if problem is None:
+            log(f"dataset: {repo} ({config or 'no config'})@{marker.get('commit')} already staged in {root}; skipping")
+            return root
+        log(f"dataset: {root} has a marker for {repo} but {problem}: staging again")
+    old_files = [str(f.get("path")) for f in (marker or {}).get("files", []) if isinstance(f, dict)]
+
+    start = time.monotonic()
+    with hub_errors(src):
+        snapshot = Path(snapshot_download(repo, repo_type="dataset", revision=revision, cache_dir=_cache_dir(),
+                                          token=_token(), allow_patterns=_split_patterns(config)))
+    base = snapshot / config if config else snapshot
+    splits = files_by_split(base) if base.is_dir() else {}
+    if not splits:
+        folders = sorted({p.parent.relative_to(snapshot).parts[0] for p in snapshot.rglob("*")
+                          if p.is_file() and p.suffix in (".parquet", ".jsonl") and p.parent != snapshot})
+        hint = f"; its folders with data files: {', '.join(folders)} (set task.hub_config to one)" if folders else ""
+        raise StageError(EXIT_CONFIG, f"--hub-dataset {repo}: no split files (<split>.parquet, <split>.jsonl, "
+                         f"<split>-00000-of-00001.parquet or <split>/*.parquet) in "
+                         f"{f'the folder {config}/' if config else 'the repository'} at commit {snapshot.name}{hint}; "
+                         "a dataset kept in another format: --hub-revision refs/convert/parquet (the Hub's parquet "
+                         "conversion)")
+    names = sorted(p.relative_to(base).as_posix() for files in splits.values() for p in files)
+    log(f"dataset: staging {repo} ({config or 'no config'}, revision {revision or 'default'} -> commit "
+        f"{snapshot.name}) into {root}: splits {', '.join(sorted(splits))}, {len(names)} files")
+    root.mkdir(parents=True, exist_ok=True)
+    marker_path.unlink(missing_ok=True)
+    _clean_partials(root)
+    sizes = {name: _place(base / name, root / name) for name in names}
+    for name in sorted(set(old_files) - set(names)):  # a split or shard the new revision no longer has
+        (root / name).unlink(missing_ok=True)
+        log(f"removed {name} (not in this revision)")
+    _check_parquet(root, names)
+    _write_json(marker_path, {
+        "repo": repo,
+        "config": config,
+        "revision": revision,
+        "commit": snapshot.name,
+        "splits": sorted(splits),
+        "files": [{"path": n, "size": sizes[n]} for n in names],
+        "staged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tool": "python -m trainer.stage",
+    })
+    log(f"dataset: staged {len(names)} files, {human(sum(sizes.values()))} in {time.monotonic() - start:.1f} s "
+        f"into {root}")
+    return root
+
+
+def _check_parquet(root: Path, names: list[str]) -> None:
+    """Each parquet file opens (the trainer reads them with pyarrow); rows and fields are the trainer's check."""
+    import pyarrow.parquet as pq
+
+    for name in names:
+        if name.endswith(".parquet"):
+            try:
+                pq.ParquetFile(root / name)
+            except Exception as err:  # pyarrow's ArrowInvalid and friends
+                raise StageError(EXIT_CONFIG, f"--hub-dataset: {name} is not a readable parquet file: "
+                                 f"{_one_line(err)}") from None
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 
@@ -563,6 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the .parquet or .jsonl file in --dataset, e.g. main/train-00000-of-00001.parquet")
     p.add_argument("--dataset-revision", metavar="REV", help="branch, tag or commit of --dataset")
     p.add_argument("--dataset-to", metavar="FILE", help="the GSM8K JSONL file to write (the config's task.path)")
+    p.add_argument("--hub-dataset", metavar="REPO_ID",
+                   help="a dataset repository whose splits go to --splits-to (the dataset task's task.hub)")
+    p.add_argument("--hub-config", metavar="NAME", help="the folder of --hub-dataset holding the config's splits "
+                   "(task.hub_config), e.g. main")
+    p.add_argument("--hub-revision", metavar="REV", help="branch, tag or commit of --hub-dataset (task.hub_revision)")
+    p.add_argument("--splits-to", metavar="DIR", help="the folder to put the splits in (the dataset task's task.path)")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, metavar="N",
                    help=f"weight files fetched at once; each holds local disk until copied (default {DEFAULT_WORKERS})")
     return p
@@ -571,14 +670,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.model and not args.dataset:
+    if not args.model and not args.dataset and not args.hub_dataset:
         parser.error("nothing to stage: give --model and --model-to, and/or --dataset, --dataset-file and "
-                     "--dataset-to")
+                     "--dataset-to, and/or --hub-dataset and --splits-to")
     if bool(args.model) != bool(args.model_to) or (args.revision and not args.model):
         parser.error("--model and --model-to go together (--revision needs them)")
     dataset_flags = (args.dataset, args.dataset_file, args.dataset_to)
     if any(dataset_flags) and not all(dataset_flags) or (args.dataset_revision and not args.dataset):
         parser.error("--dataset, --dataset-file and --dataset-to go together (--dataset-revision needs them)")
+    if bool(args.hub_dataset) != bool(args.splits_to) or ((args.hub_config or args.hub_revision)
+                                                          and not args.hub_dataset):
+        parser.error("--hub-dataset and --splits-to go together (--hub-config and --hub-revision need them)")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
 
@@ -590,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
             stage_model(args.model, args.revision, args.model_to, args.workers)
         if args.dataset:
             stage_dataset(args.dataset, args.dataset_file, args.dataset_to, args.dataset_revision)
+        if args.hub_dataset:
+            stage_splits(args.hub_dataset, args.hub_config, args.hub_revision, args.splits_to)
     except StageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return err.code

@@ -1,6 +1,7 @@
 """The staging Job: `python -m trainer.stage` in the trainer image, on the CPU system pool, with the bucket mounted
 read-write, fetches Hugging Face files into the bucket before the workload that reads them exists: the model and
-dataset file the trainer config reads (trainer.stage, `stage_job`), or the post-training service's base model
+dataset file the trainer config reads (trainer.stage, `stage_job`) and the splits its dataset task names (task.hub),
+or the post-training service's base model
 (service.stageModel, workloads/service.py). `fetch_job` builds either from a `Fetch` (what, and where to). Idempotent:
 the command skips what its marker says is staged, without a call to the Hub.
 
@@ -42,11 +43,23 @@ REPLACE_ON_CHANGES = ("spec",)
 
 
 @dataclass(frozen=True)
+class HubSplits:
+    """The splits of a Hugging Face dataset the trainer config's dataset task names (task.hub, hub_config,
+    hub_revision), and the folder on the bucket's mount it reads them from (task.path)."""
+
+    repo: str
+    config: str | None
+    revision: str | None
+    to: str
+
+
+@dataclass(frozen=True)
 class StageTargets:
     """Where the trainer config reads what the Job stages (its init.path and task.path), on the bucket's mount."""
 
     model_dir: str | None
     dataset_file: str | None
+    splits: HubSplits | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class Fetch:
     dataset: str | None = None  # ORG/NAME
     dataset_file: str | None = None  # the file's path in the dataset repo
     dataset_to: str | None = None  # a file
+    splits: HubSplits | None = None  # a dataset's splits, into a folder
 
 
 def job_name(spec: EnvironmentSpec) -> str:
@@ -66,11 +80,13 @@ def job_name(spec: EnvironmentSpec) -> str:
 
 
 def trainer_fetch(spec: EnvironmentSpec, targets: StageTargets) -> Fetch:
-    """trainer.stage, into the trainer config's own init.path and task.path."""
+    """trainer.stage, and the dataset the trainer config's task names (task.hub), into the trainer config's own
+    init.path and task.path."""
     stage = spec.trainer.stage
-    assert stage is not None  # callers build the Job only when trainer.stage is set
+    if stage is None:  # the trainer config's dataset task alone asks for staging
+        return Fetch(splits=targets.splits)
     return Fetch(model=stage.model, revision=stage.revision, model_to=targets.model_dir, dataset=stage.dataset,
-                 dataset_file=stage.dataset_file, dataset_to=targets.dataset_file)
+                 dataset_file=stage.dataset_file, dataset_to=targets.dataset_file, splits=targets.splits)
 
 
 def fetch_command(fetch: Fetch) -> list[str]:
@@ -81,6 +97,9 @@ def fetch_command(fetch: Fetch) -> list[str]:
     if fetch.dataset is not None:
         cmd += ["--dataset", fetch.dataset, "--dataset-file", str(fetch.dataset_file),
                 "--dataset-to", str(fetch.dataset_to)]
+    if (h := fetch.splits) is not None:
+        cmd += ["--hub-dataset", h.repo, *(["--hub-config", h.config] if h.config else []),
+                *(["--hub-revision", h.revision] if h.revision else []), "--splits-to", h.to]
     return cmd
 
 

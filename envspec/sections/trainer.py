@@ -11,7 +11,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from envspec import repo, rules
 from envspec.sections.fields import _bundled, _Model
 
-_HF_REPO = re.compile(r"^[A-Za-z0-9][-\w.]{0,95}/[-\w.]{1,96}$")
+# A Hugging Face repo id, ORG/NAME (also what infra/base/pod_config.py checks task.hub against).
+HF_REPO = re.compile(r"^[A-Za-z0-9][-\w.]{0,95}/[-\w.]{1,96}$")
 
 
 class StageSpec(_Model):
@@ -32,7 +33,7 @@ class StageSpec(_Model):
     @field_validator("model", "dataset")
     @classmethod
     def _repo(cls, v: str | None) -> str | None:
-        if v is not None and not _HF_REPO.match(v):
+        if v is not None and not HF_REPO.match(v):
             raise ValueError(f"{v!r} is not a Hugging Face repo id like ORG/NAME")
         return v
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from envspec import tpu
 from envspec.config import ConfigError, EnvironmentSpec
+from envspec.sections.trainer import HF_REPO
 from infra.base import user_code
 
 if TYPE_CHECKING:
@@ -97,3 +98,46 @@ def service_job(spec: EnvironmentSpec, config: str | None = None, overrides: lis
                           "(e.g. trainer/configs/qwen3-8b-service-v6e-4x4.yaml)")
     title = f"{spec.env} (service {svc.name} engine on {group.name}, config {name})"
     return FitJob(title, cfg, target(group.shape, 1))  # one slice: the engine JobSet has one replica
+
+
+@dataclass(frozen=True)
+class HubSplits:
+    """A Hugging Face dataset the trainer config's dataset task names (task.hub), for the staging Job to put in the
+    folder the task reads (task.path)."""
+
+    repo: str
+    config: str | None
+    revision: str | None
+    path: str
+
+
+def hub_splits(spec: EnvironmentSpec) -> HubSplits | None:
+    """The dataset the environment's trainer config names for staging (task: {name: dataset, hub: ...}), or None.
+    Raises ConfigError for a key of the wrong type, a bad filter or prompt template (the trainer's preflight checks
+    the rest against the data)."""
+    if not spec.trainer.enabled or spec.trainer_group is None:
+        return None
+    task = env_job(spec).cfg.task
+    extra = task.model_extra or {}
+    if task.name != "dataset":
+        return None
+    # What can be told without the data (which is in the bucket, or not staged yet): the filter and the template.
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.rl.dataset_files import parse_filter, template_fields
+
+    try:
+        parse_filter(extra.get("filter"))
+        if isinstance(extra.get("prompt_template"), str):
+            template_fields(extra["prompt_template"])
+    except TrainerConfigError as err:
+        raise ConfigError(f"trainer config {err}") from None
+    if extra.get("hub") is None:
+        return None
+    for key in ("hub", "path", "hub_config", "hub_revision"):
+        value = extra.get(key)
+        if (value is not None or key in ("hub", "path")) and not (isinstance(value, str) and value):
+            raise ConfigError(f"trainer config task.{key}: expected a non-empty string, got {value!r}")
+    if not HF_REPO.match(extra["hub"]):
+        raise ConfigError(f"trainer config task.hub: {extra['hub']!r} is not a Hugging Face dataset repo id like "
+                          "ORG/NAME")
+    return HubSplits(extra["hub"], extra.get("hub_config"), extra.get("hub_revision"), extra["path"])

@@ -22,6 +22,7 @@ from envspec.machines import (
     memory_mib,
     requests_of,
 )
+from infra.base.pod_config import hub_splits
 from workloads.rayjob import AUTOSCALER_RESOURCES, HEAD_RESOURCES, SUBMITTER_REQUESTS
 from workloads.service import API_GCSFUSE_SIDECAR, API_MAX_SURGE, API_RESOURCES
 from workloads.stage import STAGE_RESOURCES
@@ -148,7 +149,7 @@ def pinned_pods(spec: EnvironmentSpec) -> list[Pod]:
     pods.append(Pod("GKE add-ons", GKE_CLUSTER_ADDONS))
     if spec.runs_on_ray:
         pods.append(ray_head())
-    if spec.trainer.enabled and spec.trainer.stage is not None:
+    if spec.trainer.enabled and (spec.trainer.stage is not None or hub_splits(spec) is not None):
         pods.append(stage_pod())
     if spec.service is not None:
         # The API's replicas (spread over nodes by preference only, so packing them anywhere is what can happen),

@@ -9,7 +9,8 @@ from typing import Any
 import pulumi
 
 from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
-from infra.base.pod_config import env_job
+from envspec.sections.trainer import StageSpec
+from infra.base.pod_config import env_job, hub_splits
 from infra.components.k8s import apply
 from workloads import core, dra, jobset, rayjob, stage, trainer_pod
 from workloads.labels import MANAGED_BY
@@ -21,26 +22,39 @@ DELETE_MARGIN_S = 300
 
 
 def stage_targets(spec: EnvironmentSpec) -> stage.StageTargets | None:
-    """Where trainer.stage puts the model and the dataset: the trainer config's own init.path and task.path (as the
-    pods get it), which must lie on the bucket's mount. None without trainer.stage. Raises ConfigError."""
+    """Where trainer.stage puts the model and the dataset file, and where the splits of the dataset the trainer
+    config's task names (task.hub) go: the trainer config's own init.path and task.path (as the pods get it), which
+    must lie on the bucket's mount. None when there is nothing to stage. Raises ConfigError."""
     s = spec.trainer.stage
-    if not spec.trainer.enabled or s is None:
+    hub = hub_splits(spec)
+    if not spec.trainer.enabled or (s is None and hub is None):
         return None
     cfg = env_job(spec).cfg
     mount = trainer_pod.CHECKPOINT_MOUNT + "/"
     model_dir = dataset_file = None
-    if s.model is not None:
+    if s is not None and s.model is not None:
         model_dir = cfg.init.path if cfg.init.from_ == "hf" else None
         if not model_dir or not model_dir.startswith(mount):
             raise ConfigError(f"{NAMESPACE}:trainer.stage.model: the trainer config must read a Hugging Face "
                               f"checkpoint from the bucket (init: {{from: hf, path: {mount}...}}); it has init.from "
                               f"{cfg.init.from_!r}, init.path {cfg.init.path!r}")
-    if s.dataset is not None:
+    if s is not None and s.dataset is not None:
+        if hub is not None:
+            raise ConfigError(f"{NAMESPACE}:trainer.stage.dataset: the trainer config's task names its own dataset "
+                              f"(task.hub {hub.repo!r}), which the staging Job fetches into task.path; leave "
+                              "trainer.stage.dataset and datasetFile out")
         dataset_file = getattr(cfg.task, "path", None)
         if not dataset_file or not str(dataset_file).startswith(mount):
             raise ConfigError(f"{NAMESPACE}:trainer.stage.dataset: the trainer config's task must read its data from "
                               f"the bucket (task.path under {mount}); it has {dataset_file!r}")
-    return stage.StageTargets(model_dir, dataset_file)
+    splits = None
+    if hub is not None:
+        if not hub.path.startswith(mount):
+            raise ConfigError(f"trainer config task.path: the dataset task names task.hub {hub.repo!r}, which the "
+                              f"staging Job puts on the bucket, so task.path must be a folder under {mount}; it has "
+                              f"{hub.path!r}")
+        splits = stage.HubSplits(hub.repo, hub.config, hub.revision, hub.path)
+    return stage.StageTargets(model_dir, dataset_file, splits)
 
 
 def delete_timeout_s(grace_seconds: int) -> int:
@@ -83,13 +97,13 @@ class TrainerJob(pulumi.ComponentResource):
         refs = trainer_pod.TrainerRefs(image=args.image, bucket=spec.bucket_name,
                                        service_account=t.service_account, hf_secret=hf_secret, claim_template=claim)
         if (targets := stage_targets(spec)) is not None:
-            assert spec.trainer.stage is not None  # stage_targets returns targets only with one
             # Created, and completed, before the trainer: `pulumi up` waits on the Job (pulumi-kubernetes awaits a
-            # batch/v1 Job's Complete condition) up to trainer.stage.timeoutMinutes.
+            # batch/v1 Job's Complete condition) up to trainer.stage.timeoutMinutes (its default without a stage).
+            s = spec.trainer.stage
+            timeout = s.timeout_minutes if s is not None else StageSpec.model_fields["timeout_minutes"].default
             deps.append(apply(stage.stage_job(spec, refs, targets), pulumi.ResourceOptions(
                 parent=self, depends_on=list(deps), replace_on_changes=list(stage.REPLACE_ON_CHANGES),
-                delete_before_replace=True,
-                custom_timeouts=pulumi.CustomTimeouts(create=f"{spec.trainer.stage.timeout_minutes}m"))))
+                delete_before_replace=True, custom_timeouts=pulumi.CustomTimeouts(create=f"{timeout}m"))))
         if t.launcher == "ray":
             head = spec.ray_head_service_account
             deps.append(apply(core.service_account(head, ns), child))

@@ -288,10 +288,90 @@ def test_an_unreachable_hub_exits_42(hub: Path, tmp_path: Path) -> None:
 
 
 def test_flags_that_go_together() -> None:
-    for argv in ([], ["--model", REPO], ["--dataset", "d", "--dataset-to", "f"], ["--revision", "v2"]):
+    for argv in ([], ["--model", REPO], ["--dataset", "d", "--dataset-to", "f"], ["--revision", "v2"],
+                 ["--hub-dataset", QA], ["--splits-to", "d"], ["--hub-config", "main"]):
         with pytest.raises(SystemExit) as exc:
             stage.main(argv)
         assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------- dataset splits
+
+QA = "test-org/qa"
+SHA_QA, SHA_QA2 = hashlib.sha1(b"qa").hexdigest(), hashlib.sha1(b"qa2").hexdigest()
+QA_ROWS = [{"prompt": f"{a} + {a}?", "answer": 2 * a, "level": a % 2} for a in range(1, 9)]
+
+
+@pytest.fixture
+def qa_hub(tmp_path: Path) -> Path:
+    """A dataset repo with two configs in the layouts the Hub uses: main/ with a train split in two parquet shards
+    and a test split, other/ with JSONL; v2 drops main's second shard."""
+    cache = tmp_path / "hub"
+    jsonl = "".join(json.dumps(r) + "\n" for r in QA_ROWS[:2]).encode()
+    files = {"README.md": b"# qa\n", "main/train-00000-of-00002.parquet": _parquet(QA_ROWS[:3]),
+             "main/train-00001-of-00002.parquet": _parquet(QA_ROWS[3:6]),
+             "main/test-00000-of-00001.parquet": _parquet(QA_ROWS[6:]), "other/train.jsonl": jsonl}
+    add_snapshot(cache, QA, SHA_QA, files, refs=("main",), repo_type="dataset")
+    v2 = {k: v for k, v in files.items() if "00001-of-00002" not in k}
+    add_snapshot(cache, QA, SHA_QA2, v2, refs=("v2",), repo_type="dataset")
+    return cache
+
+
+def test_stages_a_datasets_splits_for_the_dataset_task(qa_hub: Path, tmp_path: Path) -> None:
+    """--hub-dataset (the dataset task's task.hub, as the stack's Job passes it): the config's split files into the
+    folder task.path names, which the dataset task then reads offline, split by split."""
+    out = tmp_path / "ckpt" / "data" / "qa"
+    args = ("--hub-dataset", QA, "--hub-config", "main", "--splits-to", str(out))
+    r = run_stage(qa_hub, *args)
+    assert r.returncode == 0, r.stderr
+    assert "splits test, train, 3 files" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted([
+        "train-00000-of-00002.parquet", "train-00001-of-00002.parquet", "test-00000-of-00001.parquet", stage.MARKER])
+    marker = json.loads((out / stage.MARKER).read_text())
+    assert (marker["repo"], marker["config"], marker["commit"], marker["splits"]) == (QA, "main", SHA_QA,
+                                                                                       ["test", "train"])
+    train = get_task("dataset", path=str(out), shuffle=False)
+    assert [train.example(i).prompt for i in range(6)] == [r["prompt"] for r in QA_ROWS[:6]]
+    test = get_task("dataset", path=str(out), split="test", filter={"field": "level", "equals": 0}, shuffle=False)
+    assert test.example(0).fields["answer"] == "16"
+    assert len(test) == 1  # type: ignore[arg-type]  # the dataset task is sized (the Task protocol is not)
+
+    again = run_stage(qa_hub, *args)
+    assert again.returncode == 0 and "already staged" in again.stdout and "dataset: staging" not in again.stdout
+
+    # Another revision replaces the folder's files: the shard v2 lacks is gone.
+    r = run_stage(qa_hub, *args[:4], "--hub-revision", "v2", *args[4:])
+    assert r.returncode == 0, r.stderr
+    assert not (out / "train-00001-of-00002.parquet").exists()
+    assert len(get_task("dataset", path=str(out))) == 3  # type: ignore[arg-type]  # sized, as above
+
+
+def test_the_hubs_parquet_conversion_is_a_folder_per_split(qa_hub: Path, tmp_path: Path) -> None:
+    """A dataset kept in another format is read from the Hub's own conversion (revision refs/convert/parquet), whose
+    layout is <config>/<split>/NNNN.parquet: the folder keeps it, and the dataset task reads it."""
+    sha = hashlib.sha1(b"converted").hexdigest()
+    add_snapshot(qa_hub, QA, sha, {"main/train/0000.parquet": _parquet(QA_ROWS[:5]),
+                                   "main/validation/0000.parquet": _parquet(QA_ROWS[5:])}, repo_type="dataset")
+    ref = qa_hub / f"datasets--{QA.replace('/', '--')}" / "refs" / "refs" / "convert" / "parquet"
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.write_text(sha)  # huggingface_hub's cache keeps a ref named refs/convert/parquet under that path
+    out = tmp_path / "qa"
+    r = run_stage(qa_hub, "--hub-dataset", QA, "--hub-config", "main", "--hub-revision", "refs/convert/parquet",
+                  "--splits-to", str(out))
+    assert r.returncode == 0, r.stderr
+    assert (out / "validation" / "0000.parquet").is_file()
+    val = get_task("dataset", path=str(out), split="validation", shuffle=False)
+    assert [val.example(i).prompt for i in range(3)] == [r["prompt"] for r in QA_ROWS[5:]]
+
+
+def test_a_dataset_without_split_files_exits_2_naming_its_folders(qa_hub: Path, tmp_path: Path) -> None:
+    out = tmp_path / "qa"
+    r = run_stage(qa_hub, "--hub-dataset", QA, "--splits-to", str(out), "--hub-config", "nope")
+    _fails_cleanly(r, 2, f"--hub-dataset {QA}: no split files")
+    assert "in the folder nope/" in r.stderr and "its folders with data files: main, other" in r.stderr
+    assert not (out / stage.MARKER).exists()
+    _fails_cleanly(run_stage(qa_hub, "--hub-dataset", "test-org/none", "--splits-to", str(out)), 2,
+                   "--hub-dataset test-org/none: not in the local Hugging Face cache")
 
 
 # ---------------------------------------------------------------------------------------------- the exit-code map

@@ -102,3 +102,50 @@ def test_the_system_pool_holds_the_staging_pod() -> None:
     names = [p.name for p in system_pool.pinned_pods(parse_spec(_raw("dev"), "dev", bundled_configs()))]
     assert "staging Job" in names
     assert "staging Job" not in [p.name for p in system_pool.pinned_pods(_spec("dev", stage=None))]
+
+
+HUB_TASK = ["--set", "task.name=dataset", "--set", "task.path=/checkpoints/data/qa", "--set", "task.hub=test-org/qa",
+            "--set", "task.hub_config=main", "--set", "task.prompt_field=question"]
+
+
+def test_a_dataset_the_trainer_config_names_is_staged_into_its_task_path() -> None:
+    """task: {name: dataset, hub: ...} in the trainer config (here through trainer.args) asks for the staging Job even
+    without trainer.stage; the Job's command, which the stage module's own parser takes, fetches it into task.path."""
+    spec = _spec("dev", stage=None, args=HUB_TASK)
+    job = _job(spec)
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    cmd = container["command"]
+    assert cmd[3:] == ["--hub-dataset", "test-org/qa", "--hub-config", "main", "--splits-to", "/checkpoints/data/qa"]
+    from trainer.stage import build_parser
+
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.hub_dataset, args.hub_config, args.hub_revision) == ("test-org/qa", "main", None)
+    assert "staging Job" in [p.name for p in system_pool.pinned_pods(spec)]
+    # With the model staged too, one Job does both; a pinned revision is passed on.
+    spec = _spec("dev", stage={"model": "Qwen/Qwen3-0.6B"}, args=[*HUB_TASK, "--set", "task.hub_revision=abc123"])
+    cmd = _job(spec)["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--model-to") + 1] == "/checkpoints/models/Qwen3-0.6B"
+    assert cmd[cmd.index("--hub-revision") + 1] == "abc123" and "--dataset" not in cmd
+    config = stack_config("dev")
+    trainer = config["gke-tpu-rl:trainer"]
+    trainer.pop("stage")
+    trainer["args"] = [*trainer.get("args", []), *HUB_TASK]
+    plan = run_stack("dev", config)
+    [job] = plan.of_type("kubernetes:batch/v1:Job")
+    assert job.options["customTimeouts"] == {"create": "180m"}
+
+
+def test_a_named_dataset_needs_a_folder_on_the_bucket_and_one_source() -> None:
+    with pytest.raises(ConfigError, match=r"^trainer config task\.path: the dataset task names task\.hub 'test-org/qa'"
+                                          r", .* a folder under /checkpoints/; it has '/data/qa'"):
+        stage_targets(_spec("dev", stage=None, args=[*HUB_TASK, "--set", "task.path=/data/qa"]))
+    with pytest.raises(ConfigError, match=r"trainer\.stage\.dataset: the trainer config's task names its own dataset"):
+        stage_targets(_spec("dev", args=HUB_TASK))  # dev stages openai/gsm8k into task.path as well
+    with pytest.raises(ConfigError, match=r"^trainer config task\.hub: 'qa' is not a Hugging Face dataset repo id"):
+        stage_targets(_spec("dev", stage=None, args=[*HUB_TASK, "--set", "task.hub=qa"]))
+    # The plan refuses what can be told without the data: the filter and the prompt template.
+    with pytest.raises(ConfigError, match=r"^trainer config task\.filter\[0\]: unknown operator 'eq'; give exactly "
+                                          r"one of equals, not_equals, in, not_in, regex$"):
+        stage_targets(_spec("dev", stage=None, args=[*HUB_TASK, "--set", "task.filter={field: level, eq: 1}"]))
+    with pytest.raises(ConfigError, match=r"^trainer config task\.prompt_template: \{q!r\} is not a plain field"):
+        stage_targets(_spec("dev", stage=None, args=[*HUB_TASK, "--set", "task.prompt_template='Q {q!r}'"]))

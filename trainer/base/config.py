@@ -212,6 +212,15 @@ class TaskConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str = Field("digits", description="the task: its prompts, answers and default rewards; a built-in, or "
                       "your own as MODULE:FACTORY, called with this section's other keys (docs/own-tasks.md)")
+    # The three keys below are the kit's, for any task: they never reach the task's factory.
+    chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's own chat template (its "
+                                "tokenizer_config.json or chat_template.jinja) as one user turn with the generation "
+                                "prompt, as transformers' apply_chat_template does; needs an instruct model's "
+                                "tokenizer directory")
+    system_prompt: str | None = Field(None, description="with chat_template: a system turn before the prompt")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="with chat_template: extra "
+                                                 "variables the template reads, e.g. {enable_thinking: false} for "
+                                                 "Qwen3")
 
 
 class InitConfig(_Strict):

@@ -88,6 +88,12 @@ def gsm8k_answer(prompts: Sequence[str], completions: Sequence[str], answer: Seq
     return out
 
 
+def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_: Any) -> list[float]:
+    """1 when the completion's last number (or the first after its last "####") equals the answer's, numerically:
+    gsm8k_answer under a name for any data set with numeric answers."""
+    return gsm8k_answer(prompts, completions, answer)
+
+
 _FINAL = re.compile(r"####\s*-?\s*\$?\s*-?[\d.]")
 
 
@@ -109,6 +115,7 @@ REWARDS: dict[str, RewardFn] = {
     "length": length,
     "exact_match": exact_match,
     "gsm8k_answer": gsm8k_answer,
+    "numeric_match": numeric_match,
     "gsm8k_format": gsm8k_format,
 }
 

@@ -20,6 +20,18 @@ class TaskData:
     task: Any
     tokenizer: Any
     reward_names: tuple[str, ...]
+    chat: Any = None  # the tokenizer's ChatTemplate with task.chat_template, else None
+
+    def prompt_text(self, text: str) -> str:
+        """The text the model reads for a task's prompt: the prompt, or with task.chat_template the conversation
+        the tokenizer's template makes of it (system turn, user turn, generation prompt)."""
+        if self.chat is None:
+            return text
+        from trainer.model.chat_template import chat_messages
+
+        t = self.cfg.task
+        return str(self.chat.render(chat_messages(text, t.system_prompt), add_generation_prompt=True,
+                                    **t.chat_template_kwargs))
 
     def examples(self, step: int, rows: list[int]) -> dict[int, Any]:
         G = self.cfg.rl.group_size
@@ -27,8 +39,9 @@ class TaskData:
         return {p: self.task.example(base + p) for p in sorted({r // G for r in rows})}
 
     def prompt_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        if self.tokenizer.bos_id is not None:
+        ids = self.tokenizer.encode(self.prompt_text(text))
+        # A chat template writes its own BOS where the model wants one (apply_chat_template adds no special tokens).
+        if self.tokenizer.bos_id is not None and self.chat is None:
             ids = [self.tokenizer.bos_id, *ids]
         return ids[-self.cfg.prompt_len :]  # keep the end: the question's tail and answer cue
 
@@ -53,9 +66,11 @@ def load_task_data(cfg: TrainConfig) -> TaskData:
     from trainer.rl.rewards import get_reward
     from trainer.rl.tasks import get_task
 
-    task_kwargs = {k: v for k, v in cfg.task.model_dump().items() if k != "name"}
+    task_kwargs = dict(cfg.task.model_extra or {})  # the task's options: not name nor the kit's chat keys
 
     def named(key: str, err: Exception) -> ConfigError:
+        if isinstance(err, ConfigError):
+            return err  # it names its key already (task.path, task.filter[0], ...)
         msg = err.args[0] if err.args else str(err)
         return ConfigError(f"{key}: {msg}")
 
@@ -81,7 +96,34 @@ def load_task_data(cfg: TrainConfig) -> TaskData:
             f"model.vocab_size={cfg.model_cfg.vocab_size} is smaller than the tokenizer's vocab "
             f"({tokenizer.vocab_size})"
         )
-    return TaskData(cfg, task, tokenizer, names)
+    data = TaskData(cfg, task, tokenizer, names, load_chat(cfg))
+    if data.chat is not None:
+        from trainer.model.chat_template import ChatTemplateError
+
+        try:  # what the loop will render, so a template that raises (a role it refuses) fails here
+            data.prompt_ids(task.example(0).prompt)
+        except ChatTemplateError as err:
+            raise ConfigError(f"task.chat_template: {err}") from None
+    return data
+
+
+def load_chat(cfg: TrainConfig) -> Any:
+    """The tokenizer's chat template with task.chat_template, else None. Raises ConfigError."""
+    t = cfg.task
+    if not t.chat_template:
+        for key in ("system_prompt", "chat_template_kwargs"):
+            if getattr(t, key):
+                raise ConfigError(f"task.{key}: only read with task.chat_template: true")
+        return None
+    if cfg.tokenizer == "char":
+        raise ConfigError("task.chat_template: the built-in char tokenizer has no chat template; set tokenizer to a "
+                          "Hugging Face tokenizer directory (an instruct model's), or chat_template: false")
+    from trainer.model.chat_template import ChatTemplate, ChatTemplateError
+
+    try:
+        return ChatTemplate.from_dir(cfg.tokenizer)
+    except (ChatTemplateError, OSError, ValueError) as err:
+        raise ConfigError(f"task.chat_template: {err}") from None
 
 
 def try_task(task_name: str, task: Any, reward_names: tuple[str, ...]) -> None:

@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from trainer.base.config import ConfigError
+from trainer.rl.dataset_files import load_pairs, parse_filter
 from trainer.rl.rewards import REWARDS, extract_answer
 
 
@@ -162,6 +164,53 @@ class GSM8KTask:
         return _permutation(self.seed, epoch, len(self._rows))
 
 
+@dataclass(frozen=True)
+class DatasetTask:
+    """Your own data: a local JSONL or parquet file, or a folder of splits (a Hugging Face dataset the stack staged,
+    see docs/own-tasks.md), one prompt and one answer field per row, a declarative filter; reshuffled every epoch.
+
+    The answer reaches the rewards as both `answer` and `target`, so every built-in reward reads it. task.hub,
+    hub_config and hub_revision name the Hugging Face dataset the stack's staging Job writes to `path` (a folder of
+    splits); the trainer reads only `path`, offline."""
+
+    path: str
+    split: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    prompt_template: str | None = None
+    filter: Any = None
+    hub: str | None = None
+    hub_config: str | None = None
+    hub_revision: str | None = None
+    seed: int = 0
+    shuffle: bool = True
+    name: str = "dataset"
+    reward_names: tuple[str, ...] = ("exact_match",)
+    _rows: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for key in ("path", "prompt_field", "answer_field"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ConfigError(f"task.{key}: expected a non-empty string, got {getattr(self, key)!r}")
+        for key in ("split", "prompt_template", "hub", "hub_config", "hub_revision"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise ConfigError(f"task.{key}: expected a string, got {getattr(self, key)!r}")
+        rows = load_pairs(self.path, self.split, self.prompt_field, self.answer_field, self.prompt_template,
+                          parse_filter(self.filter))
+        object.__setattr__(self, "_rows", rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def example(self, index: int) -> Example:
+        if index < 0:
+            raise ValueError(f"example index must be >= 0, got {index}")
+        epoch, pos = divmod(index, len(self._rows))
+        row = _permutation(self.seed, epoch, len(self._rows))[pos] if self.shuffle else pos
+        prompt, answer = self._rows[row]
+        return Example(prompt=prompt, fields={"answer": answer, "target": answer})
+
+
 @lru_cache(maxsize=8)
 def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, n]).permutation(n)
@@ -174,6 +223,7 @@ _TASKS: dict[str, tuple[type, dict[str, Any]]] = {
     "reverse": (CopyTask, {"reverse": True, "name": "reverse"}),
     "add": (AddTask, {}),
     "gsm8k": (GSM8KTask, {}),
+    "dataset": (DatasetTask, {}),
 }
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 
@@ -198,6 +248,8 @@ def get_task(name: str, **kwargs: Any) -> Task:
             raise KeyError(f"task {name!r}: unknown reward(s) {', '.join(unknown)}")
     if name == "gsm8k" and "path" not in kwargs:
         raise TypeError("task 'gsm8k' needs path=<jsonl file>")
+    if name == "dataset" and "path" not in kwargs:
+        raise ConfigError("task.path: the dataset task needs path: a .jsonl or .parquet file, or a folder of splits")
     return cls(**{**preset, **kwargs})
 
 
