@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         info = initialize_from_env(exit_on_timeout=EXIT_TRANSIENT)
         if not info.multi_process:
             check_cpu_mesh(checked)
+        if info.multi_process and info.cpu_devices:
+            from trainer.run.launch import quiet_native_stdout
+
+            quiet_native_stdout()  # gloo's connection lines, as train hides them
         try:
             result = evaluate_checkpoint(cfg, args.step)
         except Exception as err:
