@@ -183,3 +183,18 @@ def test_a_generated_tasks_held_out_split_lies_past_every_training_index() -> No
 
     with pytest.raises(TypeError, match="finite dataset without an eval_example"):
         eval_example(Finite(), 0)
+
+
+def test_the_eval_reuses_the_rollouts_program_and_compiles_greedy_once(tmp_path: Path) -> None:
+    from trainer.base.config import resolve_mesh
+    from trainer.model.sharding import make_mesh
+    from trainer.rl.step import build_programs
+
+    # Built, not compiled: jit compiles on the first call.
+    cfg = resolve_mesh(_cfg(tmp_path, mesh={"slices": 1, "fsdp": 1, "tensor": 1}), 1)
+    programs = build_programs(cfg, make_mesh(1, 1, 1, jax.devices()[:1]), 0, 1)
+    sc = cfg.sampling
+    assert programs.sampler(sc.temperature, sc.top_k, sc.top_p) is programs.sample  # the eval at the rollouts' own
+    greedy = programs.sampler(0.0, 0, 1.0)
+    assert greedy is not programs.sample and programs.sampler(0, 5, 0.5) is greedy  # greedy ignores top_k, top_p
+    assert programs.sampler(0.7, 0, 1.0) not in (greedy, programs.sample)
