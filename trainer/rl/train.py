@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
+from jax.sharding import Mesh
 
 from envspec.pod import ENV_CHECKPOINT_DIR
 from trainer.base.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
@@ -43,7 +44,7 @@ from trainer.rl.metrics import (
     truncate_metrics,
 )
 from trainer.rl.sampler import Samples
-from trainer.rl.step import build_programs
+from trainer.rl.step import Programs, build_programs
 from trainer.rl.task_data import TaskData, load_task_data, row_slots
 
 
@@ -91,8 +92,8 @@ class Start:
 
     cfg: TrainConfig
     data: TaskData
-    mesh: Any
-    programs: Any
+    mesh: Mesh
+    programs: Programs
     params: M.Params
     opt_state: Any
     base_sums: jax.Array | None  # with lora: the base weights' checksums, which a checkpoint must match
