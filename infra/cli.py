@@ -1,6 +1,6 @@
 """`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline), `synth` (the same environment as Terraform), `fit`
-(the trainer compiled for a TPU slice on this machine), `status` (the deployed environment's jobs, read with kubectl)
-and `train` (the trainer's own CLI)."""
+(the trainer compiled for a TPU slice on this machine), `status` (the deployed environment's jobs, read with kubectl),
+`train` (the trainer's own CLI) and `eval` (its held-out eval of a checkpoint)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "included (it takes up to 3: sample, ref_logprobs, update); a setting that leaves a program's "
                      "compiled code unchanged does not compile it again, so a candidate usually takes 1")
     sub.add_parser("train", add_help=False, help="run the trainer (gke-tpu-rl train --help for its flags)")
+    sub.add_parser("eval", add_help=False, help="score a run's checkpoint on the task's held-out split (gke-tpu-rl "
+                   "eval --help)")
     sub.add_parser("service", add_help=False, help="the Tinker-compatible post-training service: API keys, the API "
                    "and its engine (gke-tpu-rl service --help)")
     synth = sub.add_parser(
@@ -369,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.run.cli import main as train_main
 
         return int(train_main(argv[1:]) or 0)
+    if argv[:1] == ["eval"]:
+        from trainer.run.eval_cli import main as eval_main
+
+        return int(eval_main(argv[1:]) or 0)
     if argv[:1] == ["service"]:
         from trainer.service.cli import main as service_main
 

@@ -108,6 +108,8 @@ RUN: dict[str, str] = {
 
 _NO_CLI = "needs the Pulumi CLI and a state backend (no pulumi binary here)"
 _CONFIG_SET = f"{_NO_CLI}: applied as Pulumi stores it, the stack file planned (real CLI when on PATH)"
+_EVAL = ("needs a run folder trained for minutes: the console script runs in a folder without one (exit 2, naming "
+         "it), its flags parse; tests/trainer/test_eval.py runs the same CLI on a real run's checkpoints")
 _TF = "needs GCP and the providers from the Terraform registry: -chdir is a stack synth wrote"
 CHECKED: dict[str, tuple[str, str]] = {
     # README
@@ -125,6 +127,9 @@ CHECKED: dict[str, tuple[str, str]] = {
     "gke-tpu-rl plan staging --fit": ("test_readme_fit_commands", "the plan runs; its fit is a 70B compile"),
     "gke-tpu-rl fit --config qwen3-0.6b-grpo-v6e-2x2.yaml --tpu v6e:2x2 --set compute.remat=none --search "
     "--budget 8": ("test_readme_fit_commands", "a search of several compiles (112 s here): run up to the compile"),
+    "gke-tpu-rl eval runs/my-run": ("test_readme_eval_commands", _EVAL),
+    "gke-tpu-rl eval runs/my-run --step 20 --set eval.prompts=256 --out eval-20.json": ("test_readme_eval_commands",
+                                                                                         _EVAL),
     # docs/own-tasks.md
     "PYTHONPATH=examples/my_tasks gke-tpu-rl train --config examples/my_tasks/configs/max-digit.yaml "
     "--local-processes 2 --devices-per-process 4": (
@@ -800,6 +805,21 @@ def fit_until_compile(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> _Comp
     with pytest.raises(_Compiled) as e:
         cli.main(argv[1:])
     return e.value
+
+
+def test_readme_eval_commands(tmp_path: Path) -> None:
+    """The README's eval of a run's checkpoints: the real console script, in a folder that holds no run."""
+    from trainer.run.eval_cli import build_parser
+
+    ledger = Ledger("test_readme_eval_commands", README)
+    for command, argv in commands_of(README, ledger):
+        args = build_parser().parse_args(argv[2:])
+        assert args.run_dir == "runs/my-run" and all("=" in o for o in args.overrides)
+        out = subprocess.run([str(VENV_BIN / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and "error: runs/my-run: no config.yaml, so not a run folder" in out.stderr, out
+        ledger.checked(command)
+    ledger.close()
 
 
 def test_readme_fit_commands(clone: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types as at
 import yaml
@@ -63,6 +63,8 @@ def _model(annotation: Any) -> type[BaseModel] | None:
 
 def _type(annotation: Any) -> str:
     t = _strip_none(annotation)
+    if get_origin(t) is Annotated:  # an optional one keeps its Annotated wrapper inside the union
+        t = get_args(t)[0]
     origin = get_origin(t)
     if origin is Literal:
         return _TYPES.get(type(get_args(t)[0]), "value")

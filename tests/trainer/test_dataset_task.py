@@ -85,6 +85,31 @@ def test_a_folder_of_splits(tmp_path: Path) -> None:
         _task(root, split="validation")
 
 
+def test_the_held_out_split_the_eval_reads(tmp_path: Path) -> None:
+    """eval_split: another split of the folder; holdout: rows of the training split that training never sees."""
+    root = tmp_path / "ds"
+    _jsonl(root / "train.jsonl", ROWS[:4])
+    _parquet(root / "test.parquet", ROWS[4:])
+    split = _task(root, eval_split="test")
+    assert [split.eval_example(i).prompt for i in range(3)] == [r["question"] for r in ROWS[4:]]
+    with pytest.raises(IndexError, match="the split has 3"):
+        split.eval_example(3)
+    with pytest.raises(ConfigError, match=r"^task\.eval_split: 'dev' is not a split of .*; allowed: test, train$"):
+        _task(root, eval_split="dev")
+    held = _task(_jsonl(tmp_path / "d.jsonl", ROWS), holdout=3)
+    trained = {held.example(i).prompt for i in range(4 * len(held))}  # several epochs
+    kept_out = {held.eval_example(i).prompt for i in range(3)}
+    assert len(held) == 4 and len(kept_out) == 3 and not trained & kept_out
+    assert trained | kept_out == {r["question"] for r in ROWS}
+    assert held.eval_example(0).fields["answer"] == held.eval_example(0).fields["target"]
+    with pytest.raises(TypeError, match="set task.eval_split .* or task.holdout"):
+        _task(tmp_path / "d.jsonl").eval_example(0)
+    with pytest.raises(ConfigError, match="not both"):
+        _task(root, eval_split="test", holdout=1)
+    with pytest.raises(ConfigError, match=r"^task\.holdout: 7 must be an integer in \[0, 7\)"):
+        _task(tmp_path / "d.jsonl", holdout=7)
+
+
 @pytest.mark.parametrize(("flt", "kept"), [
     ({"field": "level", "equals": 2}, [1, 7, 13]),
     ({"field": "level", "not_equals": 2}, [3, 5, 9, 11]),

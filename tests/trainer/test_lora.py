@@ -244,6 +244,7 @@ def test_lora_run_on_a_hf_base_trains_only_the_adapters_and_resumes_exactly(tmp_
     tiny_train_dict["rl"]["kl_beta"] = 0.05  # the reference policy is the base model, no copy of it
     tiny_train_dict["lora"] = {"rank": 4, "alpha": 16, "targets": ["q_proj", "o_proj", "down_proj", "lm_head"],
                                "slots": 2}  # the digits task names no lora_slot: every row trains slot 0
+    tiny_train_dict["eval"] = {"prompts": 2, "samples": 2}  # after the last step
     run = lambda d, **kw: train(config_from_dict({**tiny_train_dict, "run_dir": str(tmp_path / d), "steps": 3}), **kw)  # noqa: E731
 
     straight = run("a")  # on the 2 x 2 x 2 mesh of all 8 devices
@@ -253,6 +254,15 @@ def test_lora_run_on_a_hf_base_trains_only_the_adapters_and_resumes_exactly(tmp_
     for a, b in zip(jax.tree.leaves(straight.params["lora"]), jax.tree.leaves(resumed.params["lora"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert straight.records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and straight.records[-1]["kl"] > 0
+    # The held-out eval ran on the adapters; `eval` on the checkpoint (config.yaml of an hf run: the model read from
+    # init.path again, the base checked against the adapters') repeats its scores.
+    from trainer.run.eval_cli import main as eval_main
+
+    logged = {k: v for k, v in straight.records[-1].items() if k.startswith("eval/")}
+    assert {"eval/greedy_reward", "eval/pass_at_2"} <= set(logged) and logged == {
+        k: v for k, v in resumed.records[-1].items() if k.startswith("eval/")}
+    assert eval_main([str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "eval" / "step-3.json").read_text())["scores"] == logged
 
     # The base is frozen; slot 0 trained; slot 1, which no row used, is still a fresh adapter (B = 0).
     for a, b in zip(jax.tree.leaves(hf_base), jax.tree.leaves(straight.params["base"]), strict=True):
@@ -304,8 +314,8 @@ def test_one_scale_for_a_config_and_a_service_slot(rslora: bool) -> None:
 
 
 def test_config_and_each_rows_slot() -> None:
+    from trainer.rl.task_data import row_slots
     from trainer.rl.tasks import Example
-    from trainer.rl.train import _slots
 
     base = {"model": dict(TINY_MODEL), "sampling": {"max_new_tokens": 4, "max_prompt_len": 8}}
     assert config_from_dict({**base, "lora": {}}).lora == LoraConfig()  # PEFT's defaults: r 8, alpha 8
@@ -316,6 +326,7 @@ def test_config_and_each_rows_slot() -> None:
         config_from_dict({**base, "lora": {"targets": ["wq"]}})
     # A prompt's rows train the slot its example names (a task's lora_slot field), else slot 0; -1 is the base.
     examples = {0: Example("a", {"lora_slot": 2}), 1: Example("b", {}), 2: Example("c", {"lora_slot": -1})}
-    assert _slots(examples, list(range(6)), 2, 3).tolist() == [2, 2, 0, 0, -1, -1]
-    with pytest.raises(ConfigError, match="lora_slot=3"):
-        _slots({0: Example("a", {"lora_slot": 3})}, [0], 2, 3)
+    rows = [(r // 2, examples[r // 2]) for r in range(6)]
+    assert row_slots(rows, 3).tolist() == [2, 2, 0, 0, -1, -1]
+    with pytest.raises(ConfigError, match="example 0: lora_slot=3"):
+        row_slots([(0, Example("a", {"lora_slot": 3}))], 3)

@@ -18,6 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
 
 from trainer.base import yamlfile
+from trainer.base.eval_config import EVAL_INDEX_OFFSET, EvalConfig
 
 if TYPE_CHECKING:
     from envspec.sections.fields import BundledConfigs
@@ -438,6 +439,8 @@ class TrainConfig(_Strict):
                                     "defaults); unset: train every weight")
     service: ServiceConfig | None = Field(None, description="run as the Tinker-compatible service's engine "
                                           "(trainer/service); needs lora (the adapter slots)")
+    eval: EvalConfig | None = Field(None, description="score a held-out split of the task during training (`eval: {}` "
+                                    "for the defaults); unset: no eval")
     log_every: int = Field(1, gt=0, description="print a metrics line every N steps (when there is no progress "
                            "bar)")
     progress: bool = Field(True, description="a progress bar on process 0 when stdout is a terminal")
@@ -512,6 +515,9 @@ class TrainConfig(_Strict):
                              "weights is what takes its layout)")
         if self.sampling.tensor is not None and self.service is not None:
             raise ValueError("sampling.tensor: the service engine samples on the mesh as it is; unset it")
+        if self.eval is not None and self.steps * self.rl.prompts_per_step >= EVAL_INDEX_OFFSET:
+            raise ValueError(f"steps * rl.prompts_per_step must stay below {EVAL_INDEX_OFFSET}, where the eval's "
+                             "held-out examples start")
         if self.init.from_ == "random" and self.model is None:
             raise ValueError("model: required when init.from is random")
         if self.service is not None and self.lora is None:
@@ -604,7 +610,7 @@ def _format_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config key: {key}")
         elif key:
-            lines.append(f"{key}: {e['msg']}")
+            lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(e["msg"].removeprefix("Value error, "))
     return "invalid config:\n  " + "\n  ".join(lines)

@@ -111,6 +111,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
+    def steps(self) -> list[int]:
+        """The finished steps, oldest first."""
+        return sorted(self._mngr.all_steps())
+
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 

@@ -42,15 +42,16 @@ def files_by_split(root: Path) -> dict[str, list[Path]]:
     return found
 
 
-def split_files(path: str, split: str | None) -> list[Path]:
-    """The files `task.path` (and `task.split`) name, in order. Raises ConfigError."""
+def split_files(path: str, split: str | None, key: str = "task.split") -> list[Path]:
+    """The files `task.path` (and the split `key` names: task.split, or task.eval_split) name, in order. Raises
+    ConfigError."""
     p = Path(path)
     if p.is_file():
         if p.suffix not in FORMATS:
             raise ConfigError(f"task.path: {path!r} is neither {' nor '.join(FORMATS)}; allowed: a .jsonl or .parquet "
                               "file, or a folder of splits")
         if split is not None:
-            raise ConfigError(f"task.split: {path!r} is a single file, which has no splits; leave task.split unset, "
+            raise ConfigError(f"{key}: {path!r} is a single file, which has no splits; leave {key} unset, "
                               "or point task.path at a folder of splits (<split>.jsonl, <split>.parquet)")
         return [p]
     if not p.is_dir():
@@ -62,7 +63,7 @@ def split_files(path: str, split: str | None) -> list[Path]:
                           "<split>-00000-of-00001.parquet or <split>/*.parquet, directly or under data/)")
     want = split or "train"
     if want not in splits:
-        raise ConfigError(f"task.split: {want!r} is not a split of {path!r}; allowed: {', '.join(sorted(splits))}")
+        raise ConfigError(f"{key}: {want!r} is not a split of {path!r}; allowed: {', '.join(sorted(splits))}")
     files = splits[want]
     if len({f.suffix for f in files}) > 1:
         names = ", ".join(f.name for f in files)
@@ -206,7 +207,7 @@ def answer_text(value: Any) -> str | None:
 
 
 def load_pairs(path: str, split: str | None, prompt_field: str, answer_field: str, prompt_template: str | None,
-               conditions: Sequence[Condition]) -> tuple[tuple[str, str], ...]:
+               conditions: Sequence[Condition], split_key: str = "task.split") -> tuple[tuple[str, str], ...]:
     """(prompt, answer) for every row of the split that meets every condition, in file order. The prompt is the
     prompt_field's text, or prompt_template filled from the row. Raises ConfigError."""
     fields = template_fields(prompt_template) if prompt_template is not None else (prompt_field,)
@@ -218,7 +219,7 @@ def load_pairs(path: str, split: str | None, prompt_field: str, answer_field: st
         columns.setdefault(name, key)
     pairs: list[tuple[str, str]] = []
     seen = 0
-    for file in split_files(path, split):
+    for file in split_files(path, split, split_key):
         rows = _parquet_rows(file, columns) if file.suffix == ".parquet" else _jsonl_rows(file)
         for n, row in enumerate(rows, start=1):
             seen += 1

@@ -15,7 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 # Where each step's time goes (train.py): keys of the record, seconds, in the order they happen.
-PHASES = ("sample", "score", "reference", "update", "checkpoint")
+PHASES = ("sample", "score", "reference", "update", "checkpoint", "eval")
+EVAL_PREFIX = "eval/"  # the held-out eval's scores (trainer/rl/evaluate.py), in the records of the steps it follows
 
 
 def phase_key(phase: str) -> str:
@@ -98,6 +99,9 @@ class MetricsLogger:
             # soft_wrap: one line per step in a pod's log or a pipe, where rich would otherwise wrap at 80 columns.
             self.console.print(f"step {record['step']:>5}  {info}  ({record['step_time_s']:.2f}s)", highlight=False,
                                soft_wrap=True)
+        scores = eval_line(record)
+        if scores:
+            self.console.print(f"eval after step {record['step']:>5}  {scores}", highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:
@@ -106,6 +110,23 @@ class MetricsLogger:
         if self._board is not None:
             self._board.close()
             self._board = None
+
+
+def eval_scores(record: dict[str, Any]) -> dict[str, float]:
+    """The eval's scores in a record (none when no eval followed its step)."""
+    return {k: v for k, v in record.items() if k.startswith(EVAL_PREFIX)}
+
+
+def _headline(key: str) -> bool:
+    """An eval score shown on its line and in the plot: the mean rewards and the pass rates."""
+    return key.endswith(("_reward", "_pass")) or key.startswith(f"{EVAL_PREFIX}pass_at_")
+
+
+def eval_line(record: dict[str, Any]) -> str:
+    """The headline scores of a record's eval, on one line: mean rewards and pass rates."""
+    scores = eval_scores(record)
+    keys = [k for k in scores if _headline(k)]
+    return "  ".join(f"{k.removeprefix(EVAL_PREFIX)} {scores[k]:.3f}" for k in keys)
 
 
 def _finite(xs: list[Any]) -> list[float]:
@@ -120,7 +141,9 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    evals = [r for r in records if eval_scores(r)]
+    fig, axes = plt.subplots(3 if evals else 2, 1, figsize=(8, 9 if evals else 6), sharex=True)
+    ax_r, ax_l = axes[0], axes[1]
     mean = _finite([r["reward_mean"] for r in records])
     std = _finite([r["reward_std"] for r in records])
     ax_r.plot(steps, mean, label="reward (sum)", color="C0", alpha=0.6)
@@ -143,8 +166,19 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
     ax_r.grid(alpha=0.3)
     ax_l.plot(steps, _finite([r["loss"] for r in records]), color="C1")
     ax_l.set_ylabel("loss")
-    ax_l.set_xlabel("step")
     ax_l.grid(alpha=0.3)
+    if evals:
+        # Rewards and pass rates of the held-out eval at the steps it followed (lengths and per-reward parts stay in
+        # the JSONL and TensorBoard).
+        ax_e = axes[2]
+        keys = sorted({k for r in evals for k in eval_scores(r) if _headline(k)})
+        for i, key in enumerate(keys):
+            ax_e.plot([r["step"] for r in evals], _finite([r.get(key) for r in evals]), marker="o", ms=3,
+                      label=key.removeprefix(EVAL_PREFIX), color=f"C{i}")
+        ax_e.set_ylabel("held-out eval")
+        ax_e.legend(loc="best", fontsize="small")
+        ax_e.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=100)

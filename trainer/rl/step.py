@@ -54,8 +54,8 @@ from trainer.rl.losses import Norm, group_advantages, policy_loss
 from trainer.rl.optim import make_optimizer
 from trainer.rl.sampler import Samples, sample
 
-# Folded into the base key so parameter init, adapter init and per-step sampling never share a stream.
-INIT_STREAM, STEP_STREAM, LORA_STREAM = 0, 1, 2
+# Folded into the base key so parameter init, adapter init, per-step sampling and the eval never share a stream.
+INIT_STREAM, STEP_STREAM, LORA_STREAM, EVAL_STREAM = 0, 1, 2, 3
 BATCH_KEYS = ("prompt", "prompt_valid", "completion", "mask", "old_logp", "rewards")
 Batch = dict[str, jax.Array]
 
@@ -75,6 +75,9 @@ class Programs:
     update: Any
     lora: LoraConfig | None = None
     init_lora: Any = None  # key -> a fresh adapter stack (lora only; for a base imported from Hugging Face)
+    # (temperature, top_k, top_p) -> `sample` at those settings, same arguments (the eval's greedy and sampled runs);
+    # `sample` itself at the config's settings.
+    sampler: Any = None
 
 
 def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
@@ -179,14 +182,18 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         return (params, put(prompt, rows), put(valid, rows), put(base_key, rep_s), put(step, rep_s),
                 None if slot is None else put(slot, batch_sharding(smesh, 1)))
 
-    def sample_fn(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array,
-                  slot: jax.Array | None = None) -> Samples:
-        params, prompt, valid, base_key, step, slot = onto_sampler_mesh(params, prompt, valid, base_key, step, slot)
-        key = jax.random.fold_in(jax.random.fold_in(base_key, STEP_STREAM), step)
-        return sample(sampler_weights(base_of(params)), mcfg, prompt, valid, key, max_new_tokens=sc.max_new_tokens,
-                      eos_id=eos_id, pad_id=pad_id, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, cc=cc,
-                      max_num_sequences=sc.max_num_sequences, adapter=adapter_of(params, slot),
-                      continuous=sc.continuous_batching, refill_rows=data_size(smesh))
+    def sample_fn(temperature: float, top_k: int, top_p: float) -> Any:
+        def fn(params: M.Params, prompt: jax.Array, valid: jax.Array, base_key: jax.Array, step: jax.Array,
+               slot: jax.Array | None = None) -> Samples:
+            params, prompt, valid, base_key, step, slot = onto_sampler_mesh(params, prompt, valid, base_key, step,
+                                                                            slot)
+            key = jax.random.fold_in(jax.random.fold_in(base_key, STEP_STREAM), step)
+            return sample(sampler_weights(base_of(params)), mcfg, prompt, valid, key,
+                          max_new_tokens=sc.max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature,
+                          top_k=top_k, top_p=top_p, cc=cc, max_num_sequences=sc.max_num_sequences,
+                          adapter=adapter_of(params, slot), continuous=sc.continuous_batching,
+                          refill_rows=data_size(smesh))
+        return fn
 
     def logprobs(params: M.Params, batch: Batch, with_adapter: bool = True) -> tuple[jax.Array, jax.Array]:
         adapter = adapter_of(params, batch.get("slot")) if with_adapter else None
@@ -268,7 +275,17 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     sample_in = (param_sh, b2, b2, rep, rep) + ((b1,) if lcfg is not None else ())
     # Samples as a tree of shardings, not of arrays.
     sample_kw: dict[str, Any] = dict(in_shardings=sample_in, out_shardings=Samples(b2, b2, b2, rep))  # type: ignore[arg-type]
-    sample_jit = jax.jit(sample_fn, **sample_kw) if smesh is mesh else MeshJit(smesh, sample_fn, **sample_kw)
+    samplers: dict[tuple[float, int, float], Any] = {}
+
+    def sampler(temperature: float, top_k: int, top_p: float) -> Any:
+        """The sample program at these settings (compiled once each; greedy ignores top_k and top_p)."""
+        settings = (0.0, 0, 1.0) if temperature == 0 else (float(temperature), int(top_k), float(top_p))
+        if settings not in samplers:
+            fn = sample_fn(*settings)
+            samplers[settings] = jax.jit(fn, **sample_kw) if smesh is mesh else MeshJit(smesh, fn, **sample_kw)
+        return samplers[settings]
+
+    sample_jit = sampler(sc.temperature, sc.top_k, sc.top_p)
     # The reference policy: the initial weights, which with lora are the base model alone (fresh adapters are 0).
     ref_jit = jax.jit(lambda p, b: logprobs(p, b, with_adapter=False)[0], in_shardings=(param_sh, batch_sh),
                       out_shardings=b2)
@@ -288,7 +305,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     init_lora = None if lcfg is None else jax.jit(fresh_lora, in_shardings=(rep,), out_shardings=train_sh)
     init_opt = jax.jit(lambda p: optimizer.init(trainable(p)), in_shardings=(param_sh,), out_shardings=opt_sh)
     return Programs(mesh, param_sh, opt_sh, optimizer, init_params, init_opt, sample_jit, ref_jit, update_jit, lcfg,
-                    init_lora)
+                    init_lora, sampler)
 
 
 def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[str, tuple[Any, ...]]:

@@ -60,6 +60,28 @@ class TaskData:
         ids = [int(t) for t, m in zip(tokens, mask, strict=True) if m and int(t) != self.tokenizer.eos_id]
         return self.tokenizer.decode(ids)
 
+    def score(self, exs: list[Any], completions: list[str]) -> np.ndarray:
+        """Each completion (of example exs[i]) scored by every reward fn: [len(exs), R]."""
+        from trainer.rl.rewards import compute_rewards
+
+        keys = sorted({k for e in exs for k in e.fields})
+        fields = {k: [e.fields.get(k) for e in exs] for k in keys}
+        scores = compute_rewards(self.reward_names, [e.prompt for e in exs], completions, fields)
+        return np.stack([np.asarray(scores[n], np.float32) for n in self.reward_names], axis=1)
+
+
+def row_slots(exs: list[tuple[int, Any]], slots: int) -> np.ndarray:
+    """Each row's adapter slot, from its (index, example): the example's `lora_slot` field, else 0; -1 is the base
+    model alone."""
+    out = []
+    for index, ex in exs:
+        slot = ex.fields.get("lora_slot", 0)
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not -1 <= slot < slots:
+            raise ConfigError(f"example {index}: lora_slot={slot!r} is not an adapter slot (an integer in "
+                              f"[-1, lora.slots = {slots}))")
+        out.append(int(slot))
+    return np.asarray(out, np.int32)
+
 
 def load_task_data(cfg: TrainConfig) -> TaskData:
     from trainer.model.tokenizer import load_tokenizer
@@ -87,6 +109,8 @@ def load_task_data(cfg: TrainConfig) -> TaskData:
     except (KeyError, TypeError, ValueError) as err:
         raise named("rewards", err) from None
     try_task(cfg.task.name, task, names)
+    if cfg.eval is not None:
+        try_eval(cfg, task, names)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except (KeyError, TypeError, ValueError, OSError) as err:
@@ -153,3 +177,31 @@ def try_task(task_name: str, task: Any, reward_names: tuple[str, ...]) -> None:
                               f"completion: {type(err).__name__}: {err}") from None
         if not all(math.isfinite(x) for x in scores):
             raise ConfigError(f"rewards: {name!r} returned {scores!r} for two completions; expected finite numbers")
+
+
+def try_eval(cfg: TrainConfig, task: Any, reward_names: tuple[str, ...]) -> None:
+    """The eval's part of the preflight: its pass reward is one of the run's, and the held-out split gives examples
+    0 and eval.prompts - 1, the same on every call. Raises ConfigError."""
+    from trainer.rl.tasks import eval_example
+
+    assert cfg.eval is not None
+    if cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in reward_names:
+        raise ConfigError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the run's rewards "
+                          f"({', '.join(reward_names)})")
+    last = cfg.eval.prompts - 1
+    for index in sorted({0, last}):
+        try:
+            first, again = eval_example(task, index), eval_example(task, index)
+        except IndexError as err:
+            raise ConfigError(f"eval.prompts: {cfg.eval.prompts} held-out prompts asked of task {cfg.task.name!r}: "
+                              f"{err}") from None
+        except Exception as err:
+            raise ConfigError(f"task: {cfg.task.name!r} held-out example {index} failed: {type(err).__name__}: "
+                              f"{err}") from None
+        if not isinstance(getattr(first, "prompt", None), str) or not isinstance(getattr(first, "fields", None),
+                                                                                 dict):
+            raise ConfigError(f"task: {cfg.task.name!r} eval_example({index}) returned {first!r}; expected an object "
+                              "with prompt (str) and fields (dict)")
+        if (again.prompt, again.fields) != (first.prompt, first.fields):
+            raise ConfigError(f"task: {cfg.task.name!r} held-out example {index} differs between two calls; it must "
+                              "depend only on the task's options and the index")

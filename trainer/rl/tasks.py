@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from trainer.base.config import ConfigError
+from trainer.base.eval_config import EVAL_INDEX_OFFSET
 from trainer.rl.dataset_files import load_pairs, parse_filter
 from trainer.rl.rewards import REWARDS, extract_answer
 
@@ -28,10 +29,26 @@ class Example:
 
 @runtime_checkable
 class Task(Protocol):
+    """What the loop reads of a task. A task may also define `eval_example(index)`: its held-out split, which the
+    eval (config `eval:`) reads in place of the default, `example(EVAL_INDEX_OFFSET + index)`: indices no training
+    step reaches. A task over a finite dataset (one with `__len__`) must define it, since its examples repeat."""
+
     name: str
     reward_names: tuple[str, ...]
 
     def example(self, index: int) -> Example: ...
+
+
+def eval_example(task: Task, index: int) -> Example:
+    """Held-out example `index` of `task`: its own `eval_example`, else `example` at an index past any training
+    step's (fresh draws for a generated task)."""
+    own = getattr(task, "eval_example", None)
+    if callable(own):
+        return own(index)
+    if hasattr(task, "__len__"):
+        raise TypeError(f"task {task.name!r} is a finite dataset without an eval_example(index) method, so the "
+                        "eval would score examples it trains on; give it a held-out split (docs/own-tasks.md)")
+    return task.example(EVAL_INDEX_OFFSET + index)
 
 
 def _rng(seed: int, index: int) -> np.random.Generator:
@@ -133,21 +150,45 @@ def _format_number(x: float) -> str:
 
 @dataclass(frozen=True)
 class GSM8KTask:
-    """GSM8K-format JSONL (`{"question": ..., "answer": "... #### 42"}`), reshuffled every epoch."""
+    """GSM8K-format JSONL (`{"question": ..., "answer": "... #### 42"}`), reshuffled every epoch.
+
+    The held-out split the eval reads: a second file (`eval_path`, e.g. GSM8K's test split), or `holdout` rows of
+    `path` (a fixed seeded pick) that training then never sees."""
 
     path: str
     seed: int = 0
     shuffle: bool = True
     prompt_template: str = DEFAULT_GSM8K_TEMPLATE
+    eval_path: str | None = None
+    holdout: int = 0
     name: str = "gsm8k"
     reward_names: tuple[str, ...] = ("gsm8k_answer", "gsm8k_format")
     _rows: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+    _eval_rows: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = Path(self.path)
         if not p.is_file():
             raise FileNotFoundError(f"gsm8k task: no such file {self.path!r} (set task.path)")
-        object.__setattr__(self, "_rows", _load_jsonl(p))
+        rows = _load_jsonl(p)
+        if self.eval_path is not None and self.holdout:
+            raise ValueError("gsm8k task: set eval_path (a file of its own) or holdout (rows of path), not both")
+        if not isinstance(self.holdout, int) or not 0 <= self.holdout < len(rows):
+            raise ValueError(f"gsm8k task: holdout={self.holdout!r} must be an integer in [0, {len(rows)}) (the rows "
+                             f"of {self.path})")
+        held: tuple[tuple[str, str], ...] = ()
+        if self.eval_path is not None:
+            if not Path(self.eval_path).is_file():
+                raise FileNotFoundError(f"gsm8k task: no such file {self.eval_path!r} (task.eval_path)")
+            held = _load_jsonl(Path(self.eval_path))
+        elif self.holdout:
+            # A pick of its own (not epoch 0's order), fixed by the seed; both parts keep the file's order.
+            out = set(np.random.default_rng([self.seed, len(rows), self.holdout]).permutation(len(rows))[:self.holdout]
+                      .tolist())
+            held = tuple(r for i, r in enumerate(rows) if i in out)
+            rows = tuple(r for i, r in enumerate(rows) if i not in out)
+        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_eval_rows", held)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -157,7 +198,19 @@ class GSM8KTask:
             raise ValueError(f"example index must be >= 0, got {index}")
         epoch, pos = divmod(index, len(self._rows))
         row = self._order(epoch)[pos] if self.shuffle else pos
-        question, answer = self._rows[row]
+        return self._example(self._rows[row])
+
+    def eval_example(self, index: int) -> Example:
+        """Held-out row `index`, in file order; an index past the split is an IndexError."""
+        if not self._eval_rows:
+            raise TypeError("gsm8k task has no held-out split: set task.eval_path (e.g. GSM8K's test split) or "
+                            "task.holdout (rows of task.path kept out of training)")
+        if not 0 <= index < len(self._eval_rows):
+            raise IndexError(f"gsm8k task: held-out example {index} asked, the split has {len(self._eval_rows)}")
+        return self._example(self._eval_rows[index])
+
+    def _example(self, row: tuple[str, str]) -> Example:
+        question, answer = row
         return Example(prompt=self.prompt_template.format(question=question), fields={"answer": answer})
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -171,10 +224,15 @@ class DatasetTask:
 
     The answer reaches the rewards as both `answer` and `target`, so every built-in reward reads it. task.hub,
     hub_config and hub_revision name the Hugging Face dataset the stack's staging Job writes to `path` (a folder of
-    splits); the trainer reads only `path`, offline."""
+    splits); the trainer reads only `path`, offline.
+
+    The held-out split the eval reads: another split of `path` (`eval_split`, e.g. test), or `holdout` rows of the
+    training split (a fixed seeded pick) that training then never sees."""
 
     path: str
     split: str | None = None
+    eval_split: str | None = None
+    holdout: int = 0
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     prompt_template: str | None = None
@@ -187,17 +245,35 @@ class DatasetTask:
     name: str = "dataset"
     reward_names: tuple[str, ...] = ("exact_match",)
     _rows: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+    _eval_rows: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for key in ("path", "prompt_field", "answer_field"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ConfigError(f"task.{key}: expected a non-empty string, got {getattr(self, key)!r}")
-        for key in ("split", "prompt_template", "hub", "hub_config", "hub_revision"):
+        for key in ("split", "eval_split", "prompt_template", "hub", "hub_config", "hub_revision"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise ConfigError(f"task.{key}: expected a string, got {getattr(self, key)!r}")
+        if self.eval_split is not None and self.holdout:
+            raise ConfigError("task.eval_split, task.holdout: set one (a split of its own, or rows of the training "
+                              "split), not both")
         rows = load_pairs(self.path, self.split, self.prompt_field, self.answer_field, self.prompt_template,
                           parse_filter(self.filter))
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or not 0 <= self.holdout < len(rows):
+            raise ConfigError(f"task.holdout: {self.holdout!r} must be an integer in [0, {len(rows)}) (the rows of "
+                              "the training split)")
+        held: tuple[tuple[str, str], ...] = ()
+        if self.eval_split is not None:
+            held = load_pairs(self.path, self.eval_split, self.prompt_field, self.answer_field, self.prompt_template,
+                              parse_filter(self.filter), "task.eval_split")
+        elif self.holdout:
+            # As GSM8K's holdout: a pick of its own (not epoch 0's order), fixed by the seed; both keep the file order.
+            out = set(np.random.default_rng([self.seed, len(rows), self.holdout]).permutation(len(rows))[:self.holdout]
+                      .tolist())
+            held = tuple(r for i, r in enumerate(rows) if i in out)
+            rows = tuple(r for i, r in enumerate(rows) if i not in out)
         object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_eval_rows", held)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -207,7 +283,20 @@ class DatasetTask:
             raise ValueError(f"example index must be >= 0, got {index}")
         epoch, pos = divmod(index, len(self._rows))
         row = _permutation(self.seed, epoch, len(self._rows))[pos] if self.shuffle else pos
-        prompt, answer = self._rows[row]
+        return self._example(self._rows[row])
+
+    def eval_example(self, index: int) -> Example:
+        """Held-out row `index`, in file order; an index past the split is an IndexError."""
+        if not self._eval_rows:
+            raise TypeError("dataset task has no held-out split: set task.eval_split (another split of task.path, "
+                            "e.g. test) or task.holdout (rows of the training split kept out of training)")
+        if not 0 <= index < len(self._eval_rows):
+            raise IndexError(f"dataset task: held-out example {index} asked, the split has {len(self._eval_rows)}")
+        return self._example(self._eval_rows[index])
+
+    @staticmethod
+    def _example(row: tuple[str, str]) -> Example:
+        prompt, answer = row
         return Example(prompt=prompt, fields={"answer": answer, "target": answer})
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
+from jax.sharding import Mesh
 
 from envspec.pod import ENV_CHECKPOINT_DIR
 from trainer.base.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
@@ -30,9 +31,12 @@ from trainer.model import decoder as M
 from trainer.model.sharding import make_mesh, replicated
 from trainer.rl.batch import from_rows, process_rows, read_local_rows, replicate
 from trainer.rl.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
+from trainer.rl.evaluate import Evaluator
 from trainer.rl.metrics import (
     PLOT_FILE,
     MetricsLogger,
+    eval_line,
+    eval_scores,
     phase_key,
     plot_metrics,
     read_metrics,
@@ -40,8 +44,8 @@ from trainer.rl.metrics import (
     truncate_metrics,
 )
 from trainer.rl.sampler import Samples
-from trainer.rl.step import build_programs
-from trainer.rl.task_data import TaskData, load_task_data
+from trainer.rl.step import Programs, build_programs
+from trainer.rl.task_data import TaskData, load_task_data, row_slots
 
 
 @dataclass
@@ -81,13 +85,47 @@ def _summary(records: list[dict[str, Any]]) -> tuple[float, float, int] | None:
     return first, last, k
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | None = None,
-          on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
-    """Run (or resume) training until cfg.steps, a stop signal, or `stop_after` completed steps.
+@dataclass
+class Start:
+    """A run set up on its mesh, before any checkpoint is read: the resolved config, task data, programs, and fresh
+    weights and optimizer state (with lora, the frozen base is the run's own: from the seed or init.path)."""
 
-    JAX must already be initialised for this process (see distributed.initialize_from_env). `on_step` is called on
-    every process after each step (and its checkpoint save, if due) with that step's record.
-    """
+    cfg: TrainConfig
+    data: TaskData
+    mesh: Mesh
+    programs: Programs
+    params: M.Params
+    opt_state: Any
+    base_sums: jax.Array | None  # with lora: the base weights' checksums, which a checkpoint must match
+
+    def state(self, params: M.Params, opt_state: Any) -> dict[str, Any]:
+        """What a checkpoint holds: everything trained; with lora, not the (frozen, rebuilt) base."""
+        if self.cfg.lora is None:
+            return {"params": params, "opt_state": opt_state}
+        return {"lora": params["lora"], "opt_state": opt_state, "base_checksums": self.base_sums}
+
+    def target(self) -> Any:
+        """The restore target: this run's state as ShapeDtypeStructs on its shardings."""
+        p = self.programs
+        if self.cfg.lora is None:
+            sh = {"params": p.param_sh, "opt_state": p.opt_sh}
+        else:
+            sh = {"lora": p.param_sh["lora"], "opt_state": p.opt_sh, "base_checksums": replicated(self.mesh)}
+        return abstract_like(self.state(self.params, self.opt_state), sh)
+
+    def params_of(self, state: dict[str, Any], step: int, where: Path) -> M.Params:
+        """The weights of a restored state; with lora, refused unless it trained adapters on this run's base."""
+        if self.cfg.lora is None:
+            return state["params"]
+        if not np.array_equal(np.asarray(state["base_checksums"]), np.asarray(self.base_sums)):
+            raise ConfigError(f"checkpoint step {step} in {where} trained LoRA adapters on other base weights than "
+                              "this run's (init, seed or compute.param_dtype changed)")
+        return {"base": self.params["base"], "lora": state["lora"]}
+
+
+def start_run(cfg: TrainConfig) -> Start:
+    """Import the initial weights (init.from hf), resolve the mesh, load the task, build the programs and the fresh
+    train state. JAX must already be initialised for this process."""
     hf_params = None
     lcfg = cfg.lora
     if cfg.init.from_ == "hf":
@@ -104,18 +142,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             raise ConfigError(f"{err}; {hint}") from None
         raise
     data = load_task_data(cfg)
-    primary = jax.process_index() == 0
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-
     n_mesh = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
     mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n_mesh])
     tok = data.tokenizer
     programs = build_programs(cfg, mesh, tok.pad_id, tok.eos_id)
-    param_sh, opt_sh = programs.param_sh, programs.opt_sh
-
-    base_key = jax.random.PRNGKey(cfg.seed)
-    key_rep = replicate(mesh, np.asarray(jax.random.key_data(base_key)))
+    param_sh = programs.param_sh
+    key_rep = replicate(mesh, np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.seed))))
     with jax.set_mesh(mesh):
         if hf_params is None:
             params = programs.init_params(key_rep)
@@ -123,30 +155,35 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             params = _host_params(hf_params, param_sh)
         else:
             params = {"base": _host_params(hf_params, param_sh["base"]), "lora": programs.init_lora(key_rep)}
+        opt_state = programs.init_opt(params)
+    base_sums = None if lcfg is None else replicate(mesh, np.asarray(checksums(params["base"]), np.uint32))
+    return Start(cfg, data, mesh, programs, params, opt_state, base_sums)
+
+
+def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | None = None,
+          on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+    """Run (or resume) training until cfg.steps, a stop signal, or `stop_after` completed steps.
+
+    JAX must already be initialised for this process (see distributed.initialize_from_env). `on_step` is called on
+    every process after each step (and its checkpoint save, if due) with that step's record.
+    """
+    run = start_run(cfg)
+    cfg, data, mesh, programs, params, opt_state = run.cfg, run.data, run.mesh, run.programs, run.params, run.opt_state
+    lcfg = cfg.lora
+    primary = jax.process_index() == 0
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with jax.set_mesh(mesh):
         # params get donated; with lora the reference is the frozen base inside them (see step.py)
         ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 and lcfg is None else None
-        opt_state = programs.init_opt(params)
 
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     start = 0
-    key_data = np.asarray(jax.random.key_data(base_key), np.uint32)
-    base_sums = None if lcfg is None else replicate(mesh, np.asarray(checksums(params["base"]), np.uint32))
-
-    def train_state(params: M.Params, opt_state: Any) -> dict[str, Any]:
-        """What a checkpoint holds: everything trained; with lora, not the (frozen, rebuilt) base."""
-        if lcfg is None:
-            return {"params": params, "opt_state": opt_state}
-        return {"lora": params["lora"], "opt_state": opt_state, "base_checksums": base_sums}
-
-    if lcfg is None:
-        state_sh = {"params": param_sh, "opt_state": opt_sh}
-    else:
-        state_sh = {"lora": param_sh["lora"], "opt_state": opt_sh, "base_checksums": replicated(mesh)}
+    key_data = np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.seed)), np.uint32)
     # Raises NoUsableCheckpoint (a ConfigError) if every step is damaged: never silently start over.
     try:
-        found = ckpt.resume(abstract_like(train_state(params, opt_state), state_sh),
-                            rollback_to=cfg.checkpoint.resume_step)
+        found = ckpt.resume(run.target(), rollback_to=cfg.checkpoint.resume_step)
     except BaseException:
         ckpt.close()
         raise
@@ -154,14 +191,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         state, meta, set_aside = found
         if primary:
             _report_resume(ckpt.directory, meta.step, set_aside)
-        if lcfg is None:
-            params = state["params"]
-        else:
-            if not np.array_equal(np.asarray(state["base_checksums"]), np.asarray(base_sums)):
-                ckpt.close()
-                raise ConfigError(f"checkpoint step {meta.step} in {ckpt.directory} trained LoRA adapters on other "
-                                  "base weights than this run's (init, seed or compute.param_dtype changed)")
-            params = {"base": params["base"], "lora": state["lora"]}
+        try:
+            params = run.params_of(state, meta.step, ckpt.directory)
+        except ConfigError:
+            ckpt.close()
+            raise
         opt_state, start = state["opt_state"], meta.step
         key_data = np.asarray(meta.rng, np.uint32)
         if meta.data_position != start * cfg.rl.prompts_per_step:
@@ -169,6 +203,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
                 f"checkpoint at step {start} has data position {meta.data_position}, but rl.prompts_per_step="
                 f"{cfg.rl.prompts_per_step} implies {start * cfg.rl.prompts_per_step}"
             )
+    # The loop owns (and donates) the state from here; a resumed run's fresh one is freed.
+    run.params = run.opt_state = None  # type: ignore[assignment]  # no longer read
+    evaluator = None if cfg.eval is None else Evaluator(cfg, data, mesh, programs)
     if primary:
         truncate_metrics(run_dir, start)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(by_alias=True), sort_keys=False))
@@ -191,8 +228,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             prompt = from_rows(mesh, rows, prompt_np, (B, P))
             prompt_valid = from_rows(mesh, rows, valid_np, (B, P))
             G = cfg.rl.group_size
-            slot: tuple[jax.Array, ...] = (
-                () if lcfg is None else (from_rows(mesh, rows, _slots(examples, rows, G, lcfg.slots), (B,)),))
+            slot: tuple[jax.Array, ...] = () if lcfg is None else (
+                from_rows(mesh, rows, row_slots([(r // G, examples[r // G]) for r in rows], lcfg.slots), (B,)),)
             with jax.set_mesh(mesh):
                 samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)),
                                           *slot)
@@ -222,10 +259,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             leaving = stop.agreed() or (stop_after is not None and step + 1 >= stop_after)
             t = time.perf_counter()
             if leaving or step + 1 == cfg.steps or ckpt.due(step + 1):
-                ckpt.save(train_state(params, opt_state), meta)
+                ckpt.save(run.state(params, opt_state), meta)
             times["checkpoint"] = time.perf_counter() - t  # its start only when saves are asynchronous
+            evaluated: dict[str, float] = {}
+            if evaluator is not None and evaluator.due(step + 1):
+                # After the save: a stop signal's checkpoint comes first; the eval still runs, so a resumed run logs
+                # what an uninterrupted one does.
+                t = time.perf_counter()
+                evaluated = evaluator(params)
+                times["eval"] = time.perf_counter() - t
             efficiency = slot_efficiency(int(m["tokens"]), int(samples.steps), cfg.sample_chunk_rows)
-            record = _record(step, m, data.reward_names, dt, efficiency, times)
+            record = {**_record(step, m, data.reward_names, dt, efficiency, times), **evaluated}
             records.append(record)
             logger.log(record)
             step += 1
@@ -244,18 +288,6 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     if primary:
         _finish(run_dir, stopped, step, preview)
     return TrainResult(run_dir, step, stopped, params, records)
-
-
-def _slots(examples: dict[int, Any], rows: list[int], group_size: int, slots: int) -> np.ndarray:
-    """Each row's adapter slot: its example's `lora_slot` field, else 0; -1 is the base model alone."""
-    out = []
-    for r in rows:
-        slot = examples[r // group_size].fields.get("lora_slot", 0)
-        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not -1 <= slot < slots:
-            raise ConfigError(f"example {r // group_size}: lora_slot={slot!r} is not an adapter slot (an integer in "
-                              f"[-1, lora.slots = {slots}))")
-        out.append(int(slot))
-    return np.asarray(out, np.int32)
 
 
 def _export_adapters(out: Path, lora: M.Params, lcfg: LoraConfig, base: str | None) -> None:
@@ -288,17 +320,11 @@ def _report_resume(directory: Path, step: int, set_aside: list[SetAside]) -> Non
 
 def _score(data: TaskData, examples: dict[int, Any], samples: Samples, rows: list[int]) -> tuple[np.ndarray, list[str]]:
     """Decode this process's completions and score them with every reward fn: [len(rows), R]."""
-    from trainer.rl.rewards import compute_rewards
-
     G = data.cfg.rl.group_size
     tokens = read_local_rows(samples.tokens_BN)
     masks = read_local_rows(samples.mask_BN)
-    exs = [examples[r // G] for r in rows]
     completions = [data.completion_text(tokens[r], masks[r]) for r in rows]
-    keys = sorted({k for e in exs for k in e.fields})
-    fields = {k: [e.fields.get(k) for e in exs] for k in keys}
-    scores = compute_rewards(data.reward_names, [e.prompt for e in exs], completions, fields)
-    return np.stack([np.asarray(scores[n], np.float32) for n in data.reward_names], axis=1), completions
+    return data.score([examples[r // G] for r in rows], completions), completions
 
 
 def _waited(out: Any, since: float) -> float:
@@ -338,8 +364,12 @@ def _finish(run_dir: Path, stopped: bool, step: int, preview: list[tuple[str, st
         first, last, k = summary
         span = "step" if k == 1 else f"{k} steps"
         print(f"mean reward: start {first:.3f} (first {span}) -> end {last:.3f} (last {span})")
+    evals = [r for r in records if eval_scores(r)]
+    if evals:
+        print(f"held-out eval after step {evals[-1]['step']}: {eval_line(evals[-1])}")
     state = f"stopped at step {step}, checkpoint saved" if stopped else f"finished {step} steps"
     print(f"{state}; metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / PLOT_FILE}")
     (run_dir / "summary.json").write_text(json.dumps(
         {"step": step, "stopped": stopped, **({"reward_start": summary[0], "reward_end": summary[1]}
-                                              if summary else {})}) + "\n")
+                                              if summary else {}),
+         **({"eval": {"after_step": evals[-1]["step"], **eval_scores(evals[-1])}} if evals else {})}) + "\n")
