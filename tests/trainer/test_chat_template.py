@@ -1,10 +1,11 @@
 """Chat templates (trainer/model/chat_template.py) against transformers' own apply_chat_template, on the published
-templates of Qwen3, Llama 3.3 and Mistral Nemo (tests/fixtures/chat_templates/SOURCES.md): the same text, and through
-the trainer's prompt path (task.chat_template) the same token ids, with no second BOS."""
+templates of Qwen3 and Mistral Nemo and our own Llama 3.x template (tests/fixtures/chat_templates/SOURCES.md): the
+same text, and through the trainer's prompt path (task.chat_template) the same token ids, with no second BOS."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,8 @@ TEMPLATES = FIXTURES / "chat_templates"
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"template": "qwen3.jinja", "tokens": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
               "added": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]},
-    "llama3.3": {"template": "llama3.3.jinja", "tokens": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-                 "added": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]},
+    "llama3": {"template": "llama3.jinja", "tokens": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+               "added": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]},
     "mistral-nemo": {"template": "mistral-nemo.jinja", "tokens": {"bos_token": "<s>", "eos_token": "</s>",
                                                                   "unk_token": "<unk>"},
                      "added": ["<s>", "</s>", "<unk>", "[INST]", "[/INST]"]},
@@ -33,6 +34,26 @@ CONVERSATIONS = [
     [{"role": "system", "content": "  You are terse.\n"},
      {"role": "user", "content": "  Sum {1, 2}: \"ok\" & <b>é</b>\n"}],
 ]
+# A day no test run falls on, so a template that ignores strftime_now cannot pass by luck.
+FROZEN_NOW = datetime(2031, 3, 5, 23, 59, 59)
+
+
+class _FrozenDatetime(datetime):
+    @classmethod
+    def now(cls, tz: Any = None) -> _FrozenDatetime:
+        return cls.fromtimestamp(FROZEN_NOW.timestamp(), tz)
+
+
+@pytest.fixture
+def frozen_today(monkeypatch: pytest.MonkeyPatch) -> None:
+    """strftime_now reads datetime.now() from its module's global `datetime`, in transformers and in ours: both see
+    FROZEN_NOW (and a run at midnight cannot render two different days)."""
+    import transformers.utils.chat_template_utils as hf_chat
+
+    import trainer.model.chat_template as ours
+
+    monkeypatch.setattr(hf_chat, "datetime", _FrozenDatetime)
+    monkeypatch.setattr(ours, "datetime", _FrozenDatetime)
 
 
 def tokenizer_dir(root: Path, family: str, as_file: bool = False) -> Path:
@@ -63,10 +84,11 @@ def _transformers(path: Path) -> Any:
 
 
 @pytest.mark.parametrize(("family", "kwargs"), [("qwen3", {}), ("qwen3", {"enable_thinking": False}),
-                                                ("llama3.3", {}), ("llama3.3", {"date_string": "01 Jan 2026"}),
+                                                ("llama3", {}), ("llama3", {"date_string": "01 Jan 2026"}),
                                                 ("mistral-nemo", {})])
-def test_renders_what_transformers_renders(tmp_path: Path, family: str, kwargs: dict[str, Any]) -> None:
-    path = tokenizer_dir(tmp_path, family, as_file=family == "llama3.3")
+def test_renders_what_transformers_renders(tmp_path: Path, family: str, kwargs: dict[str, Any],
+                                           frozen_today: None) -> None:
+    path = tokenizer_dir(tmp_path, family, as_file=family == "llama3")
     ours, theirs = ChatTemplate.from_dir(path), _transformers(path)
     for messages in CONVERSATIONS:
         for gen in (True, False):
@@ -76,12 +98,58 @@ def test_renders_what_transformers_renders(tmp_path: Path, family: str, kwargs: 
     last = ours.render(CONVERSATIONS[0], **kwargs)
     no_think = "<think>\n\n</think>\n\n" if "enable_thinking" in kwargs else ""
     assert last.endswith({"qwen3": "<|im_start|>assistant\n" + no_think,
-                          "llama3.3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                          "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
                           "mistral-nemo": "[/INST]"}[family])
+    if family == "llama3":  # the date: date_string when given, else strftime_now's (frozen) today
+        today = kwargs.get("date_string", "05 Mar 2031")
+        assert last.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge "
+                               f"Date: December 2023\nToday Date: {today}\n\n<|eot_id|>")
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city, now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "e.g. Zürich"}},
+                   "required": ["city"]}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+TOOL_CHAT = [{"role": "system", "content": "Use the tools."},
+             {"role": "user", "content": "Weather in Zürich?"},
+             {"role": "assistant", "tool_calls": [CALL]},
+             {"role": "tool", "content": '{"celsius": 4}'},
+             {"role": "assistant", "content": "4 °C."},
+             {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]}]
+
+
+@pytest.mark.parametrize("in_user", [True, False])
+def test_llama3_tools_and_ipython_results(tmp_path: Path, in_user: bool, frozen_today: None) -> None:
+    """Our Llama 3 template's tool path: definitions as JSON in the first user turn (or the system turn), a call as
+    {"name", "parameters"} JSON, the result as an ipython turn; and its refusals, which transformers raises too."""
+    path = tokenizer_dir(tmp_path, "llama3")
+    ours, theirs = ChatTemplate.from_dir(path), _transformers(path)
+    kwargs = {"tools": TOOLS, "tools_in_user_message": in_user}
+    got = ours.render(TOOL_CHAT, **kwargs)
+    assert got == theirs.apply_chat_template(TOOL_CHAT, tokenize=False, add_generation_prompt=True, **kwargs)
+    definition = json.dumps(TOOLS[0]["function"], indent=4, ensure_ascii=False)
+    start = got.index("<|start_header_id|>user" if in_user else "<|start_header_id|>system")
+    assert got.count(definition) == 1 and start < got.index(definition) < got.index("<|eot_id|>", start)
+    assert "Environment: ipython\nCutting Knowledge Date" in got
+    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": "Zürich"}}'
+            '<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n{"celsius": 4}<|eot_id|>') in got
+    assert got.endswith("And tomorrow?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    call = {"function": {"name": "f", "arguments": {}}}
+    for bad, tools, message in [
+            ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], None, "may only come first"),
+            ([{"role": "critic", "content": "x"}], None, "unknown role 'critic'"),
+            ([{"role": "assistant", "tool_calls": [call, call]}], None, "one function per assistant turn; got 2"),
+            ([{"role": "system", "content": "s"}], TOOLS, "no user message"),
+            ([{"role": "user", "content": [{"type": "image"}]}], None, "text only, not a 'image' part")]:
+        with pytest.raises(Exception, match=message):
+            theirs.apply_chat_template(bad, tools=tools, tokenize=False)
+        with pytest.raises(ChatTemplateError, match=message):
+            ours.render(bad, tools=tools)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_the_trainers_prompt_ids_are_apply_chat_templates(tmp_path: Path, family: str) -> None:
+def test_the_trainers_prompt_ids_are_apply_chat_templates(tmp_path: Path, family: str, frozen_today: None) -> None:
     """task.chat_template through load_task_data: the ids the sampler gets are transformers' tokenized chat, the
     template's own BOS included once (the trainer prepends none of its own)."""
     path = tokenizer_dir(tmp_path, family)

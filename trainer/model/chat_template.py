@@ -8,9 +8,9 @@ What transformers does, and so what this does (transformers 5.x, utils/chat_temp
 - Jinja's ImmutableSandboxedEnvironment (chat templates from the Hub are untrusted code) with trim_blocks and
   lstrip_blocks, the loopcontrols extension and a `{% generation %}` block tag; a `tojson` filter that does not
   escape HTML; globals raise_exception, strftime_now, dict and a namespace that refuses underscore names;
-- the variables: messages, tools (None), documents (None), add_generation_prompt, the tokenizer's named special
-  tokens as strings (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token, where set), then
-  the caller's keyword arguments (e.g. enable_thinking), which win.
+- the variables: messages, tools and documents (None unless given; tools as JSON schemas), add_generation_prompt,
+  the tokenizer's named special tokens as strings (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token,
+  mask_token, where set), then the caller's keyword arguments (e.g. enable_thinking), which win.
 The rendered text is then encoded without adding special tokens: the template writes any BOS itself.
 """
 
@@ -98,9 +98,10 @@ class ChatTemplate:
         **kwargs) gives it."""
         from jinja2.exceptions import TemplateError
 
-        variables = {**self.special_tokens, **kwargs}
+        # tools and documents may come as keyword arguments, as apply_chat_template takes them (tools as JSON schemas).
+        variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
-            return str(self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+            return str(self._template.render(messages=[dict(m) for m in messages],
                                              add_generation_prompt=add_generation_prompt, **variables))
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template ({self.origin}) failed: {err}") from None
