@@ -221,7 +221,9 @@ def test_the_example_package_trains_under_the_real_cli(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == [0, 1]
     assert all(0 <= r["reward/my_tasks.rewards:first_char"] <= 1.5 for r in records)
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert saved["task"] == {"name": "my_tasks.tasks:MaxDigit", "digits": 3}
+    # The task's own options beside the kit's chat-template keys (at their defaults).
+    assert saved["task"] == {"name": "my_tasks.tasks:MaxDigit", "digits": 3, "chat_template": False,
+                             "system_prompt": None, "chat_template_kwargs": {}}
 
 
 def test_the_flat_module_names_of_before_the_floors_still_import(tmp_path: Path) -> None:
