@@ -605,7 +605,8 @@ def test_own_tasks_commands(train_runs: dict[str, TrainRun]) -> None:
     ledger.close()
 
 
-def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
     """docs/service.md: a key, then serve on the doc's own service.yaml with the tiny Qwen3 published in a private
     Hugging Face cache under the doc's base model, driven by the real SDK; the rest parsed or fitted up to the
     compile."""
@@ -710,11 +711,11 @@ def test_service_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             assert (c.job.target.tpu_type, c.job.target.topology) == ("v6e", "4x4") and "Qwen3-8B" in c.source
             assert c.cfg.service is not None and c.cfg.lora is not None
             ledger.checked(command)
-    # The prose's commands for the tinker environment.
+    # The prose's commands for the tinker environment; plan in-process, as the module's other plans run.
     monkeypatch.chdir(ROOT)
-    out = subprocess.run([str(VENV_BIN / "gke-tpu-rl"), "plan", "tinker"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
-    assert "tinker-api" in out and "tinker-engine" in out and "Cloud SQL" in out
+    r = gke_tpu_rl(["gke-tpu-rl", "plan", "tinker"], capsys)
+    assert r.status == 0, r.err
+    assert "tinker-api" in r.out and "tinker-engine" in r.out and "Cloud SQL" in r.out
     ledger.ran("gke-tpu-rl plan tinker")
     c = fit_until_compile(["gke-tpu-rl", "fit", "tinker"], monkeypatch)
     assert (c.job.target.tpu_type, c.job.target.topology, c.job.target.slices) == ("v6e", "4x4", 1)
