@@ -328,15 +328,17 @@ def render(app_dir: Path, document: dict[str, Any]) -> App:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0])
+    """Every document is rendered, a refused one too: the errors name each refused environment, and the others are
+    written (`synth --all` reports every broken environment at once)."""
+    out, code = Path(argv[0]), 0
     for doc_path in argv[1:]:
         document = json.loads(Path(doc_path).read_text())
         try:
             render(out / document["env"], document).synth()
         except SynthError as e:
             print(f"gke-tpu-rl synth {document['env']}: {e}", file=sys.stderr)
-            return 2
-    return 0
+            code = 2
+    return code
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def cdktf_python() -> Path:
 
 
 def run_app(documents: list[dict[str, Any]], out: Path) -> None:
-    """Writes OUT/<env>/stacks/<stack>/cdk.tf.json for each document, in one cdktf process."""
+    """Writes OUT/<env>/stacks/<stack>/cdk.tf.json for each document, in one cdktf process; a SynthError names each
+    document cdktf refused (the others are written all the same)."""
     python = cdktf_python()
     env = {**os.environ,
            # The jsii runtime unpacks each provider's assembly (hundreds of MB) here once, not under ~/.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 from infra.base.stack_file import PlanError
 from infra.cli import main
 from infra.offline import cost
+from infra.offline import diff as diff_module
 from infra.offline.diff import RESTARTS_TRAINING, Snapshot, changed_inputs, compare, diff_plan, headline, markdown
 from infra.offline.plan import plan
 from tests.infra.conftest import new_env_name
@@ -39,6 +42,29 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-q", "-m", "base")
     _git(repo, "tag", "base")
     return repo
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_snapshot_per_commit() -> Iterator[None]:
+    """Each environment at each commit is snapshotted once in this module: snapshot_at runs the revision's program in
+    a fresh process (an extracted tree, its imports, the plan: 5-7 CPU-s a call), and four tests compare staging, and
+    three dev, with the same `base`. Keyed by the commit the ref names, so a moved ref is planned anew; a ref that
+    names none goes to the real snapshot_at, which says so."""
+    real, done = diff_module.snapshot_at, {}
+
+    def once(env: str, ref: str, root: Path) -> Snapshot:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+                             capture_output=True, text=True)
+        if rev.returncode != 0:
+            return real(env, ref, root)
+        key = (env, rev.stdout.strip(), root)
+        if key not in done:
+            done[key] = real(env, ref, root)
+        return copy.deepcopy(done[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(diff_module, "snapshot_at", once)
+        yield
 
 
 def _edit_staging(repo: Path) -> None:

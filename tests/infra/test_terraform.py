@@ -78,8 +78,8 @@ TEMPLATE_TEXT = 'echo "${HOME}" %{if x}y%{endif} $$PATH'
 @pytest.fixture(scope="module")
 def escapes() -> tuple[dict[str, Any], str]:
     """staging's document as env "escapes": an HF token set, and TEMPLATE_TEXT on its Namespace; with the
-    Namespace's resource name. `written` synthesizes it in the one cdktf run it makes for every document (each run
-    starts a jsii/Node process: ~10 CPU-s)."""
+    Namespace's resource name. `synthesized` synthesizes it in the one cdktf run it makes for every document (each
+    run starts a jsii/Node process: ~15 CPU-s, nearly all of it loading the provider bindings)."""
     config = {**stack_config("staging"), "gke-tpu-rl:hfToken": {"secure": "AAABAGVuY3J5cHRlZA=="}}
     doc = synthesize("staging", config).document
     doc["env"] = "escapes"
@@ -90,10 +90,38 @@ def escapes() -> tuple[dict[str, Any], str]:
 
 
 @pytest.fixture(scope="module")
-def written(syntheses: dict[str, Synthesis], user_copy: Synthesis, escapes: tuple[dict[str, Any], str],
-            tmp_path_factory: pytest.TempPathFactory) -> Path:
+def refused(syntheses: dict[str, Synthesis]) -> dict[str, dict[str, Any]]:
+    """Two copies of staging's document the bindings must refuse, by env name: "unknown" sets an argument the
+    bindings do not have (placementPolicy.tpuTopologee), "typed" one of the wrong type (nodeCount ["four"])."""
+    unknown = copy.deepcopy(syntheses["staging"].document)
+    unknown["env"] = "unknown"
+    pool = next(e for e in unknown["stacks"]["gcp"]["resources"] if e["type"] == "google_container_node_pool"
+                and "placementPolicy" in e["args"])
+    pool["args"]["placementPolicy"]["tpuTopologee"] = "4x4"
+    typed = copy.deepcopy(syntheses["staging"].document)
+    typed["env"] = "typed"
+    pool = next(e for e in typed["stacks"]["gcp"]["resources"] if e["type"] == "google_container_node_pool")
+    pool["args"]["nodeCount"] = ["four"]
+    return {"unknown": unknown, "typed": typed}
+
+
+@pytest.fixture(scope="module")
+def synthesized(syntheses: dict[str, Synthesis], user_copy: Synthesis, escapes: tuple[dict[str, Any], str],
+                refused: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One cdktf run over every document of this module, the refused ones last (cdktf_app renders each document,
+    a refused one too, and names each refused one): its output folder and its error."""
     out = tmp_path_factory.mktemp("synth")
-    synth.write([*(s.document for s in syntheses.values()), user_copy.document, escapes[0]], out)
+    with pytest.raises(synth.SynthError) as err:
+        synth.write([*(s.document for s in syntheses.values()), user_copy.document, escapes[0],
+                     *refused.values()], out)
+    return out, str(err.value)
+
+
+@pytest.fixture(scope="module")
+def written(synthesized: tuple[Path, str], refused: dict[str, dict[str, Any]]) -> Path:
+    out, error = synthesized
+    named = re.findall(r"^gke-tpu-rl synth (\S+): ", error, flags=re.M)
+    assert named == list(refused), f"cdktf refused other documents than {list(refused)}:\n{error}"
     return out
 
 
@@ -185,10 +213,6 @@ def test_each_stack_has_its_own_state_and_reaches_the_cluster_without_a_stored_t
             assert k8s["host"].startswith("https://${data.google_container_cluster.cluster.")
 
 
-def _run(documents: list[dict[str, Any]], out: Path) -> None:
-    synth.write(documents, out)
-
-
 def test_strings_reach_terraform_as_written_and_references_as_references(
         written: Path, escapes: tuple[dict[str, Any], str]) -> None:
     tf = _stack(written, "escapes", "workloads")
@@ -205,19 +229,14 @@ def test_strings_reach_terraform_as_written_and_references_as_references(
 
 
 def test_an_argument_the_bindings_do_not_have_or_of_the_wrong_type_fails_the_synth(
-        syntheses: dict[str, Synthesis], tmp_path: Path) -> None:
-    doc = copy.deepcopy(syntheses["staging"].document)
-    pool = next(e for e in doc["stacks"]["gcp"]["resources"] if e["type"] == "google_container_node_pool"
-                and "placementPolicy" in e["args"])
-    pool["args"]["placementPolicy"]["tpuTopologee"] = "4x4"
-    with pytest.raises(synth.SynthError, match=r"placementPolicy\.tpuTopologee: ContainerNodePoolPlacementPolicy "
-                       r"has no such argument"):
-        _run([doc], tmp_path / "unknown")
-    doc = copy.deepcopy(syntheses["staging"].document)
-    pool = next(e for e in doc["stacks"]["gcp"]["resources"] if e["type"] == "google_container_node_pool")
-    pool["args"]["nodeCount"] = ["four"]
-    with pytest.raises(synth.SynthError, match=rf"google_container_node_pool\.{pool['name']}:.*node_count"):
-        _run([doc], tmp_path / "typed")
+        synthesized: tuple[Path, str], refused: dict[str, dict[str, Any]]) -> None:
+    out, error = synthesized
+    assert re.search(r"^gke-tpu-rl synth unknown: .*placementPolicy\.tpuTopologee: ContainerNodePoolPlacementPolicy "
+                     r"has no such argument", error, flags=re.M), error
+    pool = next(e for e in refused["typed"]["stacks"]["gcp"]["resources"] if e["type"] == "google_container_node_pool")
+    assert re.search(rf"^gke-tpu-rl synth typed: google_container_node_pool\.{pool['name']}:.*node_count", error,
+                     flags=re.M), error
+    assert not [*(out / "unknown").rglob("*.tf.json"), *(out / "typed").rglob("*.tf.json")]  # nothing to apply
 
 
 def test_build_image_builds_what_the_program_builds_and_prints_the_digest(

@@ -27,6 +27,7 @@ from trainer.model.attention import (
     packed_order,
     write_slots,
 )
+from trainer.model.shapes import param_shapes
 from trainer.model.sharding import constrain
 
 Params = dict[str, Any]
@@ -98,33 +99,6 @@ def unstack_layers(params: Params) -> Params:
     are read in place."""
     L = jax.tree.leaves(params["layers"])[0].shape[0]
     return {**params, "layers": [jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(L)]}
-
-
-def param_shapes(cfg: ModelConfig) -> Params:
-    L, D, H, K, E, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                           cfg.vocab_size)
-    layers: dict[str, tuple[int, ...]] = {
-        "attn_norm": (L, D),
-        "wq": (L, D, H, E),
-        "wk": (L, D, K, E),
-        "wv": (L, D, K, E),
-        "wo": (L, H, E, D),
-        "mlp_norm": (L, D),
-        "w_gate": (L, D, F),
-        "w_up": (L, D, F),
-        "w_down": (L, F, D),
-    }
-    if cfg.qk_norm:
-        layers["q_norm"] = (L, E)
-        layers["k_norm"] = (L, E)
-    if cfg.qkv_bias:
-        layers["bq"] = (L, H, E)
-        layers["bk"] = (L, K, E)
-        layers["bv"] = (L, K, E)
-    shapes: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (D, V)
-    return shapes
 
 
 def param_axes(cfg: ModelConfig) -> Params:
