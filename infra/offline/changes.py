@@ -152,7 +152,10 @@ def _walk_nested(path: str, field: str, a: Any, b: Any, out: list[Leaf]) -> None
         if (ka is not None or not a) and (kb is not None or not b):
             ka, kb = ka or {}, kb or {}
             for k in _ordered_union(list(ka), list(kb)):
-                _walk(f"{path}[{k}]", ka.get(k), kb.get(k), out)
+                if k in ka and k in kb:
+                    _walk(f"{path}[{k}]", ka[k], kb[k], out)
+                else:  # a named item added or removed: one line, the item whole
+                    out.append((f"{path}[{k}]", ka.get(k), kb.get(k)))
         else:
             for i in range(max(len(a), len(b))):
                 _walk(f"{path}[{i}]", a[i] if i < len(a) else None, b[i] if i < len(b) else None, out)

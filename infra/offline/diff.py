@@ -483,6 +483,26 @@ def _input_line(path: str, a: Any, b: Any, cell: bool) -> str:
     return f"{_code(path, cell)}: {_code(show(a), cell)} → {_code(show(b), cell)}"
 
 
+SHARED_PATH = 24  # a longer path that all of a change's inputs start with is said once, before them
+
+
+def _shared(paths: list[str]) -> str:
+    """The longest leading part of every path that ends where each continues with '.': '' when short or alone."""
+    if len(paths) < 2:
+        return ""
+    shared = os.path.commonprefix(paths)
+    while shared and not all(p[len(shared):].startswith(".") for p in paths):
+        shared = shared[:-1]
+    return shared if len(shared) >= SHARED_PATH else ""
+
+
+def _input_lines(c: Change, cell: bool) -> list[str]:
+    """Each input as `path: old → new`; the pod template's long path (or any shared one) said once, in front."""
+    shared = _shared([p for p, _, _ in c.inputs])
+    lines = [_input_line(p.removeprefix(shared + "." if shared else ""), a, b, cell) for p, a, b in c.inputs]
+    return ([f"under {_code(shared, cell)}:"] if shared else []) + lines
+
+
 def _rows(rows: list[tuple[Change, str, str]]) -> list[str]:
     return ["| | resource | type | what changed |", "|---|---|---|---|",
             *(f"| {what} | {_code(c.name)} | {_code(c.type)} | {detail} |" for c, what, detail in rows)]
@@ -502,7 +522,7 @@ def markdown(d: PlanDiff, table: cost.PriceTable | None = None) -> str:
 
     def detail(c: Change) -> str:
         if len(c.inputs) <= INLINE_INPUTS:
-            return "<br>".join(_input_line(p, a, b, cell=True) for p, a, b in c.inputs)
+            return "<br>".join(_input_lines(c, cell=True))
         folded.append(c)
         return f"{len(c.inputs)} changes, folded below"
 
@@ -512,7 +532,7 @@ def markdown(d: PlanDiff, table: cost.PriceTable | None = None) -> str:
         lines += ["", *_rows((new_or_gone if len(new_or_gone) <= INLINE_ROWS else []) + changed)]
     for c in folded:
         lines += _fold(f"{_code(c.name, cell=False)} ({c.type.rsplit(':', 1)[-1]}): {len(c.inputs)} changes",
-                       [f"- {_input_line(p, a, b, cell=False)}" for p, a, b in c.inputs])
+                       [f"- {line}" for line in _input_lines(c, cell=False)])
     if len(new_or_gone) > INLINE_ROWS:
         lines += _fold(f"{len(d.added)} added, {len(d.removed)} removed", _rows(new_or_gone))
     return "\n".join(lines) + "\n"

@@ -126,8 +126,9 @@ def test_a_pull_request_that_adds_a_slice_changes_a_flag_and_a_reward(repo: Path
     delta, plan_md = out.split("### gke-tpu-rl plan: `staging`")
     assert "- **TPU chips**: +32 v6e (32 → 64)." in delta and "| added | `v6e-more-0` |" in delta
     assert "- **Image**: rebuilt: your code (trainer.code examples/my_tasks): my_tasks/rewards.py (changed)." in delta
-    args = "spec.replicatedJobs[name=slice].template.spec.template.spec.containers[name=trainer].args"
-    assert f"`{args} --set rl.kl_beta`: `∅` → `0.01`<br>`{args} --set rl.group_size`: `8` → `16`" in delta
+    container = "spec.replicatedJobs[name=slice].template.spec.template.spec.containers[name=trainer]"
+    assert (f"under `{container}`:<br>`args --set rl.kl_beta`: `∅` → `0.01`<br>`args --set rl.group_size`: `8` → "
+            "`16`<br>`image`: ") in delta
     assert "steps" not in delta and "…" not in delta  # no unchanged flag, nothing cut
     old, new = re.search(r"Stand-in digest ([0-9a-f]{12}) → ([0-9a-f]{12})", delta).groups()  # type: ignore[union-attr]
     digests = set(re.findall(r"trainer@sha256:([0-9a-f]{64})", plan_md))

@@ -65,12 +65,9 @@ def test_named_items_are_matched_by_their_merge_key(plans: dict[str, PlanResult]
     c = f"{POD}.containers[name=trainer]"
     assert job.inputs == [
         (f"{c}.env[name=NUM_SLICES].value", "1", "2"),
-        (f"{c}.env[name=MEGASCALE_PORT].name", None, "MEGASCALE_PORT"),
-        (f"{c}.env[name=MEGASCALE_PORT].value", None, "8080"),
-        (f"{c}.volumeMounts[mountPath=/dev/shm].mountPath", None, "/dev/shm"),
-        (f"{c}.volumeMounts[mountPath=/dev/shm].name", None, "dshm"),
-        (f"{POD}.containers[name=sidecar].name", "sidecar", None),
-        (f"{POD}.containers[name=sidecar].image", "busybox", None)]
+        (f"{c}.env[name=MEGASCALE_PORT]", None, {"name": "MEGASCALE_PORT", "value": "8080"}),
+        (f"{c}.volumeMounts[mountPath=/dev/shm]", None, {"mountPath": "/dev/shm", "name": "dshm"}),
+        (f"{POD}.containers[name=sidecar]", {"name": "sidecar", "image": "busybox"}, None)]
 
 
 def test_a_trainer_flag_change_reads_as_the_flag() -> None:
@@ -92,13 +89,15 @@ def test_every_change_is_shown_and_a_long_one_folded(plans: dict[str, PlanResult
         e["name"] = f"OLD_{i}"
     d = compare("staging", "base", old, new)
     [job] = d.changed
-    assert len(job.inputs) > 12  # the old table stopped at 12 and said "… N more"
+    assert len(job.inputs) == 24  # 12 env vars gone, 12 new; the old table stopped at 12 and said "… N more"
     md = markdown(d)
     assert "more" not in md and f"| {len(job.inputs)} changes, folded below |" in md
     folded = md[md.index("<details><summary>`jobset-rl-grpo-stg` (JobSet)"):]
-    assert folded.count("\n- `") == len(job.inputs)
+    container = f"{POD}.containers[name=trainer]"
+    assert folded.count("\n- `") == len(job.inputs) and f"\n- under `{container}`:\n" in folded  # said once
     for path, _, _ in job.inputs:
-        assert f"- `{path}`" in folded
+        assert f"- `{path.removeprefix(container + '.')}`: " in folded
+    assert '- `env[name=NUM_SLICES]`: `∅` → `{"name": "NUM_SLICES", "value": "2"}`' in folded
     # Long values are whole: the image digest is not cut at 80 characters.
     digest = _pod(new)["containers"][0]["image"]
     old_image = copy.deepcopy(old)
