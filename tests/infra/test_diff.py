@@ -80,28 +80,14 @@ def test_a_new_slice_group_shows_chips_price_and_every_change(repo: Path) -> Non
     assert headline(d)[0] == "TPU chips: +32 v6e (32 → 64)."
 
 
-def test_cli_puts_the_delta_first_in_markdown(repo: Path, capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    _edit_staging(repo)
-    monkeypatch.chdir(repo)
-    try:
-        assert main(["plan", "staging", "--diff", "base", "--format", "markdown"]) == 0
-    finally:
-        _git(repo, "checkout", "-q", "--", ".")
-    out = capsys.readouterr().out
-    assert out.startswith("### gke-tpu-rl plan diff: `staging` against `base`")
-    assert out.index("+32 v6e") < out.index("### gke-tpu-rl plan: `staging`")
-    assert "| added | `v6e-more-0` |" in out
-
-
 def _commit(repo: Path, message: str) -> None:
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-q", "-am", message)
 
 
 def test_a_pull_request_that_adds_a_slice_changes_a_flag_and_a_reward(repo: Path, capsys: pytest.CaptureFixture[str],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The PR comment for issue 42's change: each part reads as what it is, and one digest names each revision's
-    image in the diff and in the plan under it."""
+    """The PR comment (`--format markdown`, as preview.yml posts it) for issue 42's change: the delta first, each
+    part read as what it is, and one digest naming each revision's image in the diff and in the plan under it."""
     stack = repo / "environments" / "Pulumi.staging.yaml"
     doc = yaml.safe_load(stack.read_text())
     trainer = {k: v for k, v in doc["config"]["gke-tpu-rl:trainer"].items() if k != "stage"}
@@ -123,7 +109,8 @@ def test_a_pull_request_that_adds_a_slice_changes_a_flag_and_a_reward(repo: Path
     finally:
         _git(repo, "reset", "-q", "--hard", "base")
     out = capsys.readouterr().out
-    delta, plan_md = out.split("### gke-tpu-rl plan: `staging`")
+    assert out.startswith("### gke-tpu-rl plan diff: `staging` against `HEAD`")
+    delta, plan_md = out.split("### gke-tpu-rl plan: `staging`")  # the delta first: what the reviewer decides on
     assert "- **TPU chips**: +32 v6e (32 → 64)." in delta and "| added | `v6e-more-0` |" in delta
     assert "- **Image**: rebuilt: your code (trainer.code examples/my_tasks): my_tasks/rewards.py (changed)." in delta
     container = "spec.replicatedJobs[name=slice].template.spec.template.spec.containers[name=trainer]"
