@@ -262,6 +262,8 @@ def _plan(args: argparse.Namespace) -> int:
         try:
             result = plan(env, args.config_file, root)
             delta = diff_plan(result, args.diff, root) if args.diff else None
+            if delta is not None and delta.new.plan is not None:
+                result = delta.new.plan  # with the image's stand-in digest the diff shows: one digest per revision
             report = _plan_fit(result.spec) if args.fit else None
         except (ConfigError, PlanError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from envspec.repo import REPO_ROOT
-from infra.base.digests import tree_digest
+from infra.base.digests import tree_digest, tree_files
 
 if TYPE_CHECKING:
     from envspec.config import EnvironmentSpec
@@ -38,7 +38,19 @@ def local_config(spec: EnvironmentSpec, pod_config: str | None) -> str | None:
     return str(root / pod_config.removeprefix(USER_CODE_DIR + "/"))
 
 
+def _keep_dir(rel: str) -> bool:
+    return rel.rsplit("/", 1)[-1] not in SKIPPED_DIRS
+
+
+def _keep_file(rel: str) -> bool:
+    return not rel.endswith(SKIPPED_SUFFIXES)
+
+
 def digest(path: Path) -> str:
     """sha256 over the folder's files (relative names and contents), caches left out."""
-    return tree_digest(path, lambda rel: rel.rsplit("/", 1)[-1] not in SKIPPED_DIRS,
-                       lambda rel: not rel.endswith(SKIPPED_SUFFIXES))
+    return tree_digest(path, _keep_dir, _keep_file)
+
+
+def files(path: Path) -> dict[str, str]:
+    """{name relative to the folder: sha256} of the files `digest` covers: what `plan --diff` names when it changed."""
+    return tree_files(path, _keep_dir, _keep_file)

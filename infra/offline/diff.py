@@ -3,7 +3,7 @@ were there) against today's: resources and Kubernetes objects added, removed and
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.base.digests import tree_digest
+from infra.base import user_code
+from infra.base.digests import tree_files
 from infra.base.stack_file import PlanError
-from infra.offline import cost
+from infra.offline import cost, shipped
+from infra.offline.changes import changed_inputs, show
 from infra.offline.mockrun import IMAGE_TYPE, PlanResult
 from infra.offline.plan import is_kubernetes_type
 
@@ -55,7 +57,9 @@ if system_pool is not None and svc is not None:
         "slice_group": group.name, "suspend": svc.suspend, "shared": trainer is not None and trainer.name == group.name,
         "database": {"tier": db.tier, "cpus": db.cpus, "memory_gib": db.memory_gib, "disk_gb": db.disk_gb,
                      "availability": db.availability}}
+code = getattr(getattr(spec, "trainer", None), "code", None)  # trainer.code, where the revision has it
 print(json.dumps({"region": spec.region, "slices": slices, "system_pool": system_pool, "outputs": result.outputs,
+                  "code": code,
                   "resources": [{"urn": r.urn, "type": r.type, "name": r.name, "custom": r.custom,
                                  "inputs": r.inputs, "options": r.options} for r in result.resources]},
                  default=str))
@@ -73,8 +77,12 @@ class Snapshot:
     slices: list[dict[str, Any]]
     resources: dict[str, dict[str, Any]]  # urn -> {type, name, custom, inputs, options}
     missing: str | None = None  # why there is no plan at that revision (the environment did not exist)
-    context: str | None = None  # digest of the image build context the stack builds (None: it builds none)
+    context: str | None = None  # the built image's stand-in digest (StandIn; None: the stack builds none)
     system_pool: dict[str, Any] | None = None  # {machine_type, nodes, service?}; None: the slices alone are priced
+    sources: dict[str, str] = field(default_factory=dict)  # path -> sha256 of what the image is built from
+    code: str | None = None  # trainer.code: the user's own folder among the sources
+    warnings: list[str] = field(default_factory=list)  # settings that cost performance (infra/offline/shipped.py)
+    plan: PlanResult | None = field(default=None, compare=False, repr=False)  # this revision's plan, as the diff has it
 
     @property
     def chips_by_type(self) -> dict[str, int]:
@@ -132,39 +140,74 @@ def _may_keep_below(folder: str, rules: list[tuple[bool, str]]) -> bool:
                for keep, glob in rules)
 
 
-def context_digest(tree: Path) -> str:
-    """A digest of the files the image build sees (the tree's .dockerignore applied): what decides whether
+def context_files(tree: Path) -> dict[str, str]:
+    """{path: sha256} of the files the image build sees (the tree's .dockerignore applied): what decides whether
     pulumi-docker-build rebuilds, and so whether the training job gets a new image digest."""
     rules = _dockerignore(tree)
     # An ignored folder is skipped unless a '!' pattern could keep something inside it (not .venv's 10^5 files).
-    return tree_digest(tree, lambda rel: not _ignored(rel, rules) or _may_keep_below(rel, rules),
-                       lambda rel: not _ignored(rel, rules))
+    return tree_files(tree, lambda rel: not _ignored(rel, rules) or _may_keep_below(rel, rules),
+                      lambda rel: not _ignored(rel, rules))
 
 
-def _built_image(resources: dict[str, dict[str, Any]], outputs: dict[str, Any], tree: Path
-                 ) -> tuple[dict[str, dict[str, Any]], str | None]:
-    """The plan's mocked image digest (a hash of the build's arguments) stands for the built image; a diff puts the
-    build context's digest in its place, so a change under trainer/ reaches the job's image as it does on `up`."""
+def image_sources(tree: Path, code: str | None) -> dict[str, str]:
+    """{path in the repository: sha256} of what the trainer image is built from: the build context, and trainer.code's
+    folder (a named context of its own, infra/base/user_code.py)."""
+    files = context_files(tree)
+    if code is not None and (tree / code).is_dir():
+        folder = Path(code).as_posix().rstrip("/")
+        files.update({f"{folder}/{rel}": h for rel, h in user_code.files(tree / code).items()})
+    return dict(sorted(files.items()))
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """The built image's stand-in digest of one revision: a hash of its sources and build arguments, in place of the
+    plan's mocked digest (a hash of the build's arguments alone), so a change under trainer/ or in trainer.code
+    reaches the job's image as it does on `up`. The one digest of that revision: its tree and its diff show it."""
+
+    mocked: str
+    digest: str
+    sources: dict[str, str]
+
+    def apply(self, value: Any) -> Any:
+        return json.loads(json.dumps(value).replace(self.mocked, self.digest))
+
+
+def stand_in(resources: list[dict[str, Any]], outputs: dict[str, Any], tree: Path, code: str | None
+             ) -> StandIn | None:
+    """None when the stack builds no image (trainer.image names one)."""
     ref = outputs.get(IMAGE_OUTPUT)
-    if not isinstance(ref, str) or "@sha256:" not in ref or not any(r["type"] == IMAGE_TYPE
-                                                                    for r in resources.values()):
-        return resources, None
-    mocked, real = ref.split("@sha256:", 1)[1], context_digest(tree)
-    # The build arguments carry trainer.code's digest (infra/base/user_code.py): a change there is a new image too.
-    args = [r["inputs"].get("buildArgs") for r in resources.values() if r["type"] == IMAGE_TYPE]
-    if any(args):
-        real = hashlib.sha256((real + json.dumps(args, sort_keys=True)).encode()).hexdigest()
-    return json.loads(json.dumps(resources).replace(mocked, real)), real
+    images = [r for r in resources if r["type"] == IMAGE_TYPE]
+    if not isinstance(ref, str) or "@sha256:" not in ref or not images:
+        return None
+    sources = image_sources(tree, code)
+    args = [r["inputs"].get("buildArgs") for r in images]
+    digest = hashlib.sha256(json.dumps({"sources": sources, "buildArgs": args}, sort_keys=True).encode()).hexdigest()
+    return StandIn(ref.split("@sha256:", 1)[1], digest, sources)
+
+
+def with_stand_in(result: PlanResult, tree: Path) -> tuple[PlanResult, StandIn | None]:
+    """The plan with the stand-in digest in place of the mocked one, everywhere (resources and outputs): what
+    `plan --diff` renders, so the tree and the diff above it name the same image."""
+    code = result.spec.trainer.code
+    s = stand_in([{"type": r.type, "inputs": r.inputs} for r in result.resources], result.outputs, tree, code)
+    if s is None:
+        return result, None
+    resources = [dataclasses.replace(r, inputs=s.apply(r.inputs)) for r in result.resources]
+    return dataclasses.replace(result, resources=resources, outputs=s.apply(result.outputs)), s
 
 
 def snapshot(result: PlanResult, tree: Path | None = None) -> Snapshot:
+    """The plan as a diff compares it; with `tree` (the repository it ran in), the built image's stand-in digest."""
+    built = None
+    if tree is not None:
+        result, built = with_stand_in(result, tree)
     resources = {r.urn: {"type": r.type, "name": r.name, "custom": r.custom, "inputs": r.inputs,
                          "options": r.options} for r in result.resources}
-    context = None
-    if tree is not None:
-        resources, context = _built_image(resources, result.outputs, tree)
-    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources, context=context,
-                    system_pool=cost.system_pool(result.spec))
+    return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources,
+                    context=None if built is None else built.digest, system_pool=cost.system_pool(result.spec),
+                    sources={} if built is None else built.sources, code=result.spec.trainer.code,
+                    warnings=shipped.warnings(result.spec), plan=result)
 
 
 def _git(root: Path, *args: str, silent_failure: str | None = None) -> bytes:
@@ -201,55 +244,16 @@ def snapshot_at(env: str, ref: str, root: Path) -> Snapshot:
         doc = json.loads(proc.stdout.strip().splitlines()[-1])
         if "missing" in doc:
             return Snapshot("", [], {}, missing=doc["missing"])
-        resources, context = _built_image({r.pop("urn"): r for r in doc["resources"]}, doc["outputs"], tree)
-    return Snapshot(doc["region"], doc["slices"], resources, context=context, system_pool=doc.get("system_pool"))
+        code = doc.get("code")
+        built = stand_in(doc["resources"], doc["outputs"], tree, code)
+        if built is not None:
+            doc["resources"] = built.apply(doc["resources"])
+    resources = {r.pop("urn"): r for r in doc["resources"]}
+    return Snapshot(doc["region"], doc["slices"], resources, context=None if built is None else built.digest,
+                    system_pool=doc.get("system_pool"), sources={} if built is None else built.sources, code=code)
 
 
 # ---------------------------------------------------------------- comparing
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict) and value:
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(value, list) and value and any(isinstance(v, dict | list) for v in value):
-        out = {}
-        for i, v in enumerate(value):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out
-    return {prefix: value}
-
-
-def _list_changes(path: str, old: list[Any], new: list[Any]) -> list[tuple[str, Any, Any]]:
-    """The elements of a list of scalars (container args, CIDR lists) that changed, by index, rather than the whole
-    list: shown whole, both sides are cut at the same length and a change far inside one looks like none."""
-    out: list[tuple[str, Any, Any]] = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
-        if tag == "equal":
-            continue
-        for k in range(max(i2 - i1, j2 - j1)):
-            a = old[i1 + k] if i1 + k < i2 else None
-            b = new[j1 + k] if j1 + k < j2 else None
-            out.append((f"{path}[{(j1 + k) if b is not None else (i1 + k)}]", a, b))
-    return out
-
-
-def changed_inputs(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(path, old, new) for every leaf that differs; a missing side is None. A list of scalars that changed is
-    shown by element (`args[7]: mesh.slices=1 → mesh.slices=2`)."""
-    a, b = _flatten(old), _flatten(new)
-    out: list[tuple[str, Any, Any]] = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
-        if x == y:
-            continue
-        if isinstance(x, list) and isinstance(y, list):
-            out += _list_changes(k, x, y)
-        else:
-            out.append((k, x, y))
-    return out
 
 
 # Kinds whose replacement restarts training (the trainer's JobSet or RayJob, infra/components/trainer_job.py).
@@ -312,6 +316,28 @@ class PlanDiff:
     def replaced(self) -> list[Change]:
         return [c for c in self.changed if c.replaced]
 
+    @property
+    def rebuilt(self) -> bool:
+        """Both revisions build the image, from different sources or arguments."""
+        return self.old.context is not None and self.new.context is not None and self.old.context != self.new.context
+
+    @property
+    def changed_sources(self) -> list[tuple[str, str | None, str | None]]:
+        """(path, old sha256, new sha256) of every file the image is built from that was added, removed or changed."""
+        if not self.rebuilt:
+            return []
+        a, b = self.old.sources, self.new.sources
+        return [(p, a.get(p), b.get(p)) for p in sorted(set(a) | set(b)) if a.get(p) != b.get(p)]
+
+
+def in_code(path: str, code: str | None) -> bool:
+    """The file is in trainer.code's folder: the user's own tasks and rewards."""
+    return code is not None and path.startswith(Path(code).as_posix().rstrip("/") + "/")
+
+
+def _file(sha: str | None) -> str | None:
+    return None if sha is None else f"sha256:{sha[:12]}"
+
 
 def compare(env: str, ref: str, old: Snapshot, new: Snapshot) -> PlanDiff:
     def change(urn: str, r: dict[str, Any], inputs: list[tuple[str, Any, Any]] | None = None,
@@ -321,14 +347,14 @@ def compare(env: str, ref: str, old: Snapshot, new: Snapshot) -> PlanDiff:
     added = [change(u, new.resources[u]) for u in new.resources if u not in old.resources]
     removed = [change(u, old.resources[u]) for u in old.resources if u not in new.resources]
     changed = []
-    rebuilt = old.context is not None and new.context is not None and old.context != new.context
+    probe = PlanDiff(env, ref, old, new, [], [], [])
     for urn in new.resources:
-        if rebuilt and new.resources[urn]["type"] == IMAGE_TYPE and urn in old.resources:
-            # Its arguments are the same; what it builds changed (pyproject.toml, README.md, envspec/ or trainer/).
-            changed.append(change(urn, new.resources[urn], [("build context (digest)", old.context, new.context)]))
-            continue
         if urn in old.resources:
             diff = changed_inputs(old.resources[urn]["inputs"], new.resources[urn]["inputs"])
+            if probe.rebuilt and new.resources[urn]["type"] == IMAGE_TYPE:
+                # What it builds changed (its sources: trainer/, envspec/, trainer.code, ...): each file, by name.
+                diff = [("stand-in digest", old.context, new.context), *diff,
+                        *((f"file {p}", _file(a), _file(b)) for p, a, b in probe.changed_sources)]
             opts = changed_inputs({"options": old.resources[urn]["options"]},
                                   {"options": new.resources[urn]["options"]})
             # dependsOn lists URNs that move with any rename; the inputs and protect flags are what matter.
@@ -347,11 +373,6 @@ def diff_plan(result: PlanResult, ref: str, root: Path) -> PlanDiff:
 # ---------------------------------------------------------------- rendering
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = "∅" if value is None else json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _rate(o: cost.OtherCost) -> str:
     """What is billed and its price, e.g. '2 x e2-standard-8 $0.54'."""
     return f"{o.detail} {'not priced' if o.usd_per_hour is None else cost.usd(o.usd_per_hour)}".lstrip()
@@ -364,8 +385,37 @@ def _changed_others(old: cost.EnvironmentCost, new: cost.EnvironmentCost
     return [(before[o.name], o) for o in new.others if o.name in before and before[o.name] != o]
 
 
+KIT_FILES_NAMED = 5  # the headline names this many of the kit's changed files; the image's row lists every one
+
+
+def _image_line(d: PlanDiff) -> str | None:
+    """Why the image is rebuilt, by file: the user's own code (trainer.code) first, by name."""
+    if not d.rebuilt:
+        return None
+    files = d.changed_sources
+    word = {(True, False): "added", (False, True): "removed"}
+
+    def named(paths: list[tuple[str, str | None, str | None]], prefix: str = "") -> str:
+        return ", ".join(f"{p.removeprefix(prefix)} ({word.get((a is None, b is None), 'changed')})"
+                         for p, a, b in paths)
+
+    code = d.new.code or d.old.code
+    own = [f for f in files if in_code(f[0], code)]
+    kit = [f for f in files if not in_code(f[0], code)]
+    parts = []
+    if own:
+        parts.append(f"your code (trainer.code {code}): {named(own, Path(str(code)).as_posix().rstrip('/') + '/')}")
+    if kit:
+        more = len(kit) - KIT_FILES_NAMED
+        parts.append("the kit: " + named(kit[:KIT_FILES_NAMED]) + (f" and {more} more, listed with the image"
+                                                                   if more > 0 else ""))
+    what = "; ".join(parts) or "its build arguments changed"
+    return (f"Image: rebuilt: {what}. Stand-in digest {str(d.old.context)[:12]} → {str(d.new.context)[:12]}, the "
+            "same in the plan below.")
+
+
 def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
-    """The delta in a few sentences: chips, price, resource counts."""
+    """The delta in a few sentences: chips, price, resource counts, why the image is rebuilt, warnings."""
     lines = []
     if d.old.missing:
         lines.append(f"New environment: {d.old.missing}.")
@@ -392,6 +442,10 @@ def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
                  f"({len(k8s)} of them Kubernetes objects)." if not d.empty else "Resources: no change.")
     for c in d.replaced:
         lines.append(f"Replaced: {c.name} ({c.type.rsplit(':', 1)[-1]}): {c.consequence}.")
+    image = _image_line(d)
+    if image:
+        lines.append(image)
+    lines += [f"Warning: {w}" for w in d.new.warnings]
     return lines
 
 
@@ -402,7 +456,7 @@ def _section(title: str, changes: list[Change], with_inputs: bool) -> list[str]:
     for c in changes:
         out.append(f"  {c.name}  {c.type}" + (f"  REPLACED: {c.consequence}" if c.replaced else ""))
         if with_inputs:
-            out += [f"      {path}: {_short(a)} → {_short(b)}" for path, a, b in c.inputs]
+            out += [f"      {path}: {show(a)} → {show(b)}" for path, a, b in c.inputs]
     return out
 
 
@@ -415,22 +469,70 @@ def text(d: PlanDiff, table: cost.PriceTable | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _md(value: str) -> str:
-    return value.replace("|", "\\|").replace("`", "'")
+def _code(value: str, cell: bool = True) -> str:
+    """`value` as inline code: a backtick would end the span; in a table cell a pipe would end the cell."""
+    value = value.replace("`", "'")
+    return "`" + (value.replace("|", "\\|") if cell else value) + "`"
+
+
+INLINE_INPUTS = 6  # a change with more inputs is folded under the table (every input shown, none dropped)
+INLINE_ROWS = 15  # more added or removed resources than this are folded
+
+
+def _input_line(path: str, a: Any, b: Any, cell: bool) -> str:
+    return f"{_code(path, cell)}: {_code(show(a), cell)} → {_code(show(b), cell)}"
+
+
+SHARED_PATH = 24  # a longer path that all of a change's inputs start with is said once, before them
+
+
+def _shared(paths: list[str]) -> str:
+    """The longest leading part of every path that ends where each continues with '.': '' when short or alone."""
+    if len(paths) < 2:
+        return ""
+    shared = os.path.commonprefix(paths)
+    while shared and not all(p[len(shared):].startswith(".") for p in paths):
+        shared = shared[:-1]
+    return shared if len(shared) >= SHARED_PATH else ""
+
+
+def _input_lines(c: Change, cell: bool) -> list[str]:
+    """Each input as `path: old → new`; the pod template's long path (or any shared one) said once, in front."""
+    shared = _shared([p for p, _, _ in c.inputs])
+    lines = [_input_line(p.removeprefix(shared + "." if shared else ""), a, b, cell) for p, a, b in c.inputs]
+    return ([f"under {_code(shared, cell)}:"] if shared else []) + lines
+
+
+def _rows(rows: list[tuple[Change, str, str]]) -> list[str]:
+    return ["| | resource | type | what changed |", "|---|---|---|---|",
+            *(f"| {what} | {_code(c.name)} | {_code(c.type)} | {detail} |" for c, what, detail in rows)]
+
+
+def _fold(summary: str, body: list[str]) -> list[str]:
+    return ["", f"<details><summary>{summary}</summary>", "", *body, "", "</details>"]
 
 
 def markdown(d: PlanDiff, table: cost.PriceTable | None = None) -> str:
-    """The delta first (for the PR comment), then every change in a table."""
+    """The delta first (for the PR comment), then every change: short ones in a table, long ones folded under it,
+    each input by name (a container's args as flags, env by name), none cut short."""
     lines = [f"### gke-tpu-rl plan diff: `{d.env}` against `{d.ref}`", ""]
     lines += [f"- **{line.split(':', 1)[0]}**:{line.split(':', 1)[1]}" if ":" in line else f"- {line}"
               for line in headline(d, table)]
-    rows = [(c, "added", "") for c in d.added] + [(c, "removed", "") for c in d.removed]
-    def detail(c: Change) -> str:
-        shown = "<br>".join(f"`{_md(p)}`: `{_md(_short(a, 60))}` → `{_md(_short(b, 60))}`" for p, a, b in c.inputs[:12])
-        return shown + (f"<br>… {len(c.inputs) - 12} more" if len(c.inputs) > 12 else "")
+    folded: list[Change] = []
 
-    rows += [(c, f"**replaced** ({c.consequence})" if c.replaced else "changed", detail(c)) for c in d.changed]
-    if rows:
-        lines += ["", "| | resource | type | what changed |", "|---|---|---|---|"]
-        lines += [f"| {what} | `{_md(c.name)}` | `{c.type}` | {detail} |" for c, what, detail in rows]
+    def detail(c: Change) -> str:
+        if len(c.inputs) <= INLINE_INPUTS:
+            return "<br>".join(_input_lines(c, cell=True))
+        folded.append(c)
+        return f"{len(c.inputs)} changes, folded below"
+
+    changed = [(c, f"**replaced** ({c.consequence})" if c.replaced else "changed", detail(c)) for c in d.changed]
+    new_or_gone = [(c, "added", "") for c in d.added] + [(c, "removed", "") for c in d.removed]
+    if changed or (new_or_gone and len(new_or_gone) <= INLINE_ROWS):
+        lines += ["", *_rows((new_or_gone if len(new_or_gone) <= INLINE_ROWS else []) + changed)]
+    for c in folded:
+        lines += _fold(f"{_code(c.name, cell=False)} ({c.type.rsplit(':', 1)[-1]}): {len(c.inputs)} changes",
+                       [f"- {line}" for line in _input_lines(c, cell=False)])
+    if len(new_or_gone) > INLINE_ROWS:
+        lines += _fold(f"{len(d.added)} added, {len(d.removed)} removed", _rows(new_or_gone))
     return "\n".join(lines) + "\n"

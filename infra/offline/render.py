@@ -13,6 +13,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from infra.checks import grace
+from infra.offline import shipped
 from infra.offline.cost import EnvironmentCost, environment_cost, slice_groups, system_pool, usd
 from infra.offline.mockrun import (
     IMAGE_TYPE,
@@ -310,6 +311,7 @@ class Summary:
     resources: int
     kubernetes_objects: int
     cost: EnvironmentCost
+    warnings: list[str]  # settings that cost performance against the shipped examples (infra/offline/shipped.py)
 
     @property
     def total_slices(self) -> int:
@@ -411,7 +413,7 @@ def summarize(result: PlanResult) -> Summary:
         networks=networks, buckets=buckets, queues=queues, controllers=controllers, trainer=trainer,
         service=_service_fact(spec),
         resources=len(result.resources), kubernetes_objects=sum(is_kubernetes_object(r) for r in result.resources),
-        cost=costs)
+        cost=costs, warnings=shipped.warnings(spec))
 
 
 def _service_fact(spec: EnvironmentSpec) -> str | None:
@@ -491,6 +493,8 @@ def print_text(result: PlanResult, console: Console, fit: FitReport | None = Non
     console.print(table)
     for label, text in s.facts():
         console.print(Text.assemble((f"{label}: ", "bold"), text))
+    for w in s.warnings:
+        console.print(Text.assemble(("warning: ", "bold yellow"), w))
     console.print()
     console.print(resource_tree(result))
     console.print()
@@ -524,6 +528,7 @@ def markdown(result: PlanResult, fit: FitReport | None = None) -> str:
     lines += ["| " + " | ".join(_md_cell(c) for c in _slice_cells(row)) + " |" for row in s.slices]
     lines.append("")
     lines += [f"- **{label}**: {_md_cell(text)}" for label, text in s.facts()]
+    lines += [f"- **Warning**: {_md_cell(w)}" for w in s.warnings]
     if fit is not None:
         lines += ["", fit.markdown(heading="####").rstrip("\n")]
     lines += ["", f"<details><summary>Resource tree ({s.resources} resources)</summary>", "", "```text",

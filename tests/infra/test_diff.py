@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -21,8 +22,8 @@ from tests.infra.conftest import new_env_name
 
 ROOT = Path(__file__).resolve().parents[2]
 # The program and environments, and the image's build context (.dockerignore decides what of it the build sees).
-COPIED = ("Pulumi.yaml", "environments", "envspec", "infra", "workloads", "trainer", ".dockerignore", "pyproject.toml",
-          "README.md")
+COPIED = ("Pulumi.yaml", "environments", "envspec", "infra", "workloads", "trainer", "examples", ".dockerignore",
+          "pyproject.toml", "README.md")
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -33,7 +34,7 @@ def _git(repo: Path, *args: str) -> str:
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This project's program and environments, committed once as `base`."""
     repo = tmp_path_factory.mktemp("repo")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
     for name in COPIED:
         src = ROOT / name
         (shutil.copytree(src, repo / name, ignore=ignore) if src.is_dir() else shutil.copy(src, repo / name))
@@ -105,18 +106,47 @@ def test_a_new_slice_group_shows_chips_price_and_every_change(repo: Path) -> Non
     assert headline(d)[0] == "TPU chips: +32 v6e (32 → 64)."
 
 
-def test_cli_puts_the_delta_first_in_markdown(repo: Path, capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    _edit_staging(repo)
+def _commit(repo: Path, message: str) -> None:
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-q", "-am", message)
+
+
+def test_a_pull_request_that_adds_a_slice_changes_a_flag_and_a_reward(repo: Path, capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PR comment (`--format markdown`, as preview.yml posts it) for issue 42's change: the delta first, each
+    part read as what it is, and one digest naming each revision's image in the diff and in the plan under it."""
+    stack = repo / "environments" / "Pulumi.staging.yaml"
+    doc = yaml.safe_load(stack.read_text())
+    trainer = {k: v for k, v in doc["config"]["gke-tpu-rl:trainer"].items() if k != "stage"}
+    doc["config"]["gke-tpu-rl:trainer"] = {**trainer, "code": "examples/my_tasks", "config": "configs/max-digit.yaml",
+                                           "args": ["--set", "rl.group_size=8", "--set", "steps=60"]}
+    stack.write_text(yaml.safe_dump(doc, sort_keys=False))
+    _commit(repo, "the environment trains on its own code")
+    # The pull request: a slice group, a trainer flag changed and one added, the reward's bonus halved.
+    doc["config"]["gke-tpu-rl:slices"].append(
+        {"name": "v6e-more", "tpuType": "v6e", "topology": "4x4", "count": 2, "capacity": "on-demand"})
+    doc["config"]["gke-tpu-rl:trainer"]["args"] = ["--set", "rl.kl_beta=0.01", "--set", "rl.group_size=16",
+                                                   "--set", "steps=60"]
+    stack.write_text(yaml.safe_dump(doc, sort_keys=False))
+    reward = repo / "examples" / "my_tasks" / "my_tasks" / "rewards.py"
+    reward.write_text(reward.read_text().replace("0.5 if comp == tgt", "0.25 if comp == tgt"))
     monkeypatch.chdir(repo)
     try:
-        assert main(["plan", "staging", "--diff", "base", "--format", "markdown"]) == 0
+        assert main(["plan", "staging", "--diff", "HEAD", "--format", "markdown"]) == 0
     finally:
-        _git(repo, "checkout", "-q", "--", ".")
+        _git(repo, "reset", "-q", "--hard", "base")
     out = capsys.readouterr().out
-    assert out.startswith("### gke-tpu-rl plan diff: `staging` against `base`")
-    assert out.index("+32 v6e") < out.index("### gke-tpu-rl plan: `staging`")
-    assert "| added | `v6e-more-0` |" in out
+    assert out.startswith("### gke-tpu-rl plan diff: `staging` against `HEAD`")
+    delta, plan_md = out.split("### gke-tpu-rl plan: `staging`")  # the delta first: what the reviewer decides on
+    assert "- **TPU chips**: +32 v6e (32 → 64)." in delta and "| added | `v6e-more-0` |" in delta
+    assert "- **Image**: rebuilt: your code (trainer.code examples/my_tasks): my_tasks/rewards.py (changed)." in delta
+    container = "spec.replicatedJobs[name=slice].template.spec.template.spec.containers[name=trainer]"
+    assert (f"under `{container}`:<br>`args --set rl.kl_beta`: `∅` → `0.01`<br>`args --set rl.group_size`: `8` → "
+            "`16`<br>`image`: ") in delta
+    assert "steps" not in delta and "…" not in delta  # no unchanged flag, nothing cut
+    old, new = re.search(r"Stand-in digest ([0-9a-f]{12}) → ([0-9a-f]{12})", delta).groups()  # type: ignore[union-attr]
+    digests = set(re.findall(r"trainer@sha256:([0-9a-f]{64})", plan_md))
+    assert len(digests) == 1 and digests.pop().startswith(new)  # the tree and the outputs: the diff's new digest
+    assert {d[:12] for d in re.findall(r"trainer@sha256:([0-9a-f]{64})", delta)} == {old, new}
 
 
 def test_no_change_and_a_new_environment(repo: Path, capsys: pytest.CaptureFixture[str],
@@ -183,7 +213,12 @@ def test_a_trainer_change_replaces_the_training_job(repo: Path, env: str, kind: 
     finally:
         source.write_text(original)
     image = [c for c in d.changed if c.type == "docker-build:index:Image"]
-    assert len(image) == 1 and image[0].inputs[0][0] == "build context (digest)"
+    assert len(image) == 1 and image[0].inputs[0] == ("stand-in digest", d.old.context, d.new.context)
+    # The files it is built from that changed, by name: here one of the kit's.
+    assert [(p, a is None, b is None) for p, a, b in d.changed_sources] == [("trainer/rl/losses.py", False, False)]
+    assert ("file trainer/rl/losses.py", f"sha256:{d.old.sources['trainer/rl/losses.py'][:12]}",
+            f"sha256:{d.new.sources['trainer/rl/losses.py'][:12]}") in image[0].inputs
+    assert "Image: rebuilt: the kit: trainer/rl/losses.py (changed)." in "\n".join(headline(d))
     [job] = [c for c in d.changed if c.type.endswith(f":{kind}")]
     assert job.replaced and job.consequence == RESTARTS_TRAINING
     assert any(path.endswith(".image") for path, _, _ in job.inputs)
