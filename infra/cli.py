@@ -1,6 +1,7 @@
 """`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline), `synth` (the same environment as Terraform), `fit`
 (the trainer compiled for a TPU slice on this machine), `status` (the deployed environment's jobs, read with kubectl),
-`train` (the trainer's own CLI) and `eval` (its held-out eval of a checkpoint)."""
+`train` (the trainer's own CLI), `eval` (its held-out eval of a checkpoint) and `export` (a run's checkpoint as a
+Hugging Face checkpoint)."""
 
 from __future__ import annotations
 

@@ -270,3 +270,31 @@ def test_a_bucket_path_without_gcs_support_says_what_to_install(tmp_path: Path,
     assert E.main(["gs://acme-rl-qa-qa-checkpoints/grpo/run", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "gs://acme-rl-qa-qa-checkpoints/grpo/run" in err and "pip install gcsfs" in err
+
+
+def test_a_lora_run_on_a_random_base_merges_into_the_base_the_run_built(tmp_path: Path) -> None:
+    # The run's own programs build the base and fresh adapters from the seed (step.py's init_params, as train() calls
+    # it); the export rebuilds that base on its own and must pass the checkpoint's checksum check.
+    from trainer.base.config import resolve_mesh
+    from trainer.model.sharding import make_mesh
+    from trainer.rl.batch import replicate
+    from trainer.rl.step import build_programs
+
+    run_dir = tmp_path / "run"
+    cfg = config_from_dict(tiny_train_config(run_dir, seed=11, mesh={"slices": 1, "fsdp": 1, "tensor": 1},
+                                             lora={"rank": 2, "alpha": 4, "targets": ["q_proj", "up_proj"]}))
+    cfg = resolve_mesh(cfg, 1)
+    assert cfg.lora is not None
+    mesh = make_mesh(1, 1, 1, jax.devices()[:1])
+    programs = build_programs(cfg, mesh, 0, 2)
+    with jax.set_mesh(mesh):
+        params = programs.init_params(replicate(mesh, np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.seed)))))
+    base = jax.device_get(params["base"])
+    lora = _noisy(jax.device_get(params["lora"]), 7, 0.05)
+    _save_run(run_dir, cfg, {1: lora}, params["base"])
+    code, out = _export(tmp_path, run_dir)
+    assert code == 0
+    tokens = np.array([1, 84, 73, 84, 4, 27, 30], np.int64)
+    adapter = L.adapter(jax.tree.map(jnp.asarray, lora), jnp.zeros((1,), jnp.int32), cfg.lora)
+    np.testing.assert_allclose(_their_logits(_hf(out), tokens), _our_logits(base, cfg.model_cfg, tokens, adapter),
+                               atol=ATOL, rtol=RTOL)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,23 +236,24 @@ def _check_args(args: argparse.Namespace, run: Run) -> None:
         raise ConfigError(f"--out {args.out}: exists and is not an empty folder; choose a new one")
 
 
-def _token_ids(tokenizer_dir: epath.Path | None) -> dict[str, int | None]:
+def _small_files(src: Sources, out: Path) -> dict[str, Any]:
+    """Copy the tokenizer files and generation_config.json (the base's, else the tokenizer's special ids); returns
+    the config.json keys to keep (the base's, else those ids)."""
     from trainer.model.tokenizer import CharTokenizer, HFTokenizer
 
-    if tokenizer_dir is None:
-        tok: CharTokenizer | HFTokenizer = CharTokenizer()
-    else:
-        tok = HFTokenizer.from_dir(Path(str(tokenizer_dir)))  # local: _sources checked tokenizer.json is there
-    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-
-
-def _small_files(src: Sources, out: Path, ids: dict[str, int | None]) -> dict[str, Any]:
-    """Copy the tokenizer files and generation_config.json; returns the config.json keys to keep (the base's, else
-    the tokenizer's special ids)."""
+    tok: CharTokenizer | HFTokenizer = CharTokenizer()
     if src.tokenizer is not None:
         for name in TOKENIZER_FILES:
             if (src.tokenizer / name).exists():
                 (out / name).write_bytes((src.tokenizer / name).read_bytes())
+        # The special ids as the run read them (its folder's config.json and generation_config.json count too),
+        # from local copies: the folder may be in a bucket.
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in (*TOKENIZER_FILES, "config.json", "generation_config.json"):
+                if (src.tokenizer / name).exists():
+                    (Path(tmp) / name).write_bytes((src.tokenizer / name).read_bytes())
+            tok = HFTokenizer.from_dir(tmp)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     generation = src.base / "generation_config.json" if src.base is not None else None
     if generation is not None and generation.exists():
         (out / "generation_config.json").write_bytes(generation.read_bytes())
@@ -259,7 +261,7 @@ def _small_files(src: Sources, out: Path, ids: dict[str, int | None]) -> dict[st
         (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
     if src.base is not None:
         return dict(json.loads((src.base / "config.json").read_text()))
-    return dict(ids)
+    return ids
 
 
 def _local_base(src: Sources) -> Path:
@@ -281,9 +283,9 @@ def export(args: argparse.Namespace) -> Path:
     run = find_run(args.run)
     _check_args(args, run)
     step = choose_step(run, args.step)
-    src = _sources(run, args.base)
     cfg, lcfg = run.cfg, run.cfg.lora
     mode = None if lcfg is None else (args.lora or "merged")
+    src = Sources(None, None) if mode == "adapter" else _sources(run, args.base)  # an adapter is the weights alone
     keys = {"params"} if lcfg is None else {"lora"} if mode == "adapter" else {"lora", "base_checksums"}
     out = Path(args.out)
     cpu = jax.local_devices(backend="cpu")[0]
@@ -303,9 +305,8 @@ def export(args: argparse.Namespace) -> Path:
             return out
         mcfg = cfg.model_cfg
         base = None if lcfg is None else _run_base(run, src, state["base_checksums"], step)
-        ids = _token_ids(src.tokenizer)
         out.mkdir(parents=True, exist_ok=True)
-        keep = _small_files(src, out, ids)
+        keep = _small_files(src, out)
         if lcfg is None:
             from trainer.model.hf import export_hf
 
