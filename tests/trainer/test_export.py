@@ -293,8 +293,11 @@ def test_a_lora_run_on_a_random_base_merges_into_the_base_the_run_built(tmp_path
     lora = _noisy(jax.device_get(params["lora"]), 7, 0.05)
     _save_run(run_dir, cfg, {1: lora}, params["base"])
     code, out = _export(tmp_path, run_dir)
-    assert code == 0
-    tokens = np.array([1, 84, 73, 84, 4, 27, 30], np.int64)
-    adapter = L.adapter(jax.tree.map(jnp.asarray, lora), jnp.zeros((1,), jnp.int32), cfg.lora)
-    np.testing.assert_allclose(_their_logits(_hf(out), tokens), _our_logits(base, cfg.model_cfg, tokens, adapter),
-                               atol=ATOL, rtol=RTOL)
+    assert code == 0  # the rebuilt base passed the checksum check
+    # The targets' weights moved by the merge (test_lora_run_exports_merged_and_as_adapter checks the merge against
+    # transformers); the others are the base's, bit for bit.
+    merged, _ = import_hf(out)
+    assert not np.allclose(merged["layers"]["wq"], base["layers"]["wq"], atol=1e-4)
+    assert not np.allclose(merged["layers"]["w_up"], base["layers"]["w_up"], atol=1e-4)
+    for key in ("wk", "wv", "wo", "w_gate", "w_down"):
+        np.testing.assert_array_equal(merged["layers"][key], base["layers"][key])
