@@ -1,6 +1,7 @@
 """`gke-tpu-rl`: `plan` (the stack under Pulumi mocks, offline), `synth` (the same environment as Terraform), `fit`
 (the trainer compiled for a TPU slice on this machine), `status` (the deployed environment's jobs, read with kubectl),
-`train` (the trainer's own CLI) and `eval` (its held-out eval of a checkpoint)."""
+`train` (the trainer's own CLI), `eval` (its held-out eval of a checkpoint) and `export` (a run's checkpoint as a
+Hugging Face checkpoint)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", add_help=False, help="run the trainer (gke-tpu-rl train --help for its flags)")
     sub.add_parser("eval", add_help=False, help="score a run's checkpoint on the task's held-out split (gke-tpu-rl "
                    "eval --help)")
+    sub.add_parser("export", add_help=False, help="write a run's checkpoint as a Hugging Face checkpoint or PEFT "
+                   "adapter (gke-tpu-rl export --help for its flags)")
     sub.add_parser("service", add_help=False, help="the Tinker-compatible post-training service: API keys, the API "
                    "and its engine (gke-tpu-rl service --help)")
     synth = sub.add_parser(
@@ -377,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.run.eval_cli import main as eval_main
 
         return int(eval_main(argv[1:]) or 0)
+    if argv[:1] == ["export"]:
+        from trainer.run.export import main as export_main
+
+        return int(export_main(argv[1:]) or 0)
     if argv[:1] == ["service"]:
         from trainer.service.cli import main as service_main
 

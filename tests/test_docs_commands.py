@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+import numpy as np
 import pytest
 import yaml
 
@@ -79,6 +80,7 @@ RUN: dict[str, str] = {
     "gke-tpu-rl service keys import walkthrough tml-dummy --allow-weak": "test_service_commands",
     "gke-tpu-rl service serve --config service.yaml": "test_service_commands",
     "python -m trainer --config my.yaml": "test_readme_train_commands",
+    "gke-tpu-rl export runs/my-20261129-101500 --out my-model": "test_readme_export_commands",
     # docs/walkthrough.md
     "gcloud config set project acme-rl-qa": "test_walkthrough",
     "export PULUMI_CONFIG_PASSPHRASE='a long passphrase you keep in a password manager'": "test_walkthrough",
@@ -130,6 +132,9 @@ CHECKED: dict[str, tuple[str, str]] = {
     "gke-tpu-rl eval runs/my-run": ("test_readme_eval_commands", _EVAL),
     "gke-tpu-rl eval runs/my-run --step 20 --set eval.prompts=256 --out eval-20.json": ("test_readme_eval_commands",
                                                                                          _EVAL),
+    "gke-tpu-rl export gs://acme-rl-qa-qa-checkpoints/grpo/run --out grpo-model --step 200": (
+        "test_readme_export_commands", "needs the bucket, gcsfs and credentials: the bucket's run folder is the one "
+        "the walkthrough reads metrics from; here, without gcsfs, it stops with exit 2 naming what to install"),
     # docs/own-tasks.md
     "PYTHONPATH=examples/my_tasks gke-tpu-rl train --config examples/my_tasks/configs/max-digit.yaml "
     "--local-processes 2 --devices-per-process 4": (
@@ -265,6 +270,11 @@ INLINE: dict[str, tuple[str, str]] = {
                                  "terraform-out` with --out at its default: the CLI's parser reads both alike, and "
                                  "that one runs and writes terraform-out/staging"),
     "python -m trainer": (MENTION, "`python -m trainer --config my.yaml` above"),
+    "gke-tpu-rl export": (MENTION, "the README's export commands above"),
+    "pip install gcsfs": ("test_readme_export_commands", "downloads: it is what the export's gs:// error names, the "
+                          "fsspec filesystem etils' epath reads gs:// through (fsspec itself is installed)"),
+    "python -m trainer export": ("test_readme_export_commands", "run in-process through trainer/__main__.py: its "
+                                 "--help, with the prog it names"),
     "gcloud container node-pools create": (MENTION, "Google's command whose flags the README's table maps"),
     "gke-tpu-rl plan ENV": ("test_readme_inline_commands", "a template: parses with ENV filled in"),
     "gke-tpu-rl plan ENV --diff REF": ("test_readme_inline_commands", "a template: parses with ENV, REF filled in"),
@@ -631,6 +641,53 @@ def test_readme_train_commands(train_runs: dict[str, TrainRun]) -> None:
             assert run.run_dir.name.startswith("my-") and saved["model"]["d_model"] == 32
             assert saved["rl"]["algo"] == ("gspo" if "rl.algo=gspo" in argv else "grpo")
         ledger.ran(command)
+    ledger.close()
+
+
+def test_readme_export_commands(train_runs: dict[str, TrainRun], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's export, on the run its `train --config my.yaml` command trained: the checkpoint's weights, written
+    as a Hugging Face checkpoint, read back bitwise by the importer that tests/trainer/test_hf_reference.py checks
+    against transformers (tests/trainer/test_export.py loads exports in transformers itself)."""
+    import importlib.util
+    import runpy
+
+    import jax
+
+    from trainer.model.hf import import_hf
+    from trainer.rl.checkpoint import read_saved
+    from trainer.run.export import gcs_readable
+
+    ledger = Ledger("test_readme_export_commands", README, inline=[README])
+    run = train_runs["gke-tpu-rl train --config my.yaml --set rl.algo=gspo --set steps=200"]
+    _one_step(run)
+    for command, argv in commands_of(README, ledger):
+        out = tmp_path / argv[argv.index("--out") + 1]
+        if argv[2].startswith("gs://"):
+            assert "gs://acme-rl-qa-qa-checkpoints/grpo/run/metrics.jsonl" in WALKTHROUGH.read_text()
+            if gcs_readable():
+                pytest.skip("gcsfs is installed: the bucket command would reach the network")
+            assert argv[3] == "--out"
+            assert cli.main([*argv[1:3], "--out", str(out), *argv[5:]]) == 2
+            assert f"{argv[2]}: reading a bucket needs the gcsfs package (pip install gcsfs)" in capsys.readouterr().err
+            ledger.checked(command)
+            assert importlib.util.find_spec("fsspec") is not None
+            ledger.checked("pip install gcsfs")
+            continue
+        assert argv[2].startswith("runs/my-")  # the README's run folder, here the one its train command made
+        assert cli.main([argv[1], str(run.run_dir), "--out", str(out)]) == 0
+        assert "wrote a Hugging Face checkpoint" in capsys.readouterr().out
+        exported, model = import_hf(out)
+        saved, _ = read_saved(run.run_dir / "checkpoints", 1, {"params"})
+        assert model.d_model == MY_YAML["model"]["d_model"] and model.tie_embeddings
+        for got, want in zip(jax.tree.leaves(exported), jax.tree.leaves(saved["params"]), strict=True):
+            assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+        ledger.ran(command)
+    monkeypatch.setattr(sys, "argv", ["trainer", "export", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("trainer", run_name="__main__", alter_sys=False)
+    assert exited.value.code == 0 and "usage: python -m trainer export" in capsys.readouterr().out
+    ledger.checked("python -m trainer export")
     ledger.close()
 
 

@@ -136,6 +136,20 @@ def test_train_passes_the_rest_of_argv_to_the_trainer(monkeypatch: pytest.Monkey
     assert seen == [["--local-processes", "2", "--set", "steps=1"]]
 
 
+def test_export_passes_the_rest_of_argv_to_the_trainers_export(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.run.export
+
+    seen: list[list[str]] = []
+
+    def fake_main(argv: list[str] | None = None, prog: str = "") -> int:
+        seen.append(list(argv or []))
+        return 5
+
+    monkeypatch.setattr(trainer.run.export, "main", fake_main)
+    assert cli.main(["export", "runs/my", "--out", "m", "--lora", "adapter"]) == 5
+    assert seen == [["runs/my", "--out", "m", "--lora", "adapter"]]
+
+
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main([])

@@ -442,13 +442,15 @@ def export_hf(
     out_dir: str | Path,
     *,
     source_dir: str | Path | None = None,
+    base_config: Mapping[str, Any] | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> Path:
     """Write params as a Hugging Face checkpoint (config.json + safetensors, sharded above
-    `max_shard_bytes`). With `source_dir`, its config.json keys (eos ids...) and tokenizer files are kept."""
+    `max_shard_bytes`). With `source_dir`, its config.json keys (eos ids...) and tokenizer files are kept; without
+    one, `base_config`'s keys are."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base = None
+    base = base_config
     if source_dir is not None:
         src = Path(source_dir)
         if (src / "config.json").is_file():

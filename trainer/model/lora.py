@@ -215,10 +215,11 @@ def merge(params: Params, weights: Params, cfg: ModelConfig, lcfg: LoraConfig, s
 
 
 def export_merged(params: Params, weights: Params, cfg: ModelConfig, lcfg: LoraConfig, out_dir: str | Path, *,
-                  slot: int = 0, source_dir: str | Path | None = None) -> Path:
+                  slot: int = 0, source_dir: str | Path | None = None,
+                  base_config: Mapping[str, Any] | None = None) -> Path:
     """One slot merged into the base weights, written as a full Hugging Face checkpoint (hf.export_hf)."""
     merged = jax.device_get(jax.jit(merge, static_argnums=(2, 3))(params, weights, cfg, lcfg, slot))
-    return hf.export_hf(merged, cfg, out_dir, source_dir=source_dir)
+    return hf.export_hf(merged, cfg, out_dir, source_dir=source_dir, base_config=base_config)
 
 
 # ---------------------------------------------------------------------------------------------- PEFT format

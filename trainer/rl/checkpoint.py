@@ -20,6 +20,7 @@ import functools
 import gc
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -260,6 +262,73 @@ class Checkpointer:
     def close(self) -> None:
         self._mngr.wait_until_finished()
         self._mngr.close()
+
+
+# ---------------------------------------------------------------------------------------------- reading a step
+
+# For tools that read a finished run (export): a local folder or a gs:// one, through etils' epath and orbax's
+# tensorstore, as orbax itself reads gs:// checkpoints. The Checkpointer above is the run's own; it is never pointed
+# at gs:// (a pod reaches the bucket through its GCS FUSE mount).
+
+
+def finished_steps(directory: str | os.PathLike[str]) -> tuple[list[int], list[int]]:
+    """(steps whose save finished, step folders without the commit marker), each ascending."""
+    root = epath.Path(directory)
+    if not root.is_dir():
+        return [], []
+    done: list[int] = []
+    unfinished: list[int] = []
+    for p in root.iterdir():
+        if _STEP_NAME.fullmatch(p.name) and p.is_dir():
+            (done if (p / COMMIT_MARKER).exists() else unfinished).append(int(p.name))
+    return sorted(done), sorted(unfinished)
+
+
+def read_saved(directory: str | os.PathLike[str], step: int, keys: set[str]) -> tuple[dict[str, Any], Meta]:
+    """The top-level items `keys` of a saved train state (e.g. {"params"}, not the optimizer state) as arrays on the
+    first local device, checked as `resume` checks a step: the commit marker, the meta, and the checksums of what was
+    read. Raises CheckpointDamaged."""
+    path = epath.Path(directory) / str(step)
+    try:
+        if not (path / COMMIT_MARKER).exists():
+            raise _Damage(_UNFINISHED)
+        meta, sums = _parse_meta(ocp.JsonCheckpointHandler().restore(path / "meta"), step)
+        saved = ocp.StandardCheckpointHandler().metadata(path / "state")
+        saved = {k: saved[k] for k in saved}  # orbax's metadata tree as a plain dict of its top-level items
+        missing = sorted(keys - saved.keys())
+        if missing:
+            raise _Damage(f"the saved state has no {missing} (it holds {sorted(saved)})")
+        device = jax.local_devices()[0]
+        spot = jax.sharding.SingleDeviceSharding(device)
+        is_leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # noqa: E731 (orbax's array metadata)
+        target = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=spot), saved[k],
+                                  is_leaf=is_leaf) for k in keys}
+        handler = ocp.PyTreeCheckpointHandler()  # the format StandardCheckpointHandler writes, read in part
+        try:
+            state = handler.restore(path / "state", args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+        finally:
+            handler.close()
+    except (jax.errors.JaxRuntimeError, MemoryError):
+        raise
+    except Exception as err:  # noqa: BLE001 (orbax re-raises tensorstore read errors as a bare Exception)
+        first = str(err).splitlines()[0][:300] if str(err) else ""
+        raise CheckpointDamaged(step, first if isinstance(err, _Damage) else f"{type(err).__name__}: {first}") from err
+    state = {k: state[k] for k in sorted(keys)}
+    if sums is not None:
+        # The meta's checksums follow the whole state's leaves: the top-level items in key order, each item's leaves
+        # in a row. Only the items read are compared.
+        counts = {k: len(jax.tree.leaves(v, is_leaf=is_leaf)) for k, v in saved.items()}
+        if len(sums) != sum(counts.values()):
+            raise CheckpointDamaged(step, f"meta has {len(sums)} checksums for {sum(counts.values())} arrays")
+        start = 0
+        for k in sorted(saved):
+            if k in keys:
+                reason = _compare_checksums(state[k], sums[start:start + counts[k]])
+                if reason is not None:
+                    raise CheckpointDamaged(step, f"{k}: {reason}")
+            start += counts[k]
+    return state, meta
 
 
 def _read_state(path: Path, target: Any) -> Any:

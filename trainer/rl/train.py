@@ -64,6 +64,20 @@ def _host_params(hf_params: M.Params, param_sh: Any) -> M.Params:
     )
 
 
+RUN_CONFIG = "config.yaml"  # in the run folder: the resolved config, with the model read from init.path
+
+
+def write_run_config(run_dir: Path, cfg: TrainConfig) -> None:
+    (run_dir / RUN_CONFIG).write_text(yaml.safe_dump(cfg.model_dump(by_alias=True), sort_keys=False))
+
+
+def saved_state(params: M.Params, opt_state: Any, lcfg: LoraConfig | None, base_sums: Any) -> dict[str, Any]:
+    """What a checkpoint holds: everything trained; with lora, not the (frozen, rebuilt) base but its checksums."""
+    if lcfg is None:
+        return {"params": params, "opt_state": opt_state}
+    return {"lora": params["lora"], "opt_state": opt_state, "base_checksums": base_sums}
+
+
 def checkpoint_dir(cfg: TrainConfig, run_dir: Path) -> Path:
     """checkpoint.dir, else $CHECKPOINT_DIR (the pod's bucket), else checkpoints/ in the run directory."""
     import os
@@ -99,10 +113,7 @@ class Start:
     base_sums: jax.Array | None  # with lora: the base weights' checksums, which a checkpoint must match
 
     def state(self, params: M.Params, opt_state: Any) -> dict[str, Any]:
-        """What a checkpoint holds: everything trained; with lora, not the (frozen, rebuilt) base."""
-        if self.cfg.lora is None:
-            return {"params": params, "opt_state": opt_state}
-        return {"lora": params["lora"], "opt_state": opt_state, "base_checksums": self.base_sums}
+        return saved_state(params, opt_state, self.cfg.lora, self.base_sums)
 
     def target(self) -> Any:
         """The restore target: this run's state as ShapeDtypeStructs on its shardings."""
@@ -208,7 +219,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     evaluator = None if cfg.eval is None else Evaluator(cfg, data, mesh, programs)
     if primary:
         truncate_metrics(run_dir, start)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(by_alias=True), sort_keys=False))
+        write_run_config(run_dir, cfg)
 
     key_arr = replicate(mesh, key_data)
     logger = MetricsLogger(run_dir, cfg.steps, start, enabled=primary, progress=cfg.progress, log_every=cfg.log_every)
