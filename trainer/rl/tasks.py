@@ -182,11 +182,7 @@ class GSM8KTask:
                 raise FileNotFoundError(f"gsm8k task: no such file {self.eval_path!r} (task.eval_path)")
             held = _load_jsonl(Path(self.eval_path))
         elif self.holdout:
-            # A pick of its own (not epoch 0's order), fixed by the seed; both parts keep the file's order.
-            out = set(np.random.default_rng([self.seed, len(rows), self.holdout]).permutation(len(rows))[:self.holdout]
-                      .tolist())
-            held = tuple(r for i, r in enumerate(rows) if i in out)
-            rows = tuple(r for i, r in enumerate(rows) if i not in out)
+            rows, held = _hold_out(rows, self.seed, self.holdout)
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_eval_rows", held)
 
@@ -194,27 +190,16 @@ class GSM8KTask:
         return len(self._rows)
 
     def example(self, index: int) -> Example:
-        if index < 0:
-            raise ValueError(f"example index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self._rows))
-        row = self._order(epoch)[pos] if self.shuffle else pos
-        return self._example(self._rows[row])
+        return self._example(_nth(self._rows, self.seed, index, self.shuffle))
 
     def eval_example(self, index: int) -> Example:
         """Held-out row `index`, in file order; an index past the split is an IndexError."""
-        if not self._eval_rows:
-            raise TypeError("gsm8k task has no held-out split: set task.eval_path (e.g. GSM8K's test split) or "
-                            "task.holdout (rows of task.path kept out of training)")
-        if not 0 <= index < len(self._eval_rows):
-            raise IndexError(f"gsm8k task: held-out example {index} asked, the split has {len(self._eval_rows)}")
-        return self._example(self._eval_rows[index])
+        return self._example(_held(self._eval_rows, index, "gsm8k task", "task.eval_path (e.g. GSM8K's test split) "
+                                   "or task.holdout (rows of task.path kept out of training)"))
 
     def _example(self, row: tuple[str, str]) -> Example:
         question, answer = row
         return Example(prompt=self.prompt_template.format(question=question), fields={"answer": answer})
-
-    def _order(self, epoch: int) -> np.ndarray:
-        return _permutation(self.seed, epoch, len(self._rows))
 
 
 @dataclass(frozen=True)
@@ -267,11 +252,7 @@ class DatasetTask:
             held = load_pairs(self.path, self.eval_split, self.prompt_field, self.answer_field, self.prompt_template,
                               parse_filter(self.filter), "task.eval_split")
         elif self.holdout:
-            # As GSM8K's holdout: a pick of its own (not epoch 0's order), fixed by the seed; both keep the file order.
-            out = set(np.random.default_rng([self.seed, len(rows), self.holdout]).permutation(len(rows))[:self.holdout]
-                      .tolist())
-            held = tuple(r for i, r in enumerate(rows) if i in out)
-            rows = tuple(r for i, r in enumerate(rows) if i not in out)
+            rows, held = _hold_out(rows, self.seed, self.holdout)
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_eval_rows", held)
 
@@ -279,20 +260,13 @@ class DatasetTask:
         return len(self._rows)
 
     def example(self, index: int) -> Example:
-        if index < 0:
-            raise ValueError(f"example index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self._rows))
-        row = _permutation(self.seed, epoch, len(self._rows))[pos] if self.shuffle else pos
-        return self._example(self._rows[row])
+        return self._example(_nth(self._rows, self.seed, index, self.shuffle))
 
     def eval_example(self, index: int) -> Example:
         """Held-out row `index`, in file order; an index past the split is an IndexError."""
-        if not self._eval_rows:
-            raise TypeError("dataset task has no held-out split: set task.eval_split (another split of task.path, "
-                            "e.g. test) or task.holdout (rows of the training split kept out of training)")
-        if not 0 <= index < len(self._eval_rows):
-            raise IndexError(f"dataset task: held-out example {index} asked, the split has {len(self._eval_rows)}")
-        return self._example(self._eval_rows[index])
+        return self._example(_held(self._eval_rows, index, "dataset task", "task.eval_split (another split of "
+                                   "task.path, e.g. test) or task.holdout (rows of the training split kept out of "
+                                   "training)"))
 
     @staticmethod
     def _example(row: tuple[str, str]) -> Example:
@@ -303,6 +277,32 @@ class DatasetTask:
 @lru_cache(maxsize=8)
 def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, n]).permutation(n)
+
+
+Row = tuple[str, str]
+
+
+def _nth(rows: tuple[Row, ...], seed: int, index: int, shuffle: bool) -> Row:
+    """Row `index` of the stream: every row once per epoch, reshuffled each epoch from (seed, epoch)."""
+    if index < 0:
+        raise ValueError(f"example index must be >= 0, got {index}")
+    epoch, pos = divmod(index, len(rows))
+    return rows[_permutation(seed, epoch, len(rows))[pos] if shuffle else pos]
+
+
+def _hold_out(rows: tuple[Row, ...], seed: int, n: int) -> tuple[tuple[Row, ...], tuple[Row, ...]]:
+    """(training rows, n held-out rows): a pick of its own (not epoch 0's order), fixed by the seed; both parts keep
+    the file's order."""
+    out = set(np.random.default_rng([seed, len(rows), n]).permutation(len(rows))[:n].tolist())
+    return (tuple(r for i, r in enumerate(rows) if i not in out), tuple(r for i, r in enumerate(rows) if i in out))
+
+
+def _held(held: tuple[Row, ...], index: int, task: str, how: str) -> Row:
+    if not held:
+        raise TypeError(f"{task} has no held-out split: set {how}")
+    if not 0 <= index < len(held):
+        raise IndexError(f"{task}: held-out example {index} asked, the split has {len(held)}")
+    return held[index]
 
 
 _TASKS: dict[str, tuple[type, dict[str, Any]]] = {
