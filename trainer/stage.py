@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -60,10 +61,14 @@ MARKER = ".gke-tpu-rl-staged.json"
 JOURNAL = ".gke-tpu-rl-staging.json"
 DATASET_MARKER_SUFFIX = ".staged.json"
 PARTIAL = ".stage-partial"
+# The Hub's sharded file names of a split (train-00000-of-00002); a split folder of its parquet conversion holds
+# 0000.parquet instead.
+_SPLIT_SHARD = re.compile(r"^[A-Za-z][\w.]*-\d{5}-of-\d{5}$")
 # Top-level files besides the weights: config.json, generation_config.json, model.safetensors.index.json and the
 # tokenizer's JSON files (trainer/model/hf.py TOKENIZER_FILES, trainer/model/tokenizer.py), tokenizer.model for tools
 # that want the SentencePiece model. "*/*" keeps subfolders (original/, onnx/, ...) out.
-MODEL_PATTERNS = ["*.json", "tokenizer.model"]
+# chat_template.jinja: where transformers 5 writes a tokenizer's chat template (task.chat_template reads it first).
+MODEL_PATTERNS = ["*.json", "tokenizer.model", "chat_template.jinja"]
 TOP_LEVEL_ONLY = ["*/*"]
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -514,7 +519,7 @@ def stage_dataset(repo: str, filename: str, dest: str | Path, revision: str | No
     src = Source("--dataset", repo, revision, "--dataset-revision", "--dataset-file")
     marker = _read_json(marker_path)
     if (marker is not None and marker.get("repo") == repo and marker.get("file") == filename
-            and revision in (None, marker.get("revision"))):
+            and revision == marker.get("revision")):  # a pin removed is a change too: back to the default branch
         try:
             intact = out.stat().st_size == marker.get("size")
         except OSError:
@@ -577,7 +582,7 @@ def stage_splits(repo: str, config: str | None, revision: str | None, dest: str 
     marker_path = root / MARKER
     marker = _read_json(marker_path)
     if (marker is not None and marker.get("repo") == repo and marker.get("config") == config
-            and revision in (None, marker.get("revision"))):
+            and revision == marker.get("revision")):  # a pin removed is a change too: back to the default branch
         problem = _marker_files_intact(root, marker)
         if problem is None:
             log(f"dataset: {repo} ({config or 'no config'})@{marker.get('commit')} already staged in {root}; skipping")
@@ -600,6 +605,15 @@ def stage_splits(repo: str, config: str | None, revision: str | None, dest: str 
                          f"{f'the folder {config}/' if config else 'the repository'} at commit {snapshot.name}{hint}; "
                          "a dataset kept in another format: --hub-revision refs/convert/parquet (the Hub's parquet "
                          "conversion)")
+    if config is None:
+        # gsm8k's layout: main/train-00000-of-00001.parquet, socratic/...: each folder is a config holding splits,
+        # which files_by_split would read as splits named main and socratic.
+        configs = sorted(name for name, files in splits.items()
+                         if files[0].parent.name == name and all(_SPLIT_SHARD.match(f.stem) for f in files))
+        if configs:
+            raise StageError(EXIT_CONFIG, f"--hub-dataset {repo}: its folders {', '.join(configs)} each hold splits "
+                             "of their own (files named <split>-00000-of-NNNNN): they are the dataset's configs; set "
+                             "task.hub_config to one")
     names = sorted(p.relative_to(base).as_posix() for files in splits.values() for p in files)
     log(f"dataset: staging {repo} ({config or 'no config'}, revision {revision or 'default'} -> commit "
         f"{snapshot.name}) into {root}: splits {', '.join(sorted(splits))}, {len(names)} files")
@@ -607,7 +621,10 @@ def stage_splits(repo: str, config: str | None, revision: str | None, dest: str 
     marker_path.unlink(missing_ok=True)
     _clean_partials(root)
     sizes = {name: _place(base / name, root / name) for name in names}
-    for name in sorted(set(old_files) - set(names)):  # a split or shard the new revision no longer has
+    # Every data file the folder holds that this revision does not: the marker's list alone misses what an earlier,
+    # cut-off restage left (its marker was already gone), and the trainer would read those too.
+    there = {p.relative_to(root).as_posix() for files in files_by_split(root).values() for p in files}
+    for name in sorted((set(old_files) | there) - set(names)):
         (root / name).unlink(missing_ok=True)
         log(f"removed {name} (not in this revision)")
     _check_parquet(root, names)

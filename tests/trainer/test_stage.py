@@ -89,8 +89,10 @@ def hub(tmp_path: Path) -> Path:
         "original/params.json": b"{}",
         "consolidated.safetensors": qwen["model.safetensors"],
     }
+    # transformers 5 keeps a chat template in chat_template.jinja, not in tokenizer_config.json (task.chat_template).
     tokenizer = {"tokenizer.json": _tokenizer_json(),
-                 "tokenizer_config.json": json.dumps({"eos_token": "<|endoftext|>"}).encode()}
+                 "tokenizer_config.json": json.dumps({"eos_token": "<|endoftext|>"}).encode(),
+                 "chat_template.jinja": b"{% for m in messages %}{{ m['content'] }}{% endfor %}"}
     add_snapshot(cache, REPO, SHA_MAIN, qwen | tokenizer | extras, refs=("main",))
     add_snapshot(cache, REPO, SHA_V2, _fixture_files("llama3_untied_sharded"), refs=("v2",))
     # A qwen3 config over qwen2 weights: config.json is fine, the checkpoint is not.
@@ -132,7 +134,8 @@ def test_stages_model_and_dataset_then_a_second_run_skips(hub: Path, tmp_path: P
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
 
-    staged = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    staged = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja"}
     assert {p.name for p in out.iterdir()} == staged | {stage.MARKER}  # no README, original/, consolidated, .cache/
     cfg = check_hf(out)
     assert (cfg.family, cfg.param_dtype) == ("qwen3", "bfloat16")
@@ -362,6 +365,31 @@ def test_the_hubs_parquet_conversion_is_a_folder_per_split(qa_hub: Path, tmp_pat
     assert (out / "validation" / "0000.parquet").is_file()
     val = get_task("dataset", path=str(out), split="validation", shuffle=False)
     assert [val.example(i).prompt for i in range(3)] == [r["prompt"] for r in QA_ROWS[5:]]
+
+
+def test_a_repo_of_configs_needs_hub_config(qa_hub: Path, tmp_path: Path) -> None:
+    """Without task.hub_config, main/ and other/ would be read as splits named main and other: refused, naming them."""
+    out = tmp_path / "qa"
+    r = run_stage(qa_hub, "--hub-dataset", QA, "--splits-to", str(out))
+    _fails_cleanly(r, 2, f"--hub-dataset {QA}: its folders main each hold splits of their own")
+    assert "set task.hub_config to one" in r.stderr and not (out / stage.MARKER).exists()
+
+
+def test_a_restage_cut_off_then_retried_leaves_only_the_new_revisions_files(qa_hub: Path, tmp_path: Path) -> None:
+    """v1 staged; a restage to v2 cut off after the marker went (a preemption); the retry must drop v1's extra shard
+    even though no marker lists it any more, or the trainer reads both revisions' rows."""
+    out = tmp_path / "qa"
+    args = ("--hub-dataset", QA, "--hub-config", "main", "--splits-to", str(out))
+    assert run_stage(qa_hub, *args).returncode == 0
+    (out / stage.MARKER).unlink()  # what the cut-off restage left: v1's files, no marker
+    r = run_stage(qa_hub, *args[:4], "--hub-revision", "v2", *args[4:])
+    assert r.returncode == 0, r.stderr
+    assert "removed train-00001-of-00002.parquet (not in this revision)" in r.stdout
+    assert len(get_task("dataset", path=str(out))) == 3  # type: ignore[arg-type]  # sized: v2's rows only
+    # The pin removed: back to the default branch (v1), not "already staged" at v2.
+    again = run_stage(qa_hub, *args)
+    assert again.returncode == 0 and "already staged" not in again.stdout
+    assert len(get_task("dataset", path=str(out))) == 6  # type: ignore[arg-type]
 
 
 def test_a_dataset_without_split_files_exits_2_naming_its_folders(qa_hub: Path, tmp_path: Path) -> None:
