@@ -276,6 +276,8 @@ def test_resume_step_rolls_back_once(runs: dict, capsys: pytest.CaptureFixture[s
     assert _steps(ckpt) == ["3", "3.rolled-back", "4", "4.rolled-back", "5", "rolled-back-to-2.json"]
     assert json.loads((ckpt / "rolled-back-to-2.json").read_text())["step"] == 2
     again = train(cfg)  # the same job restarted: no second roll-back
-    assert again.records == [] and "resuming from checkpoint step 5\n" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert again.records == [] and "resuming from checkpoint step 5\n" in err
+    assert "checkpoint.resume_step=2: already rolled back to it" in err and "move that record away" in err
     with pytest.raises(ConfigError, match=r"checkpoint.resume_step=7: no step 7 in .*; it holds 3, 4, 5"):
         train(config_from_dict(_cfg_dict(run, checkpoint={"every": 1, "keep": 3, "resume_step": 7})))

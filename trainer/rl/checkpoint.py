@@ -149,8 +149,13 @@ class Checkpointer:
         `rollback_to` (checkpoint.resume_step): that step instead, once: the steps after it are moved aside (never
         deleted) and the roll-back recorded; when the record is there already, the newest intact step as above.
         """
-        if rollback_to is not None and not self._rolled_back(rollback_to):
-            return self._roll_back(target, rollback_to)
+        if rollback_to is not None:
+            if not self._rolled_back(rollback_to):
+                return self._roll_back(target, rollback_to)
+            if jax.process_index() == 0:  # said once, so a second roll-back asked of the same job is not a mystery
+                print(f"checkpoint.resume_step={rollback_to}: already rolled back to it "
+                      f"({self.directory / rollback_record(rollback_to)}); resuming from the newest step since. To "
+                      "roll back to it again, move that record away", file=sys.stderr, flush=True)
         damaged: list[tuple[int, str]] = []
         for step in sorted(_step_folders(self.directory), reverse=True):  # not all_steps(): it skips unfinished saves
             state, meta, reason = self._attempt(target, step)
