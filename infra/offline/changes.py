@@ -130,6 +130,11 @@ def _walk(path: str, a: Any, b: Any, out: list[Leaf]) -> None:
         fa, fb = argv_flags(a or []), argv_flags(b or [])
         out += [(f"{path} {k}", fa.get(k), fb.get(k)) for k in _ordered_union(list(fa), list(fb))
                 if fa.get(k) != fb.get(k)]
+        # Order is meaning on a command line (a later --set overrides an earlier one on the same key): flags both
+        # sides have, given in another order, are a change of their own.
+        both_a, both_b = [k for k in fa if k in fb], [k for k in fb if k in fa]
+        if both_a != both_b:
+            out.append((f"{path} (order)", " ".join(both_a), " ".join(both_b)))
         return
     if _nested(a) or _nested(b):
         _walk_nested(path, field, a, b, out)

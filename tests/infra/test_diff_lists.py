@@ -44,6 +44,14 @@ def test_args_changes_are_the_flags_that_changed() -> None:
                                         ("args --set rl.group_size", "8", "16"), ("args --set steps", "5", None)]
 
 
+def test_flags_given_in_another_order_are_a_change() -> None:
+    # `--set task=...` then `--set task.split=test` is not the config the other order gives.
+    old = {"args": ["--config", "a.yaml", "--set", "task={name: dataset}", "--set", "task.split=test"]}
+    new = {"args": ["--config", "a.yaml", "--set", "task.split=test", "--set", "task={name: dataset}"]}
+    assert changed_inputs(old, new) == [("args (order)", "--config --set task --set task.split",
+                                         "--config --set task.split --set task")]
+
+
 def test_named_items_are_matched_by_their_merge_key(plans: dict[str, PlanResult]) -> None:
     new = copy.deepcopy(snapshot(plans["staging"]))
     _pod(new)["tolerations"].append({"key": "example.com/x", "operator": "Exists"})
