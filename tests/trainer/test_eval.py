@@ -117,10 +117,24 @@ def test_eval_of_a_checkpoint_repeats_the_logged_scores(runs: dict[str, tuple[Pa
 
 @pytest.mark.slow
 def test_an_interrupted_run_with_eval_resumes_exactly(runs: dict[str, tuple[Path, TrainResult]],
-                                                      tmp_path: Path) -> None:
-    # Stopped right after step 2 (the eval due there still runs, after the checkpoint), then resumed.
+                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stopped right after step 2 (the eval due there still runs, once the checkpoint is finished: the grace period
+    # is sized for the save alone), then resumed.
+    from trainer.rl.checkpoint import finished_steps
+    from trainer.rl.evaluate import Evaluator
+
+    finished_when_evaluated: list[list[int]] = []
+    evaluate = Evaluator.__call__
+
+    def spy(self: Evaluator, params: Any) -> dict[str, float]:
+        finished_when_evaluated.append(finished_steps(tmp_path / "checkpoints")[0])
+        return evaluate(self, params)
+
+    monkeypatch.setattr(Evaluator, "__call__", spy)
     first = train(_cfg(tmp_path, eval=EVAL), stop_after=2)
     assert first.stopped_early and first.step == 2
+    assert finished_when_evaluated == [[2]]
+    monkeypatch.undo()
     resumed = train(_cfg(tmp_path, eval=EVAL))
     assert resumed.step == STEPS
     strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731

@@ -274,8 +274,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             times["checkpoint"] = time.perf_counter() - t  # its start only when saves are asynchronous
             evaluated: dict[str, float] = {}
             if evaluator is not None and evaluator.due(step + 1):
-                # After the save: a stop signal's checkpoint comes first; the eval still runs, so a resumed run logs
-                # what an uninterrupted one does.
+                # After the save: a stop signal's checkpoint comes first and is finished before the eval starts (the
+                # grace period is sized for the save alone; an eval, the first one compiling its greedy program, could
+                # outlast it and the save would die with the pod). The eval still runs, so a resumed run logs what an
+                # uninterrupted one does unless the pod is killed during it.
+                if leaving:
+                    ckpt.wait()
                 t = time.perf_counter()
                 evaluated = evaluator(params)
                 times["eval"] = time.perf_counter() - t
