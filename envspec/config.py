@@ -90,10 +90,11 @@ class EnvironmentSpec(_Model):
     env: str = Field(description="the environment (stack) name")
     project: str = Field(description="the GCP project id; it begins the bucket names, so it may not begin with "
                          "'goog' nor contain 'google' (Cloud Storage's rule)")
-    region: str = Field(description="GCP region of the network, the registry and (by default) the bucket; one of "
-                        "the table in envspec/locations.py")
+    # Before region: its validator reads it.
     skip_region_check: bool = Field(False, description="skip the check of region against the table in "
                                     "envspec/locations.py: for a region Google opened after that table was read")
+    region: str = Field(description="GCP region of the network, the registry and (by default) the bucket; one of "
+                        "the table in envspec/locations.py")
     zone: str = Field(description="zone of the cluster (zonal) and of every node pool; in region")
     labels: dict[str, str] = Field(default_factory=dict, description="labels added to the GCP resources (cluster, "
                                    "node pools, bucket, registry) beside app and env")
@@ -136,9 +137,13 @@ class EnvironmentSpec(_Model):
 
     @field_validator("region")
     @classmethod
-    def _region(cls, v: str) -> str:
+    def _region(cls, v: str, info: Any) -> str:
         if not _REGION.match(v):
             raise ValueError(f"{v!r} is not a region like us-east5")
+        # Here, not among the cross-checks: zone's check reads region, and a misspelled region should be named as such.
+        problem = None if info.data.get("skip_region_check") else locations.region_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("zone")
@@ -323,9 +328,6 @@ class EnvironmentSpec(_Model):
                                  f"refuses: {rule} ({rules.BUCKET_NAMING}); {fixes[key]}")
 
     def _check_locations(self) -> None:
-        problem = None if self.skip_region_check else locations.region_problem(self.region)
-        if problem:
-            raise ValueError(f"region: {problem}")
         s = self.storage
         # The bucket goes in the region when storage.location is unset: a region may run TPUs and have no bucket
         # location (us-central2), which the bucket would find out after the network and the cluster exist.

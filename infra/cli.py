@@ -303,13 +303,19 @@ def _synth(args: argparse.Namespace) -> int:
     envs = _selected_envs(args, root)
     if envs is None:
         return EXIT_CONFIG
-    documents = []
-    try:
-        for env in envs:
-            path = args.config_file if args.config_file is not None else stack_file(env, root)
+    documents, refused = [], 0
+    for env in envs:  # every environment's problems at once, as cdktf reports every document it refuses
+        path = args.config_file if args.config_file is not None else stack_file(env, root)
+        try:
             documents.append(synthesize(env, load_stack_config(path), args.state_bucket).document)
+        except (ConfigError, PlanError, TerraformError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            refused += 1
+    if refused:
+        return EXIT_CONFIG
+    try:
         synth.write(documents, args.out)
-    except (ConfigError, PlanError, TerraformError, synth.SynthError) as e:
+    except synth.SynthError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     for doc in documents:

@@ -156,3 +156,19 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert e.value.code == 2
     assert cli.main(["plan", "--all", "--config-file", "x.yaml"]) == 2
     assert "do not go together" in capsys.readouterr().err
+
+
+def test_synth_all_names_every_refused_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Two broken stack files: `synth --all` says what is wrong with each before it stops, not the first alone."""
+    root = scratch_root(tmp_path / "project")
+    for env in ("dev", "prod"):
+        path = root / "environments" / f"Pulumi.{env}.yaml"
+        doc = yaml.safe_load(path.read_text())
+        doc["config"]["gke-tpu-rl:region"] = "us-eest5"
+        path.write_text(yaml.safe_dump(doc))
+    monkeypatch.chdir(root)
+    assert cli.main(["synth", "--all", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "environment 'dev'" in err and "environment 'prod'" in err and err.count("'us-eest5' is not") == 2
+    assert not (tmp_path / "out").exists()
