@@ -148,8 +148,33 @@ def _format_number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
+class _RowStream:
+    """A task over rows read once (GSM8K, your own dataset): every row once per epoch, reshuffled each epoch from
+    (seed, epoch), and a held-out split of rows training never sees."""
+
+    name: str
+    seed: int
+    shuffle: bool
+    _rows: tuple[Row, ...]
+    _eval_rows: tuple[Row, ...]
+    _held_out_how: str  # the keys that give the task a held-out split, for the error without one
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def example(self, index: int) -> Example:
+        return self._example(_nth(self._rows, self.seed, index, self.shuffle))
+
+    def eval_example(self, index: int) -> Example:
+        """Held-out row `index`, in file order; an index past the split is an IndexError."""
+        return self._example(_held(self._eval_rows, index, f"{self.name} task", self._held_out_how))
+
+    def _example(self, row: Row) -> Example:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class GSM8KTask:
+class GSM8KTask(_RowStream):
     """GSM8K-format JSONL (`{"question": ..., "answer": "... #### 42"}`), reshuffled every epoch.
 
     The held-out split the eval reads: a second file (`eval_path`, e.g. GSM8K's test split), or `holdout` rows of
@@ -186,16 +211,7 @@ class GSM8KTask:
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_eval_rows", held)
 
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def example(self, index: int) -> Example:
-        return self._example(_nth(self._rows, self.seed, index, self.shuffle))
-
-    def eval_example(self, index: int) -> Example:
-        """Held-out row `index`, in file order; an index past the split is an IndexError."""
-        return self._example(_held(self._eval_rows, index, "gsm8k task", "task.eval_path (e.g. GSM8K's test split) "
-                                   "or task.holdout (rows of task.path kept out of training)"))
+    _held_out_how = "task.eval_path (e.g. GSM8K's test split) or task.holdout (rows of task.path kept out of training)"
 
     def _example(self, row: tuple[str, str]) -> Example:
         question, answer = row
@@ -203,7 +219,7 @@ class GSM8KTask:
 
 
 @dataclass(frozen=True)
-class DatasetTask:
+class DatasetTask(_RowStream):
     """Your own data: a local JSONL or parquet file, or a folder of splits (a Hugging Face dataset the stack staged,
     see docs/own-tasks.md), one prompt and one answer field per row, a declarative filter; reshuffled every epoch.
 
@@ -256,17 +272,8 @@ class DatasetTask:
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_eval_rows", held)
 
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def example(self, index: int) -> Example:
-        return self._example(_nth(self._rows, self.seed, index, self.shuffle))
-
-    def eval_example(self, index: int) -> Example:
-        """Held-out row `index`, in file order; an index past the split is an IndexError."""
-        return self._example(_held(self._eval_rows, index, "dataset task", "task.eval_split (another split of "
-                                   "task.path, e.g. test) or task.holdout (rows of the training split kept out of "
-                                   "training)"))
+    _held_out_how = ("task.eval_split (another split of task.path, e.g. test) or task.holdout (rows of the training "
+                     "split kept out of training)")
 
     @staticmethod
     def _example(row: tuple[str, str]) -> Example:
