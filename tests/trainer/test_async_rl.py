@@ -46,10 +46,13 @@ def test_split_lag0_equals_colocated(tmp_path: Path, tiny_train_dict: dict) -> N
 
 
 @pytest.mark.slow
-def test_lag1_split_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_dict: dict) -> None:
-    straight = _run(tiny_train_dict, tmp_path / "a", split=True, lag=1, steps=3, lag_correction="decoupled")
-    # Rollouts of step t from the weights after update max(0, t - 1).
-    assert [(r["policy_version"], r["lag"]) for r in straight.records] == [(0, 0), (0, 1), (1, 1)]
+def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_dict: dict) -> None:
+    """rl.lag 1 colocated (the sampler keeps its own copy of the version it samples with: the update donates the
+    trainer's) equals split, and a split run interrupted after step 0 and resumed equals both."""
+    straight = _run(tiny_train_dict, tmp_path / "a", split=False, lag=1, steps=3, lag_correction="decoupled")
+    # Rollouts of step t from the weights after update max(0, t - 1); the copy is the whole model every step.
+    assert [(r["policy_version"], r["lag"], r["push_bytes"]) for r in straight.records] == [
+        (0, 0, tree_bytes(straight.params)), (0, 1, tree_bytes(straight.params)), (1, 1, tree_bytes(straight.params))]
     assert all(r["behavior_weight"] > 0 for r in straight.records)
     first = _run(tiny_train_dict, tmp_path / "b", split=True, lag=1, steps=3, stop_after=1,
                  lag_correction="decoupled")
