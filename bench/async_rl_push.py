@@ -54,6 +54,7 @@ def _case(pid: int, name: str, tdevs: list, sdevs: list) -> None:  # noqa: C901 
                     if d in mine:
                         bufs.append(jnp.expand_dims(mine[d], 0))
                     else:
+                        assert idx is not None
                         shape = tuple(len(range(*s.indices(n))) for s, n in zip(idx, (2, 8, 8), strict=True))
                         bufs.append(jax.device_put(np.zeros(shape, np.float32), d))
                 u = jax.make_array_from_single_device_arrays((2, 8, 8), ush, bufs, dtype=np.float32)

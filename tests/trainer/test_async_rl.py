@@ -64,3 +64,24 @@ def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_di
     resumed = _run(tiny_train_dict, tmp_path / "b", split=True, lag=1, steps=3, lag_correction="decoupled")
     assert [r["step"] for r in resumed.records] == [1, 2]
     _same(straight, TrainResult(resumed.run_dir, 3, False, resumed.params, first.records + resumed.records))
+
+
+@pytest.mark.long
+def test_split_across_two_processes_equals_one(tmp_path: Path, tiny_train_dict: dict) -> None:
+    """2 OS processes x 4 CPU devices, each giving 2 to the update and 2 to sampling: the weights and rollouts cross
+    through trainer/model/transfer.py's Bridge, and the run equals the one-process split run."""
+    import yaml
+
+    from trainer.rl.metrics import read_metrics
+    from trainer.run.launch import run_local
+
+    cfg = {**tiny_train_dict, "steps": 3, "mesh": MESH, "rl": {**tiny_train_dict["rl"], "lag": 1},
+           "placement": {"mode": "split", "sampler": MESH}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_local(2, 4, ["--config", str(tmp_path / "cfg.yaml"), "--run-dir", str(tmp_path / "multi")]) == 0
+    multi = read_metrics(tmp_path / "multi")
+    one = _run(tiny_train_dict, tmp_path / "one", split=True, lag=1, steps=3).records
+    assert [(r["policy_version"], r["push_bytes"]) for r in multi] == [(r["policy_version"], r["push_bytes"])
+                                                                        for r in one]
+    assert [r["reward_mean"] for r in multi] == [r["reward_mean"] for r in one]  # the same rollouts
+    assert [r["loss"] for r in multi] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-6)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from trainer.base.config import ConfigError, TrainConfig
 from trainer.model import decoder as M
 from trainer.model.sharding import batch_sharding, make_mesh, replicated, split_devices
+from trainer.model.transfer import Bridge
 from trainer.rl.batch import from_rows, process_rows, replicate
 from trainer.rl.sampler import Samples
 from trainer.rl.step import Programs, build_programs
@@ -46,17 +47,22 @@ def placement_meshes(cfg: TrainConfig, devices: list[Any]) -> tuple[Mesh, Mesh |
     m, n_mesh = cfg.mesh, cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
     if cfg.placement.mode == "colocated":
         return make_mesh(m.slices, m.fsdp, m.tensor, devices[:n_mesh]), None
-    if jax.process_count() > 1:
-        # jax 0.10.2's device_put moves arrays across processes only within one device set (bench/README.md
-        # "Asynchronous RL" has the program over both groups that does it; not wired in yet).
-        raise ConfigError("placement.mode=split runs in one process for now: between disjoint device groups of "
-                          "several processes jax 0.10.2 has no device_put; use one process's devices "
-                          "(TRAINER_CPU_DEVICES) or placement.mode=colocated")
     s = cfg.placement.sampler
+    n_sampler = s.slices * s.fsdp * s.tensor
     try:
-        mine, theirs = split_devices(devices, n_mesh, s.slices * s.fsdp * s.tensor, m.slices)
+        mine, theirs = split_devices(devices, n_mesh, n_sampler, m.slices)
     except ValueError as err:
         raise ConfigError(f"mesh / placement.sampler: {err}") from None
+    if jax.process_count() > 1:
+        # The push across processes is a Bridge (trainer/model/transfer.py): every process runs the loop on its own
+        # rows of both groups, and the weights go to a partner device of the same process.
+        procs = {d.process_index for d in mine}, {d.process_index for d in theirs}
+        if n_mesh != n_sampler or procs[0] != procs[1] or len(procs[0]) != jax.process_count():
+            raise ConfigError(
+                f"placement.mode=split in a job of {jax.process_count()} processes needs mesh and placement.sampler "
+                f"of equal size ({n_mesh} and {n_sampler} devices) with every process holding devices of both "
+                "(a split of each host's devices, not by slice or host): jax 0.10.2 moves arrays between device "
+                "groups of several processes only so; or use placement.mode=colocated")
     return make_mesh(m.slices, m.fsdp, m.tensor, mine), make_mesh(s.slices, s.fsdp, s.tensor, theirs)
 
 
@@ -91,7 +97,11 @@ class Pipeline:
         self.srows = process_rows(self.smesh, cfg.batch_size)
         self.key: jax.Array | None = None  # the run's base key (use_key)
         b2 = batch_sharding(mesh, 2)
+        self.trainer_devices = set(mesh.devices.flat)
         self.on_trainer_sh = Samples(b2, b2, b2, replicated(mesh))  # type: ignore[arg-type]  # a tree of shardings
+        # Several processes: the push and the rollouts' way back go through a program over both groups.
+        self.bridge = (Bridge(mesh, list(self.smesh.devices.flat))
+                       if self.split and jax.process_count() > 1 else None)
         self.weights: M.Params | None = None
         self.version = 0
         self.queue: dict[int, Rollout] = {}
@@ -103,7 +113,9 @@ class Pipeline:
     def push(self, params: M.Params, version: int) -> Push:
         """Give the sampler the weights after `version` updates."""
         t = time.perf_counter()
-        if self.split:
+        if self.bridge is not None:
+            weights = self.bridge.there(params, self.sprograms.param_sh)
+        elif self.split:
             weights = jax.device_put(params, self.sprograms.param_sh)
         elif self.lag:
             with jax.set_mesh(self.mesh):
@@ -144,8 +156,10 @@ class Pipeline:
         return Rollout(r.step, r.version, self.on_trainer(r.samples))
 
     def on_trainer(self, samples: Samples) -> Samples:
-        if not self.split:
+        if not self.split or samples.tokens_BN.sharding.device_set <= self.trainer_devices:  # there already
             return samples
+        if self.bridge is not None:
+            return self.bridge.back(samples, self.on_trainer_sh)
         return jax.device_put(samples, self.on_trainer_sh)
 
     def saved(self) -> tuple[dict[str, Any], list[list[int]]]:
