@@ -61,6 +61,16 @@ def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_di
     # lag could not continue the run exactly, and says what to do.
     with pytest.raises(ConfigError, match=r"saved with rl\.lag=1, this run has rl\.lag=0.*Resume with rl\.lag=1"):
         _run(tiny_train_dict, tmp_path / "b", split=True, lag=0, steps=3, lag_correction="decoupled")
+    # A reader of the whole saved step (the eval of a checkpoint) restores the queued rollouts with the weights.
+    from trainer.rl.checkpoint import Checkpointer
+    from trainer.rl.train import start_run
+
+    run = start_run(config_from_dict({**tiny_train_dict, "mesh": MESH, "run_dir": str(tmp_path / "b"),
+                                      "rl": {**tiny_train_dict["rl"], "lag": 1}}))
+    ckpt = Checkpointer(tmp_path / "b" / "checkpoints", every=0, keep=2, async_save=False)
+    state, meta = ckpt.restore(run.saved_target, 1)
+    ckpt.close()
+    assert meta.queued == [[1, 0]] and state["rollouts"]["0"]["tokens_BN"].shape == (8, 6)
     resumed = _run(tiny_train_dict, tmp_path / "b", split=True, lag=1, steps=3, lag_correction="decoupled")
     assert [r["step"] for r in resumed.records] == [1, 2]
     _same(straight, TrainResult(resumed.run_dir, 3, False, resumed.params, first.records + resumed.records))

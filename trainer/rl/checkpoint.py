@@ -142,7 +142,8 @@ class Checkpointer:
         return self._mngr.save(meta.step, args=args, force=True)
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, Meta]:
-        """`target`: tree of ShapeDtypeStruct carrying the shardings to restore onto. Raises CheckpointDamaged."""
+        """`target`: tree of ShapeDtypeStruct carrying the shardings to restore onto, or a function of the step's Meta
+        giving one. Raises CheckpointDamaged."""
         step = self._mngr.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError("no checkpoint to restore")

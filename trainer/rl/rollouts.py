@@ -171,22 +171,24 @@ class Pipeline:
                 for i, s in enumerate(order)}
         return {ROLLOUTS_ITEM: item}, [[s, self.queue[s].version] for s in order]
 
-    def target(self, queued: list[list[int]]) -> dict[str, Any]:
-        """The restore target of the item `saved` wrote for these queued rollouts."""
-        if not queued:
-            return {}
-        B, N = self.cfg.batch_size, self.cfg.sampling.max_new_tokens
-        sh = self.on_trainer_sh
-        one = {"tokens_BN": jax.ShapeDtypeStruct((B, N), jnp.int32, sharding=sh.tokens_BN),
-               "logprobs_BN": jax.ShapeDtypeStruct((B, N), jnp.float32, sharding=sh.logprobs_BN),
-               "mask_BN": jax.ShapeDtypeStruct((B, N), jnp.int32, sharding=sh.mask_BN),
-               "steps": jax.ShapeDtypeStruct((), jnp.int32, sharding=sh.steps)}
-        return {ROLLOUTS_ITEM: {str(i): one for i in range(len(queued))}}
-
     def restore(self, state: dict[str, Any], queued: list[list[int]]) -> None:
         item = state.get(ROLLOUTS_ITEM, {})
         for i, (step, version) in enumerate(queued):
             self.queue[step] = Rollout(step, version, Samples(**item[str(i)]))
+
+
+def saved_target(cfg: TrainConfig, mesh: Mesh, queued: list[list[int]]) -> dict[str, Any]:
+    """The restore target of the rollouts a checkpoint holds (`Pipeline.saved`; its Meta lists them as `queued`), on
+    the trainer's `mesh`; {} if none. Every reader of a whole saved state needs it (an orbax restore takes the tree)."""
+    if not queued:
+        return {}
+    B, N = cfg.batch_size, cfg.sampling.max_new_tokens
+    b2, rep = batch_sharding(mesh, 2), replicated(mesh)
+    one = {"tokens_BN": jax.ShapeDtypeStruct((B, N), jnp.int32, sharding=b2),
+           "logprobs_BN": jax.ShapeDtypeStruct((B, N), jnp.float32, sharding=b2),
+           "mask_BN": jax.ShapeDtypeStruct((B, N), jnp.int32, sharding=b2),
+           "steps": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)}
+    return {ROLLOUTS_ITEM: {str(i): one for i in range(len(queued))}}
 
 
 def slots(cfg: TrainConfig, mesh: Mesh, rows: list[int], examples: dict[int, Any]) -> tuple[jax.Array, ...]:

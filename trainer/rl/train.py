@@ -43,7 +43,7 @@ from trainer.rl.metrics import (
     slot_efficiency,
     truncate_metrics,
 )
-from trainer.rl.rollouts import Pipeline, placement_meshes, slots
+from trainer.rl.rollouts import Pipeline, placement_meshes, saved_target, slots
 from trainer.rl.sampler import Samples
 from trainer.rl.step import PROX_KEY, Programs, build_programs
 from trainer.rl.task_data import TaskData, load_task_data
@@ -126,6 +126,10 @@ class Start:
             sh = {"lora": p.param_sh["lora"], "opt_state": p.opt_sh, "base_checksums": replicated(self.mesh)}
         return abstract_like(self.state(self.params, self.opt_state), sh)
 
+    def saved_target(self, meta: Meta) -> Any:
+        """The restore target of a whole saved step: the train state, and the rollouts sampled ahead it lists."""
+        return {**self.target(), **saved_target(self.cfg, self.mesh, meta.queued)}
+
     def params_of(self, state: dict[str, Any], step: int, where: Path) -> M.Params:
         """The weights of a restored state; with lora, refused unless it trained adapters on this run's base."""
         if self.cfg.lora is None:
@@ -196,8 +200,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     rollouts = Pipeline(cfg, data, mesh, programs, run.sampler_mesh)
     # Raises NoUsableCheckpoint (a ConfigError) if every step is damaged: never silently start over.
     try:
-        found = ckpt.resume(lambda meta: {**run.target(), **rollouts.target(meta.queued)},
-                            rollback_to=cfg.checkpoint.resume_step)
+        found = ckpt.resume(run.saved_target, rollback_to=cfg.checkpoint.resume_step)
     except BaseException:
         ckpt.close()
         raise
