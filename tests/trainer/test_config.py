@@ -117,3 +117,41 @@ def test_cli_reports_config_errors_without_traceback(tmp_path: Path, tiny_train_
     assert "cannot read config" in capsys.readouterr().err
     assert main(["--config", path, "--local-processes", "3", "--devices-per-process", "1"]) == 2
     assert "must equal the 3 available devices" in capsys.readouterr().err
+
+
+def test_split_placement_resolves_and_names_the_keys(tiny_train_dict: dict) -> None:
+    tiny_train_dict["mesh"] = {"slices": 1, "fsdp": 2, "tensor": 2}
+    tiny_train_dict["placement"] = {"mode": "split", "sampler": {"slices": 1, "fsdp": -1, "tensor": 2}}
+    cfg = resolve_mesh(config_from_dict(tiny_train_dict), 8)
+    assert cfg.sampler_mesh == {"slices": 1, "fsdp": 2, "tensor": 2}  # the devices mesh leaves: 8 - 4
+    tiny_train_dict["mesh"]["fsdp"] = -1  # both inferred: half each
+    assert resolve_mesh(config_from_dict(tiny_train_dict), 8).mesh.fsdp == 2
+    tiny_train_dict["mesh"] = {"slices": 1, "fsdp": 4, "tensor": 2}
+    tiny_train_dict["placement"]["sampler"] = {"fsdp": 2, "tensor": 2}
+    with pytest.raises(ConfigError, match=r"placement\.mode=split needs mesh \(1 x 4 x 2 = 8\) \+ placement\.sampler "
+                                          r"\(1 x 2 x 2 = 4\) = 12 devices, which must fit in the 8"):
+        resolve_mesh(config_from_dict(tiny_train_dict), 8)
+    tiny_train_dict["mesh"] = {"slices": 1, "fsdp": 2, "tensor": 2}
+    with pytest.raises(ConfigError, match=r"must equal the 16 available"):
+        resolve_mesh(config_from_dict(tiny_train_dict), 16, exact=True)
+    tiny_train_dict["placement"]["sampler"] = {"fsdp": 3}
+    with pytest.raises(ConfigError, match=r"placement\.sampler\.slices \* placement\.sampler\.fsdp = 3"):
+        resolve_mesh(config_from_dict(tiny_train_dict), 8)
+    tiny_train_dict["placement"]["sampler"] = {"fsdp": 0}
+    with pytest.raises(ConfigError, match=r"placement\.sampler\.fsdp=0"):
+        config_from_dict(tiny_train_dict)
+    tiny_train_dict["placement"]["sampler"] = {}
+    tiny_train_dict["sampling"].update(tensor=2, gather_weights=True)
+    with pytest.raises(ConfigError, match=r"sampling\.tensor: with placement\.mode=split"):
+        config_from_dict(tiny_train_dict)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("lag", -1, r"rl\.lag: Input should be greater than or equal to 0"),
+    ("lag_correction", "is", r"rl\.lag_correction: Input should be 'clip' or 'decoupled'"),
+    ("behavior_weight_cap", 0, r"rl\.behavior_weight_cap: Input should be greater than 0"),
+])
+def test_lag_keys_are_checked(tiny_train_dict: dict, key: str, value: object, match: str) -> None:
+    tiny_train_dict["rl"][key] = value
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(tiny_train_dict)

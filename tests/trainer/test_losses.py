@@ -115,3 +115,42 @@ def test_on_policy_ratio_is_one() -> None:
     loss, m = policy_loss(OLD, OLD, ADV, MASK, _rl())
     assert float(m["clip_frac"]) == 0 and float(m["ratio"]) == pytest.approx(1.0)
     assert float(loss) == pytest.approx(-(3 * 1.0 + 2 * -2.0) / 5)
+
+
+def test_decoupled_with_proximal_equal_to_behaviour_is_clip() -> None:
+    """rl.lag_correction=decoupled: with pi_prox == pi_behaviour the behaviour weight is 1 and the loss (and its
+    gradient) is clip's, for each algo."""
+    for algo in ("grpo", "gspo", "dr_grpo"):
+        def clip(lp: jax.Array, algo: str = algo) -> jax.Array:
+            return policy_loss(lp, OLD, ADV, MASK, _rl(algo=algo), max_len=3)[0]
+
+        def dec(lp: jax.Array, algo: str = algo) -> jax.Array:
+            return policy_loss(lp, OLD, ADV, MASK, _rl(algo=algo, lag_correction="decoupled"), prox_logp_BN=OLD,
+                               max_len=3)[0]
+
+        assert float(dec(LOGP)) == pytest.approx(float(clip(LOGP)), rel=1e-6)
+        np.testing.assert_allclose(np.asarray(jax.grad(dec)(LOGP)), np.asarray(jax.grad(clip)(LOGP)), rtol=1e-6)
+
+
+def test_decoupled_truncated_behaviour_weight_by_hand() -> None:
+    """The ratio is taken against pi_prox and clipped there; each token's loss is scaled by min(pi_prox / pi_behaviour,
+    cap), a constant: where the cap binds the gradient is cap times the clipped term's."""
+    prox = jnp.array([[-1.0, -1.5, -0.5], [-1.5, -0.2, -2.0]])
+    behaviour = jnp.array([[-1.0 - math.log(3.0), -1.5, -0.5 + math.log(2.0)], [-1.5, -0.2 - 0.1, -2.0]])
+    # weights pi_prox / pi_behaviour: row 0: 3 (capped at 2), 1, 1/2; row 1: 1, e^0.1 (masked: 0)
+    adv = jnp.array([1.0, 1.0])
+    rl = _rl(lag_correction="decoupled", behavior_weight_cap=2.0)
+    loss, m = policy_loss(LOGP, behaviour, adv, MASK, rl, prox_logp_BN=prox)
+    # ratios pi / pi_prox: row 0: 1, e^-.5, 1; row 1: 1, 1 (A > 0: min(r, clip r) = r where r <= 1.28)
+    want = -(2.0 * 1.0 + 1.0 * e(-0.5) + 0.5 * 1.0 + 1.0 * 1.0 + e(0.1) * 1.0) / 5
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    assert float(m["behavior_capped_frac"]) == pytest.approx(1 / 5)
+    assert float(m["behavior_weight"]) == pytest.approx((2.0 + 1.0 + 0.5 + 1.0 + e(0.1)) / 5, rel=1e-6)
+    grad = jax.grad(lambda lp: policy_loss(lp, behaviour, adv, MASK, rl, prox_logp_BN=prox)[0])(LOGP)
+    # d/dlogp of -w r A / 5 = -w r / 5 (w a constant: no gradient reaches pi_prox or pi_behaviour)
+    np.testing.assert_allclose(np.asarray(grad), [[-2.0 / 5, -e(-0.5) / 5, -0.5 / 5], [-1 / 5, -e(0.1) / 5, 0.0]],
+                               rtol=1e-5, atol=1e-7)
+    # Without a cap the first token keeps its weight of 3.
+    uncapped = policy_loss(LOGP, behaviour, adv, MASK, _rl(lag_correction="decoupled", behavior_weight_cap=None),
+                           prox_logp_BN=prox)[0]
+    assert float(uncapped) == pytest.approx(want - 1.0 / 5, rel=1e-5)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -90,3 +91,25 @@ def test_batch_rows_roundtrip_through_global_array() -> None:
     np.testing.assert_array_equal(np.asarray(arr), values)
     got = read_local_rows(arr)
     assert sorted(got) == rows and all((got[r] == values[r]).all() for r in rows)
+
+
+def test_split_devices_by_slice_within_processes_or_in_order() -> None:
+    """placement.mode=split's device groups: whole slices; else each process's first devices train (both groups on
+    every process, as the cross-process push needs); else in (process, id) order."""
+    from types import SimpleNamespace
+
+    from trainer.model.sharding import split_devices
+
+    def devs(n_proc: int, per: int, slices: int = 1) -> list[SimpleNamespace]:
+        return [SimpleNamespace(id=p * per + i, process_index=p, slice_index=p * slices // n_proc)
+                for p in range(n_proc) for i in range(per)]
+
+    ids = lambda group: [d.id for d in group]  # noqa: E731
+    a, b = split_devices(devs(4, 2, slices=2), 4, 4, first_slices=1)
+    assert (ids(a), ids(b)) == ([0, 1, 2, 3], [4, 5, 6, 7])  # slice 0 trains, slice 1 samples
+    a, b = split_devices(devs(2, 4), 4, 4)
+    assert (ids(a), ids(b)) == ([0, 1, 4, 5], [2, 3, 6, 7])
+    a, b = split_devices(devs(1, 8), 6, 2)
+    assert (ids(a), ids(b)) == ([0, 1, 2, 3, 4, 5], [6, 7])
+    with pytest.raises(ValueError, match="each group must take whole slices"):
+        split_devices(devs(4, 2, slices=2), 2, 6, first_slices=1)

@@ -208,6 +208,32 @@ class MeshConfig(_Strict):
         return {"slices": self.slices, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
+class SamplerMeshConfig(_Strict):
+    """The sampler group's mesh with placement.mode=split: (slices, fsdp, tensor) on devices of its own."""
+
+    slices: int = Field(1, description="the sampler's data-parallel axis across slices; -1: inferred")
+    fsdp: int = Field(-1, description="the sampler's data-parallel (and weight-sharding) axis; -1: inferred")
+    tensor: int = Field(1, description="the sampler's tensor-parallel axis; -1: inferred")
+
+    def axes(self) -> dict[str, int]:
+        return {"slices": self.slices, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+class PlacementConfig(_Strict):
+    """Where sampling and the update run. colocated: both on `mesh`, one after the other (the default). split: the
+    update on `mesh` and sampling on `placement.sampler`, on disjoint devices of the one job, the new weights pushed
+    device to device after every update (trainer/rl/rollouts.py). Devices are split by slice where they carry a
+    slice index (multislice: the first mesh.slices slices train, the next placement.sampler.slices sample), else in
+    device order (the trainer's first). With rl.lag >= 1 the two groups run at once."""
+
+    mode: Literal["colocated", "split"] = Field(
+        "colocated", description="colocated: sampling and the update share `mesh`; split: the update on `mesh`, "
+        "sampling on placement.sampler, on disjoint devices (needs mesh + sampler devices in all)")
+    sampler: SamplerMeshConfig = Field(SamplerMeshConfig(), description="with mode split: the sampler group's mesh, "
+                                       "slices x fsdp x tensor (its own tensor parallelism); a -1 axis takes "
+                                       "the devices mesh leaves (half of them if mesh has a -1 too)")
+
+
 class TaskConfig(BaseModel):
     # Extra keys are task kwargs (e.g. `path` for gsm8k), so this section alone allows them.
     model_config = ConfigDict(extra="allow")
@@ -254,6 +280,17 @@ class RLConfig(_Strict):
     # batch. 1 = one full-batch step per iteration.
     minibatches: int = Field(1, gt=0, description="optimizer steps per pass, each over a disjoint part of the "
                              "batch; divides it")
+    # Asynchronous RL (docs/trainer-config.md "Asynchronous RL"): rollouts of step t come from the weights after update
+    # max(0, t - lag), so sampling step t + lag overlaps updating step t; deterministic given the seed and lag.
+    lag: int = Field(0, ge=0, description="rollouts for step t are sampled with the weights after update "
+                     "max(0, t - lag); 0: the synchronous loop; >= 1: sampling overlaps the update (with placement "
+                     "split, on other devices at once)")
+    lag_correction: Literal["clip", "decoupled"] = Field(
+        "clip", description="the off-policy correction: clip = PPO's clipped ratio against the sampler's "
+        "log-probs; decoupled = AReaL's decoupled PPO (ratio clipped against the weights before this update, times "
+        "the behaviour weight pi_prox / pi_sampler truncated at behavior_weight_cap; one extra forward pass)")
+    behavior_weight_cap: float | None = Field(2.0, gt=0, description="decoupled: the behaviour importance weight "
+                                              "is truncated at this value (truncated IS); unset: not truncated")
 
 
 class SamplingConfig(_Strict):
@@ -415,8 +452,8 @@ class TrainConfig(_Strict):
 
     model: ModelConfig | None = Field(None, description="the decoder's shape; required with init.from random, "
                                       "omitted with hf (read from the checkpoint's config.json)")
-    mesh: MeshConfig = Field(MeshConfig(), description="the device mesh, slices x fsdp x tensor; at most one axis "
-                             "may be -1, inferred from the device count")
+    mesh: MeshConfig = Field(MeshConfig(), description="the device mesh, slices x fsdp x tensor (with placement "
+                             "split: the update's group); at most one axis may be -1, inferred from the device count")
     task: TaskConfig = Field(TaskConfig(), description="the prompt task; this section's other keys are the task's "
                              "options (e.g. path for gsm8k)")
     rewards: list[str] | None = Field(None, description="reward functions, built-in or your own as "
@@ -434,6 +471,8 @@ class TrainConfig(_Strict):
     seed: int = Field(0, ge=-(2**63), lt=2**63, description="the random seed (int64)")
     run_dir: str = Field("runs/default", min_length=1, description="where metrics.jsonl, config.yaml and (by "
                          "default) checkpoints go; the --run-dir flag overrides it")
+    placement: PlacementConfig = Field(PlacementConfig(), description="where sampling and the update run: "
+                                       "colocated on `mesh`, or split onto disjoint device groups")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="saving and resuming")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on frozen base weights (`lora: {}` for the "
                                     "defaults); unset: train every weight")
@@ -488,7 +527,10 @@ class TrainConfig(_Strict):
 
     @property
     def sampler_mesh(self) -> dict[str, int]:
-        """The (resolved) mesh axes the sampler runs on: the mesh, or each slice regrouped to sampling.tensor."""
+        """The (resolved) mesh axes the sampler runs on: placement.sampler when split, else the mesh, or each slice
+        regrouped to sampling.tensor."""
+        if self.placement.mode == "split":
+            return self.placement.sampler.axes()
         t = self.sampling.tensor or self.mesh.tensor
         return {"slices": self.mesh.slices, "fsdp": self.mesh.fsdp * self.mesh.tensor // t, "tensor": t}
 
@@ -515,6 +557,18 @@ class TrainConfig(_Strict):
                              "weights is what takes its layout)")
         if self.sampling.tensor is not None and self.service is not None:
             raise ValueError("sampling.tensor: the service engine samples on the mesh as it is; unset it")
+        if self.placement.mode == "split":
+            if self.sampling.tensor is not None:
+                raise ValueError("sampling.tensor: with placement.mode=split the sampler's tensor parallelism is "
+                                 "placement.sampler.tensor; unset sampling.tensor")
+            if self.lora is not None or self.service is not None:
+                raise ValueError("placement.mode=split: not with lora or service (the adapters would be pushed "
+                                 "with the frozen base every step); use placement.mode=colocated")
+        saxes = self.placement.sampler.axes()
+        if bad := [k for k, v in saxes.items() if v == 0 or v < -1]:
+            raise ValueError(f"placement.sampler.{bad[0]}={saxes[bad[0]]}: axis sizes must be positive or -1 (infer)")
+        if sum(v == -1 for v in saxes.values()) > 1:
+            raise ValueError(f"placement.sampler: at most one axis may be -1, got {saxes}")
         if self.eval is not None and self.steps * self.rl.prompts_per_step >= EVAL_INDEX_OFFSET:
             raise ValueError(f"steps * rl.prompts_per_step must stay below {EVAL_INDEX_OFFSET}, where the eval's "
                              "held-out examples start")
@@ -654,26 +708,82 @@ def with_model(cfg: TrainConfig, model: ModelConfig) -> TrainConfig:
     return checked.model_copy(update={"init": cfg.init})
 
 
-def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> TrainConfig:
-    """Fill a -1 mesh axis from the device count and check the mesh and batch fit; returns a new config.
-
-    The mesh must divide the device count (a single process may use a subset); `exact` (multi-process)
-    requires it to use every device, since each process must hold part of the mesh.
-    """
-    axes = cfg.mesh.axes()
+def _fill(axes: dict[str, int], n_devices: int, key: str) -> dict[str, int]:
+    """`axes` with its -1 axis (if any) set so the mesh uses `n_devices`."""
     known = 1
     for v in axes.values():
         known *= v if v != -1 else 1
+    out = dict(axes)
     for name, v in axes.items():
         if v == -1:
             if n_devices % known:
                 raise ConfigError(
-                    f"mesh.{name}=-1 cannot be inferred: {n_devices} devices are not divisible by the other "
+                    f"{key}.{name}=-1 cannot be inferred: {n_devices} devices are not divisible by the other "
                     f"axes' product {known} ({axes})"
                 )
-            axes[name] = n_devices // known
-    size = axes["slices"] * axes["fsdp"] * axes["tensor"]
-    if n_devices % size or (exact and size != n_devices):
+            out[name] = n_devices // known
+    return out
+
+
+def _size(axes: dict[str, int]) -> int:
+    return axes["slices"] * axes["fsdp"] * axes["tensor"]
+
+
+def _split_budgets(cfg: TrainConfig, n_devices: int) -> tuple[int, int]:
+    """placement.mode=split: the devices each group's -1 axis is inferred from. A group without a -1 takes its own
+    size; a group with one the rest; both with one: half each."""
+    t, s = cfg.mesh.axes(), cfg.placement.sampler.axes()
+    t_free, s_free = -1 in t.values(), -1 in s.values()
+    if t_free and s_free:
+        if n_devices % 2:
+            raise ConfigError(f"placement.mode=split with a -1 axis in both mesh and placement.sampler splits the "
+                              f"devices in half, but {n_devices} is odd: set one group's axes")
+        return n_devices // 2, n_devices // 2
+    fixed = 1
+    for v in (s if t_free else t).values():
+        fixed *= v
+    if t_free:
+        return n_devices - fixed, fixed
+    if s_free:
+        return fixed, n_devices - fixed
+    return _size(t), _size(s)
+
+
+def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> TrainConfig:
+    """Fill a -1 mesh axis from the device count and check the mesh and batch fit; returns a new config.
+
+    The mesh must divide the device count (a single process may use a subset); `exact` (multi-process)
+    requires it to use every device, since each process must hold part of the mesh. With placement.mode=split,
+    `mesh` and placement.sampler are two groups on disjoint devices: their sizes add up, and must fit in (`exact`:
+    equal) the device count.
+    """
+    split = cfg.placement.mode == "split"
+    t_budget, s_budget = _split_budgets(cfg, n_devices) if split else (n_devices, 0)
+    if split and min(t_budget, s_budget) <= 0:
+        raise ConfigError(f"placement.mode=split: mesh {cfg.mesh.axes()} and placement.sampler "
+                          f"{cfg.placement.sampler.axes()} leave no devices for one group of the {n_devices}")
+    axes = _fill(cfg.mesh.axes(), t_budget, "mesh")
+    size = _size(axes)
+    update: dict[str, Any] = {}
+    if split:
+        s_axes = _fill(cfg.placement.sampler.axes(), s_budget, "placement.sampler")
+        total = size + _size(s_axes)
+        if total > n_devices or (exact and total != n_devices):
+            need = "equal" if exact else "fit in"
+            raise ConfigError(
+                f"placement.mode=split needs mesh ({axes['slices']} x {axes['fsdp']} x {axes['tensor']} = {size}) + "
+                f"placement.sampler ({s_axes['slices']} x {s_axes['fsdp']} x {s_axes['tensor']} = {_size(s_axes)}) = "
+                f"{total} devices, which must {need} the {n_devices} available devices"
+            )
+        s_data = s_axes["slices"] * s_axes["fsdp"]
+        for key, n in (("rl.prompts_per_step * rl.group_size", cfg.batch_size),
+                       ("sampling.max_num_sequences", cfg.sample_chunk_rows)):
+            if n % s_data:
+                raise ConfigError(f"{key} = {n} sequences must be divisible by the sampler's data axes "
+                                  f"placement.sampler.slices * placement.sampler.fsdp = {s_data}")
+        update["placement"] = cfg.placement.model_copy(
+            update={"sampler": cfg.placement.sampler.model_copy(update=s_axes)})
+    elif n_devices % size or (exact and size != n_devices):
         need = "equal" if exact else "divide"
         raise ConfigError(
             f"mesh slices={axes['slices']} x fsdp={axes['fsdp']} x tensor={axes['tensor']} = {size} devices "
@@ -697,7 +807,7 @@ def resolve_mesh(cfg: TrainConfig, n_devices: int, *, exact: bool = False) -> Tr
         allowed = [axes["tensor"] * k for k in range(1, axes["fsdp"] + 1) if axes["fsdp"] % k == 0]
         raise ConfigError(f"sampling.tensor={st} must be a multiple of mesh.tensor={axes['tensor']} dividing "
                           f"mesh.fsdp * mesh.tensor = {within}: one of {allowed}")
-    return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=axes)})
+    return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=axes), **update})
 
 
 def _batch_splits(cfg: TrainConfig) -> list[tuple[str, int, str]]:

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -62,6 +62,9 @@ class Meta:
     step: int  # completed steps; a resumed run starts at this step
     data_position: int  # index of the next example
     rng: list[int]  # raw key data of the base RNG key
+    lag: int = 0  # rl.lag of the run that saved it
+    # [step, policy version] of each rollout sampled ahead and saved with the state (its "rollouts" item), in order
+    queued: list[list[int]] = field(default_factory=list)
 
     def key(self) -> jax.Array:
         return jax.numpy.asarray(np.asarray(self.rng, np.uint32))
@@ -75,6 +78,11 @@ class CheckpointDamaged(Exception):
 
 class _Damage(ValueError):
     """A check of ours failed (the message says which); other errors are reported with their type."""
+
+
+class LagMismatch(ConfigError):
+    """The checkpoint was saved with another rl.lag: its queued rollouts belong to that lag, so going on with another
+    could not continue the run exactly."""
 
 
 class NoUsableCheckpoint(ConfigError):
@@ -93,8 +101,10 @@ class SetAside:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True) -> None:
+    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True,
+                 lag: int | None = None) -> None:
         self.every = every
+        self.lag = lag  # set: a step saved with another rl.lag is refused (LagMismatch), never set aside as damaged
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
@@ -125,13 +135,15 @@ class Checkpointer:
         # CheckpointManager.save, AsyncCheckpointer._prepare_destination_async).
         if meta.step in self._mngr.all_steps() or meta.step in self._in_place:
             return False
-        record = {"step": meta.step, "data_position": meta.data_position, "rng": meta.rng,
-                  "checksums": checksums(state)}  # before save returns: the next step donates these buffers
+        # checksums before save returns: the next step donates these buffers
+        record = {"step": meta.step, "data_position": meta.data_position, "rng": meta.rng, "lag": meta.lag,
+                  "queued": meta.queued, "checksums": checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record))
         return self._mngr.save(meta.step, args=args, force=True)
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, Meta]:
-        """`target`: tree of ShapeDtypeStruct carrying the shardings to restore onto. Raises CheckpointDamaged."""
+        """`target`: tree of ShapeDtypeStruct carrying the shardings to restore onto, or a function of the step's Meta
+        giving one. Raises CheckpointDamaged."""
         step = self._mngr.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError("no checkpoint to restore")
@@ -210,16 +222,22 @@ class Checkpointer:
         return state, meta, aside  # type: ignore[return-value]  # meta is set when reason is None
 
     def _attempt(self, target: Any, step: int) -> tuple[Any, Meta | None, str | None]:
-        """(state, meta, None) if `step` is intact on every process, else (None, None, why)."""
+        """(state, meta, None) if `step` is intact on every process, else (None, None, why). `target` may be a
+        function of the step's Meta (the queued rollouts it lists are part of the state)."""
         path = self.directory / str(step)
         state, meta, sums, reason = None, None, None, None
         try:
             if not (path / COMMIT_MARKER).is_file():
                 raise _Damage(_UNFINISHED)
             meta, sums = _parse_meta(ocp.JsonCheckpointHandler().restore(path / "meta"), step)
-            state = _read_state(path / "state", target)
-        except (jax.errors.JaxRuntimeError, MemoryError):
-            raise  # the device or host failed, not the files: no reason to set this step aside
+            if self.lag is not None and meta.lag != self.lag:
+                raise LagMismatch(
+                    f"checkpoint step {step} in {self.directory} was saved with rl.lag={meta.lag}, this run has "
+                    f"rl.lag={self.lag}: its rollouts sampled ahead belong to that lag. Resume with rl.lag={meta.lag}, "
+                    "or start a new run (another checkpoint.dir / run_dir)")
+            state = _read_state(path / "state", target(meta) if callable(target) else target)
+        except (jax.errors.JaxRuntimeError, MemoryError, LagMismatch):
+            raise  # the device or host failed, not the files, or the config: no reason to set this step aside
         except Exception as err:  # noqa: BLE001 (orbax re-raises tensorstore read errors as a bare Exception)
             first = str(err).splitlines()[0][:300] if str(err) else ""
             reason = first if isinstance(err, _Damage) else f"{type(err).__name__}: {first}"
@@ -428,7 +446,13 @@ def _parse_meta(record: Any, step: int) -> tuple[Meta, list[int] | None]:
     sums = record.get("checksums")  # absent in checkpoints written before checksums existed
     if sums is not None and (not isinstance(sums, list) or not all(_is_int(x) for x in sums)):
         raise _Damage("meta checksums are not a list of integers")
-    return Meta(step, record["data_position"], list(rng)), sums
+    lag, queued = record.get("lag", 0), record.get("queued", [])  # absent before rl.lag existed: 0, none
+    if not _is_int(lag) or lag < 0:
+        raise _Damage(f"meta has lag {lag!r}")
+    if not isinstance(queued, list) or not all(isinstance(q, list) and len(q) == 2 and all(map(_is_int, q))
+                                               for q in queued):
+        raise _Damage(f"meta has queued {queued!r}")
+    return Meta(step, record["data_position"], list(rng), lag, queued), sums
 
 
 def _compare_checksums(state: Any, sums: list[int]) -> str | None:

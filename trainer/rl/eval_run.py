@@ -40,7 +40,7 @@ def evaluate_checkpoint(cfg: TrainConfig, step: int | None = None) -> Checkpoint
             raise ConfigError(f"--step {step}: no checkpoint of that step in {where}; there are steps "
                               f"{', '.join(map(str, steps))}")
         try:
-            state, _ = ckpt.restore(run.target(), step)
+            state, _ = ckpt.restore(run.saved_target, step)
         except CheckpointDamaged as err:
             raise ConfigError(f"{err} ({where})") from None
     finally:

@@ -105,6 +105,15 @@ def _clipped_objective(
     return -objective, is_clipped
 
 
+def behavior_weight(log_w: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array]:
+    """The behaviour importance weight pi_prox / pi_behaviour from its log, truncated at `cap` (truncated IS), as a
+    constant (no gradient), and where the cap binds."""
+    w = jnp.exp(jax.lax.stop_gradient(log_w))
+    if cap is None:
+        return w, jnp.zeros(w.shape, bool)
+    return jnp.minimum(w, cap), w > cap
+
+
 def policy_loss(
     logp_BN: jax.Array,
     old_logp_BN: jax.Array,
@@ -113,6 +122,7 @@ def policy_loss(
     rl: RLConfig,
     *,
     ref_logp_BN: jax.Array | None = None,
+    prox_logp_BN: jax.Array | None = None,
     max_len: int | None = None,
     norm: Norm | None = None,
 ) -> tuple[jax.Array, Metrics]:
@@ -122,27 +132,51 @@ def policy_loss(
     sequences. dr_grpo: per-token clipped ratio summed and divided by B * `max_len` (a constant), and its
     advantages skip the std division (see `group_advantages`). The KL term is aggregated like the token
     loss (gspo: by `rl.loss_agg`). `norm` (default: this batch's counts) gives the denominators of every mean.
+
+    The off-policy correction (`rl.lag_correction`; rollouts sampled `rl.lag` updates ago by the behaviour policy,
+    whose log-probs are `old_logp_BN`): clip = the ratio pi / pi_behaviour, clipped as above (no extra pass).
+    decoupled, given `prox_logp_BN` (the proximal policy: the weights before this step's update) = AReaL's decoupled
+    PPO objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language
+    Reasoning", arXiv:2505.24298, eq. 5): the ratio pi / pi_prox clipped, times the behaviour weight
+    w = pi_prox / pi_behaviour (a constant), truncated at `rl.behavior_weight_cap` as in truncated importance sampling
+    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"):
+    -min(w, cap) * min(r A, clip(r) A), r = pi / pi_prox. With pi_prox = pi_behaviour (w = 1) it is clip's loss.
+    gspo takes both ratios per sequence (the geometric mean of the token ratios).
     """
     mask = mask_BN.astype(jnp.float32)
     norm = norm or Norm.of(mask)
     n_tokens = norm.tokens
-    log_ratio_BN = (logp_BN - old_logp_BN) * mask
+    prox_BN = prox_logp_BN if rl.lag_correction == "decoupled" else None
+    base_BN = old_logp_BN if prox_BN is None else prox_BN
+    log_ratio_BN = (logp_BN - base_BN) * mask
+    metrics: Metrics = {}
     if rl.algo == "gspo":
         # One importance ratio per sequence: the geometric mean of its token ratios.
-        log_s_B = jnp.sum(log_ratio_BN, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-        s_B = jnp.exp(log_s_B)
+        lengths_B = jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        s_B = jnp.exp(jnp.sum(log_ratio_BN, axis=1) / lengths_B)
         pg_B, clipped_B = _clipped_objective(s_B, adv_B, rl.clip_eps, rl.clip_eps_high)
+        if prox_BN is not None:  # the behaviour weight per sequence, like the ratio
+            log_w_B = jnp.sum((prox_BN - old_logp_BN) * mask, axis=1) / lengths_B
+            w_B, capped_B = behavior_weight(log_w_B, rl.behavior_weight_cap)
+            pg_B = pg_B * w_B
+            metrics["behavior_weight"] = jnp.sum(w_B) / norm.seqs
+            metrics["behavior_capped_frac"] = jnp.sum(capped_B.astype(jnp.float32)) / norm.seqs
         loss = jnp.sum(pg_B) / norm.seqs
         clip_frac = jnp.sum(clipped_B.astype(jnp.float32)) / norm.seqs
         ratio_mean = jnp.sum(s_B) / norm.seqs
     else:
         ratio_BN = jnp.exp(log_ratio_BN)
         pg_BN, clipped_BN = _clipped_objective(ratio_BN, adv_B[:, None], rl.clip_eps, rl.clip_eps_high)
+        if prox_BN is not None:
+            w_BN, capped_BN = behavior_weight((prox_BN - old_logp_BN) * mask, rl.behavior_weight_cap)
+            pg_BN = pg_BN * w_BN
+            metrics["behavior_weight"] = _masked_sum(w_BN, mask) / n_tokens
+            metrics["behavior_capped_frac"] = _masked_sum(capped_BN.astype(jnp.float32), mask) / n_tokens
         mode = "constant" if rl.algo == "dr_grpo" else rl.loss_agg
         loss = aggregate(pg_BN, mask, mode, max_len, norm)
         clip_frac = _masked_sum(clipped_BN.astype(jnp.float32), mask) / n_tokens
         ratio_mean = _masked_sum(ratio_BN, mask) / n_tokens
-    metrics: Metrics = {"pg_loss": loss, "clip_frac": clip_frac, "ratio": ratio_mean}
+    metrics.update({"pg_loss": loss, "clip_frac": clip_frac, "ratio": ratio_mean})
     if ref_logp_BN is not None:
         kl_BN = kl_estimate(logp_BN, ref_logp_BN, rl.kl_estimator)
         kl_mode = "constant" if rl.algo == "dr_grpo" else rl.loss_agg

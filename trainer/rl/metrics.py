@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 # Where each step's time goes (train.py): keys of the record, seconds, in the order they happen.
-PHASES = ("sample", "score", "reference", "update", "checkpoint", "eval")
+PHASES = ("sample", "score", "reference", "proximal", "update", "push", "checkpoint", "eval")
 EVAL_PREFIX = "eval/"  # the held-out eval's scores (trainer/rl/evaluate.py), in the records of the steps it follows
 
 

@@ -57,6 +57,7 @@ from trainer.rl.sampler import Samples, sample
 # Folded into the base key so parameter init, adapter init, per-step sampling and the eval never share a stream.
 INIT_STREAM, STEP_STREAM, LORA_STREAM, EVAL_STREAM = 0, 1, 2, 3
 BATCH_KEYS = ("prompt", "prompt_valid", "completion", "mask", "old_logp", "rewards")
+PROX_KEY = "prox_logp"  # in the batch with rl.lag_correction=decoupled: the proximal policy's log-probs
 Batch = dict[str, jax.Array]
 
 
@@ -78,6 +79,7 @@ class Programs:
     # (temperature, top_k, top_p) -> `sample` at those settings, same arguments (the eval's greedy and sampled runs);
     # `sample` itself at the config's settings.
     sampler: Any = None
+    logprobs: Any = None  # (params, batch) -> the policy's own completion log-probs [B, N] (rl.lag_correction)
 
 
 def build_programs(cfg: TrainConfig, mesh: Mesh, pad_id: int, eos_id: int) -> Programs:
@@ -205,7 +207,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         logp, entropy = logprobs(with_trainable(p, t), rows)
         mask = rows["mask"].astype(jnp.float32)
         loss, m = policy_loss(logp, rows["old_logp"], rows["adv"], mask, rl, ref_logp_BN=rows.get("ref_logp"),
-                              max_len=sc.max_new_tokens, norm=norm)
+                              prox_logp_BN=rows.get("prox_logp"), max_len=sc.max_new_tokens, norm=norm)
         m["entropy"] = jnp.sum(entropy * mask) / norm.tokens
         return loss, m
 
@@ -236,8 +238,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         rewards_BR = batch["rewards"]
         total_B = jnp.sum(rewards_BR, axis=1)
         adv_B = group_advantages(total_B, rl.group_size, normalize_std=rl.algo != "dr_grpo", eps=rl.adv_eps)
-        rows: Batch = {k: batch[k] for k in ("prompt", "prompt_valid", "completion", "mask", "old_logp", "slot")
-                       if k in batch}
+        rows: Batch = {k: batch[k] for k in ("prompt", "prompt_valid", "completion", "mask", "old_logp", "slot",
+                                             PROX_KEY) if k in batch}
         rows["adv"] = adv_B
         if ref_logp is not None:
             rows["ref_logp"] = ref_logp
@@ -271,7 +273,8 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
         metrics["tokens"] = jnp.sum(batch["mask"])
         return params, opt_state, metrics
 
-    batch_sh = {k: b2 for k in BATCH_KEYS} | ({"slot": b1} if lcfg is not None else {})
+    rollout_sh = {k: b2 for k in BATCH_KEYS} | ({"slot": b1} if lcfg is not None else {})  # the forward passes'
+    batch_sh = rollout_sh | ({PROX_KEY: b2} if rl.lag_correction == "decoupled" else {})  # the update's
     sample_in = (param_sh, b2, b2, rep, rep) + ((b1,) if lcfg is not None else ())
     # Samples as a tree of shardings, not of arrays.
     sample_kw: dict[str, Any] = dict(in_shardings=sample_in, out_shardings=Samples(b2, b2, b2, rep))  # type: ignore[arg-type]
@@ -287,9 +290,11 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
 
     sample_jit = sampler(sc.temperature, sc.top_k, sc.top_p)
     # The reference policy: the initial weights, which with lora are the base model alone (fresh adapters are 0).
-    ref_jit = jax.jit(lambda p, b: logprobs(p, b, with_adapter=False)[0], in_shardings=(param_sh, batch_sh),
+    ref_jit = jax.jit(lambda p, b: logprobs(p, b, with_adapter=False)[0], in_shardings=(param_sh, rollout_sh),
                       out_shardings=b2)
     # With lora the frozen base is donated and passed through: its output aliases its input, nothing is copied.
+    # decoupled: the proximal policy's log-probs (this step's weights before the update, adapters included)
+    logprobs_jit = jax.jit(lambda p, b: logprobs(p, b)[0], in_shardings=(param_sh, rollout_sh), out_shardings=b2)
     update_jit = jax.jit(update_fn, in_shardings=(param_sh, opt_sh, batch_sh, b2 if rl.kl_beta > 0 else None),
                          out_shardings=(param_sh, opt_sh, rep), donate_argnums=(0, 1))
 
@@ -305,7 +310,7 @@ def _build(mcfg: ModelConfig, cc: ComputeConfig, rl: RLConfig, sc: SamplingConfi
     init_lora = None if lcfg is None else jax.jit(fresh_lora, in_shardings=(rep,), out_shardings=train_sh)
     init_opt = jax.jit(lambda p: optimizer.init(trainable(p)), in_shardings=(param_sh,), out_shardings=opt_sh)
     return Programs(mesh, param_sh, opt_sh, optimizer, init_params, init_opt, sample_jit, ref_jit, update_jit, lcfg,
-                    init_lora, sampler)
+                    init_lora, sampler, logprobs_jit)
 
 
 def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[str, tuple[Any, ...]]:
@@ -338,11 +343,14 @@ def abstract_args(cfg: TrainConfig, programs: Programs, n_rewards: int) -> dict[
     if lcfg is not None:
         batch["slot"] = sds((B,), jnp.int32, batch_sharding(programs.mesh, 1))
         slot = (batch["slot"],)
+    rollout = dict(batch)  # what the forward passes take
+    if cfg.rl.lag_correction == "decoupled":
+        batch[PROX_KEY] = sds((B, N), jnp.float32, b2)
     ref = sds((B, N), jnp.float32, b2) if cfg.rl.kl_beta > 0 else None
     key = sds((2,), jnp.uint32, rep)
     return {
         "sample": (params, batch["prompt"], batch["prompt_valid"], key, sds((), jnp.int32, rep), *slot),
-        "ref_logprobs": (params, batch),
+        "ref_logprobs": (params, rollout),
         "update": (params, opt, batch, ref),
     }
 

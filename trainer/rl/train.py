@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from envspec.pod import ENV_CHECKPOINT_DIR
 from trainer.base.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
 from trainer.model import decoder as M
-from trainer.model.sharding import make_mesh, replicated
+from trainer.model.sharding import replicated
 from trainer.rl.batch import from_rows, process_rows, read_local_rows, replicate
 from trainer.rl.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
 from trainer.rl.evaluate import Evaluator
@@ -43,9 +43,10 @@ from trainer.rl.metrics import (
     slot_efficiency,
     truncate_metrics,
 )
+from trainer.rl.rollouts import Pipeline, placement_meshes, saved_target, slots
 from trainer.rl.sampler import Samples
-from trainer.rl.step import Programs, build_programs
-from trainer.rl.task_data import TaskData, load_task_data, row_slots
+from trainer.rl.step import PROX_KEY, Programs, build_programs
+from trainer.rl.task_data import TaskData, load_task_data
 
 
 @dataclass
@@ -111,6 +112,7 @@ class Start:
     params: M.Params
     opt_state: Any
     base_sums: jax.Array | None  # with lora: the base weights' checksums, which a checkpoint must match
+    sampler_mesh: Mesh | None = None  # placement split: the sampler's own mesh (trainer/rl/rollouts.py)
 
     def state(self, params: M.Params, opt_state: Any) -> dict[str, Any]:
         return saved_state(params, opt_state, self.cfg.lora, self.base_sums)
@@ -123,6 +125,10 @@ class Start:
         else:
             sh = {"lora": p.param_sh["lora"], "opt_state": p.opt_sh, "base_checksums": replicated(self.mesh)}
         return abstract_like(self.state(self.params, self.opt_state), sh)
+
+    def saved_target(self, meta: Meta) -> Any:
+        """The restore target of a whole saved step: the train state, and the rollouts sampled ahead it lists."""
+        return {**self.target(), **saved_target(self.cfg, self.mesh, meta.queued)}
 
     def params_of(self, state: dict[str, Any], step: int, where: Path) -> M.Params:
         """The weights of a restored state; with lora, refused unless it trained adapters on this run's base."""
@@ -153,8 +159,7 @@ def start_run(cfg: TrainConfig) -> Start:
             raise ConfigError(f"{err}; {hint}") from None
         raise
     data = load_task_data(cfg)
-    n_mesh = cfg.mesh.slices * cfg.mesh.fsdp * cfg.mesh.tensor
-    mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n_mesh])
+    mesh, sampler_mesh = placement_meshes(cfg, jax.devices())
     tok = data.tokenizer
     programs = build_programs(cfg, mesh, tok.pad_id, tok.eos_id)
     param_sh = programs.param_sh
@@ -168,7 +173,7 @@ def start_run(cfg: TrainConfig) -> Start:
             params = {"base": _host_params(hf_params, param_sh["base"]), "lora": programs.init_lora(key_rep)}
         opt_state = programs.init_opt(params)
     base_sums = None if lcfg is None else replicate(mesh, np.asarray(checksums(params["base"]), np.uint32))
-    return Start(cfg, data, mesh, programs, params, opt_state, base_sums)
+    return Start(cfg, data, mesh, programs, params, opt_state, base_sums, sampler_mesh)
 
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | None = None,
@@ -189,12 +194,13 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 and lcfg is None else None
 
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save)
+                        async_save=cfg.checkpoint.async_save, lag=cfg.rl.lag)
     start = 0
     key_data = np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.seed)), np.uint32)
+    rollouts = Pipeline(cfg, data, mesh, programs, run.sampler_mesh)
     # Raises NoUsableCheckpoint (a ConfigError) if every step is damaged: never silently start over.
     try:
-        found = ckpt.resume(run.target(), rollback_to=cfg.checkpoint.resume_step)
+        found = ckpt.resume(run.saved_target, rollback_to=cfg.checkpoint.resume_step)
     except BaseException:
         ckpt.close()
         raise
@@ -208,6 +214,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             ckpt.close()
             raise
         opt_state, start = state["opt_state"], meta.step
+        rollouts.restore(state, meta.queued)
         key_data = np.asarray(meta.rng, np.uint32)
         if meta.data_position != start * cfg.rl.prompts_per_step:
             raise ConfigError(
@@ -221,7 +228,6 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         truncate_metrics(run_dir, start)
         write_run_config(run_dir, cfg)
 
-    key_arr = replicate(mesh, key_data)
     logger = MetricsLogger(run_dir, cfg.steps, start, enabled=primary, progress=cfg.progress, log_every=cfg.log_every)
     own_stop = stop is None
     stop = StopFlag().install() if stop is None else stop
@@ -231,21 +237,24 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     preview: list[tuple[str, str]] = []  # a few (prompt, completion) pairs of the last step, printed at the end
     step = start
     stopped = False
+    rollouts.use_key(key_data)
+    push = rollouts.push(params, start)
+    rollouts.fill(start, cfg.steps)
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
+            if step + cfg.rl.lag < cfg.steps:  # sampled with the weights just pushed: version `step`
+                rollouts.dispatch(step + cfg.rl.lag)
+            rollout = rollouts.pop(step)
+            samples = rollout.samples
+            # Each phase is waited for, so its time is its own (a few ms of dispatch are no longer overlapped). With
+            # rl.lag >= 1 this is the wait for rollouts sampled while earlier steps trained.
+            times = {"sample": _waited(samples, t0)}
             examples = data.examples(step, rows)
             prompt_np, valid_np = data.prompts(examples, rows)
             prompt = from_rows(mesh, rows, prompt_np, (B, P))
             prompt_valid = from_rows(mesh, rows, valid_np, (B, P))
             G = cfg.rl.group_size
-            slot: tuple[jax.Array, ...] = () if lcfg is None else (
-                from_rows(mesh, rows, row_slots([(r // G, examples[r // G]) for r in rows], lcfg.slots), (B,)),)
-            with jax.set_mesh(mesh):
-                samples = programs.sample(params, prompt, prompt_valid, key_arr, replicate(mesh, np.int32(step)),
-                                          *slot)
-            # Each phase is waited for, so its time is its own (a few ms of dispatch are no longer overlapped).
-            times = {"sample": _waited(samples, t0)}
             t = time.perf_counter()
             scores, completions = _score(data, examples, samples, rows)
             times["score"] = time.perf_counter() - t
@@ -254,23 +263,32 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
             batch = {"prompt": prompt, "prompt_valid": prompt_valid, "completion": samples.tokens_BN,
                      "mask": samples.mask_BN, "old_logp": samples.logprobs_BN, "rewards": rewards}
             if lcfg is not None:
-                batch["slot"] = slot[0]
+                batch["slot"] = slots(cfg, mesh, rows, examples)[0]
             with jax.set_mesh(mesh):
                 ref_logp = None
                 t = time.perf_counter()
                 if cfg.rl.kl_beta > 0:
                     ref_logp = programs.ref_logprobs(params if lcfg is not None else ref_params, batch)
                     times["reference"] = _waited(ref_logp, t)
+                if cfg.rl.lag_correction == "decoupled":  # the proximal policy: these weights, before the update
+                    t = time.perf_counter()
+                    batch = {**batch, PROX_KEY: programs.logprobs(params, batch)}
+                    times["proximal"] = _waited(batch[PROX_KEY], t)
                 t = time.perf_counter()
                 params, opt_state, m = programs.update(params, opt_state, batch, ref_logp)
             m = jax.device_get(m)
             times["update"] = time.perf_counter() - t
+            push = rollouts.push(params, step + 1)
+            if push.bytes:
+                times["push"] = push.seconds
             dt = time.perf_counter() - t0
-            meta = Meta(step + 1, (step + 1) * cfg.rl.prompts_per_step, [int(x) for x in key_data])
             leaving = stop.agreed() or (stop_after is not None and step + 1 >= stop_after)
             t = time.perf_counter()
             if leaving or step + 1 == cfg.steps or ckpt.due(step + 1):
-                ckpt.save(run.state(params, opt_state), meta)
+                ahead, queued = rollouts.saved()  # the rollouts of steps step + 1 .. step + lag (waits for them)
+                meta = Meta(step + 1, (step + 1) * cfg.rl.prompts_per_step, [int(x) for x in key_data], cfg.rl.lag,
+                            queued)
+                ckpt.save({**run.state(params, opt_state), **ahead}, meta)
             times["checkpoint"] = time.perf_counter() - t  # its start only when saves are asynchronous
             evaluated: dict[str, float] = {}
             if evaluator is not None and evaluator.due(step + 1):
@@ -284,7 +302,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
                 evaluated = evaluator(params)
                 times["eval"] = time.perf_counter() - t
             efficiency = slot_efficiency(int(m["tokens"]), int(samples.steps), cfg.sample_chunk_rows)
-            record = {**_record(step, m, data.reward_names, dt, efficiency, times), **evaluated}
+            record = {**_record(step, m, data.reward_names, dt, efficiency, times), **evaluated,
+                      "policy_version": rollout.version, "lag": step - rollout.version, "push_bytes": push.bytes}
             records.append(record)
             logger.log(record)
             step += 1
@@ -360,6 +379,9 @@ def _record(step: int, m: dict[str, Any], reward_names: tuple[str, ...], dt: flo
         rec[f"reward/{name}_std"] = float(m["rewards_std_R"][i])
     for k in ("loss", "loss_first", "pg_loss", "kl", "clip_frac", "ratio", "entropy", "grad_norm", "completion_len"):
         rec[k] = float(m[k])
+    for k in ("behavior_weight", "behavior_capped_frac"):  # rl.lag_correction=decoupled
+        if k in m:
+            rec[k] = float(m[k])
     rec["tokens_per_s"] = float(m["tokens"]) / dt
     rec["slot_efficiency"] = efficiency
     rec["step_time_s"] = dt  # sample to update; the checkpoint's time is its own key

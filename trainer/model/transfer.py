@@ -1,0 +1,95 @@
+"""Moving arrays between two disjoint device groups of one job (placement.mode=split: the trainer's, the sampler's),
+device to device.
+
+In one process `jax.device_put` onto the other group's sharding does it. Across processes jax 0.10.2 refuses that
+("input and target sharding should have the same set of devices"), and one jitted program cannot take operands and
+give outputs on two meshes. So there a `Bridge` runs one program over the union of both groups: the source's shards
+and empty buffers on the other group form one [2, ...] array on a (group, *axes) mesh, and a jitted x[::-1] (a
+collective permute) lands each shard on its partner, the other group's device of the same process at the same place
+of the mesh; the landed shards, re-wrapped on that group's devices, then take the target layout with a device_put
+within that device set (which jax allows across processes). Needs groups of equal size with every process holding
+the same number of devices of each (bench/async_rl_push.py measures the mechanisms).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+GROUP_AXIS = "group"
+
+
+def _partners(mesh: Mesh, others: list[Any]) -> np.ndarray:
+    """`others` laid out in `mesh`'s device shape: each at the place of a device of its own process."""
+    pool: dict[int, list[Any]] = {}
+    for d in sorted(others, key=lambda d: (d.process_index, d.id)):
+        pool.setdefault(d.process_index, []).append(d)
+    out = np.empty(mesh.devices.shape, dtype=object)
+    for idx, d in np.ndenumerate(mesh.devices):
+        if not pool.get(d.process_index):
+            raise ValueError("the two device groups differ in size on some process")
+        out[idx] = pool[d.process_index].pop(0)
+    return out
+
+
+def _spec(x: jax.Array) -> P:
+    sharding = x.sharding
+    assert isinstance(sharding, NamedSharding)  # the trainer lays every array out by name
+    return sharding.spec
+
+
+class Bridge:
+    """Moves trees of arrays between `mesh` and `others` (a device group of the same size), across processes."""
+
+    def __init__(self, mesh: Mesh, others: list[Any]) -> None:
+        if len(others) != mesh.devices.size:
+            raise ValueError(f"a bridge needs groups of equal size: {mesh.devices.size} and {len(others)} devices")
+        self.mesh = mesh
+        self.twin = Mesh(_partners(mesh, others), mesh.axis_names, axis_types=mesh.axis_types)  # `others`, shaped
+        self.union = Mesh(np.stack([mesh.devices, self.twin.devices]), (GROUP_AXIS, *mesh.axis_names),
+                          axis_types=(AxisType.Auto, *mesh.axis_types))
+        self._flip = jax.jit(lambda tree: jax.tree.map(lambda x: x[::-1], tree), donate_argnums=0)
+
+    def there(self, tree: Any, target: Any) -> Any:
+        """`tree` (arrays on `mesh`) onto the other group's shardings `target`."""
+        landed = self._cross(tree, self.mesh, self.twin)
+        return jax.device_put(landed, target)
+
+    def back(self, tree: Any, target: Any) -> Any:
+        """`tree` (arrays on the other group) onto `target`, shardings on `mesh`."""
+        on_twin = jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(self.twin, s.spec), target))
+        return self._cross(on_twin, self.twin, self.mesh)
+
+    def _cross(self, tree: Any, src: Mesh, dst: Mesh) -> Any:
+        """Arrays on `src` (one row of the union) to the same spec on `dst` (the other row)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        unions = [self._union_array(x, src) for x in leaves]
+        moved = self._flip(unions)
+        dst_set = set(dst.devices.flat)
+        out = []
+        for x, m in zip(leaves, moved, strict=True):
+            shards = [jnp.squeeze(s.data, 0) for s in m.addressable_shards if s.device in dst_set]
+            out.append(jax.make_array_from_single_device_arrays(
+                x.shape, NamedSharding(dst, _spec(x)), shards, dtype=x.dtype))
+        return jax.tree.unflatten(treedef, out)
+
+    def _union_array(self, x: jax.Array, src: Mesh) -> jax.Array:
+        """[2, *x.shape] on the union mesh: `x`'s shards in `src`'s row, zeros (made on the device) in the other."""
+        shape = (2, *x.shape)
+        sharding = NamedSharding(self.union, P(GROUP_AXIS, *_spec(x)))
+        mine = {s.device: s.data for s in x.addressable_shards}
+        src_set = set(src.devices.flat)
+        bufs = []
+        for d, idx in sharding.addressable_devices_indices_map(shape).items():
+            if d in src_set:
+                bufs.append(jnp.expand_dims(mine[d], 0))
+            else:
+                assert idx is not None  # typed Optional in jax; a device of the sharding always has an index
+                piece = tuple(len(range(*i.indices(n))) for i, n in zip(idx, shape, strict=True))
+                bufs.append(jnp.zeros(piece, x.dtype, device=d))
+        return jax.make_array_from_single_device_arrays(shape, sharding, bufs, dtype=x.dtype)
