@@ -8,7 +8,7 @@ import pulumi_kubernetes as k8s
 
 from envspec.config import NAMESPACE, EnvironmentSpec
 from infra.base.stack_config import config_errors_for_pulumi, load_spec
-from infra.checks import code_refs, grace, system_pool
+from infra.checks import code_refs, grace, placement, system_pool
 from infra.components import service
 from infra.components.cluster import Cluster, ClusterArgs
 from infra.components.controllers import Controllers, ControllersArgs
@@ -85,6 +85,7 @@ def main() -> None:
         spec = load_spec()
         system_pool.check(spec)  # the pods pinned to the system pool fit on its nodes (GKE's allocatable, packed)
         grace.check(spec)  # the trainer's pods have time to save a checkpoint on SIGTERM
+        placement.check(spec)  # a split placement is one the trainer runs on these slices (issue 43)
         stage_targets(spec)  # what trainer.stage fetches has a place on the bucket the trainer config reads
         code_refs.check(spec)  # the trainer config's own tasks and rewards are in trainer.code
         service.check(spec)  # the service's engine config loads with the arguments its pods get

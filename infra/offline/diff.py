@@ -21,6 +21,7 @@ from typing import Any
 from infra.base import user_code
 from infra.base.digests import tree_files
 from infra.base.stack_file import PlanError
+from infra.checks import placement
 from infra.offline import cost, shipped
 from infra.offline.changes import changed_inputs, show
 from infra.offline.mockrun import IMAGE_TYPE, PlanResult
@@ -58,8 +59,13 @@ if system_pool is not None and svc is not None:
         "database": {"tier": db.tier, "cpus": db.cpus, "memory_gib": db.memory_gib, "disk_gb": db.disk_gb,
                      "availability": db.availability}}
 code = getattr(getattr(spec, "trainer", None), "code", None)  # trainer.code, where the revision has it
+if (root / "infra" / "checks" / "placement.py").is_file():  # where sampling and the update run, in words
+    from infra.checks.placement import line as placement_line
+    placement = placement_line(spec)
+else:
+    placement = "unknown"
 print(json.dumps({"region": spec.region, "slices": slices, "system_pool": system_pool, "outputs": result.outputs,
-                  "code": code,
+                  "code": code, "placement": placement,
                   "resources": [{"urn": r.urn, "type": r.type, "name": r.name, "custom": r.custom,
                                  "inputs": r.inputs, "options": r.options} for r in result.resources]},
                  default=str))
@@ -67,6 +73,7 @@ print(json.dumps({"region": spec.region, "slices": slices, "system_pool": system
 
 
 IMAGE_OUTPUT = "trainerImage"
+PLACEMENT_UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,9 @@ class Snapshot:
     sources: dict[str, str] = field(default_factory=dict)  # path -> sha256 of what the image is built from
     code: str | None = None  # trainer.code: the user's own folder among the sources
     warnings: list[str] = field(default_factory=list)  # settings that cost performance (infra/offline/shipped.py)
+    # The trainer's placement in words (infra/checks/placement.py); None: the default (colocated, lag 0), or no
+    # trainer; PLACEMENT_UNKNOWN: a revision from before the stack could say.
+    placement: str | None = None
     plan: PlanResult | None = field(default=None, compare=False, repr=False)  # this revision's plan, as the diff has it
 
     @property
@@ -207,7 +217,7 @@ def snapshot(result: PlanResult, tree: Path | None = None) -> Snapshot:
     return Snapshot(result.spec.region, cost.slice_groups(result.spec), resources,
                     context=None if built is None else built.digest, system_pool=cost.system_pool(result.spec),
                     sources={} if built is None else built.sources, code=result.spec.trainer.code,
-                    warnings=shipped.warnings(result.spec), plan=result)
+                    warnings=shipped.warnings(result.spec), placement=placement.line(result.spec), plan=result)
 
 
 def _git(root: Path, *args: str, silent_failure: str | None = None) -> bytes:
@@ -250,7 +260,8 @@ def snapshot_at(env: str, ref: str, root: Path) -> Snapshot:
             doc["resources"] = built.apply(doc["resources"])
     resources = {r.pop("urn"): r for r in doc["resources"]}
     return Snapshot(doc["region"], doc["slices"], resources, context=None if built is None else built.digest,
-                    system_pool=doc.get("system_pool"), sources={} if built is None else built.sources, code=code)
+                    system_pool=doc.get("system_pool"), sources={} if built is None else built.sources, code=code,
+                    placement=doc.get("placement", PLACEMENT_UNKNOWN))
 
 
 # ---------------------------------------------------------------- comparing
@@ -414,6 +425,20 @@ def _image_line(d: PlanDiff) -> str | None:
             "same in the plan below.")
 
 
+DEFAULT_PLACEMENT = "sampling and the update on the same chips, one after the other (colocated, lag 0)"
+
+
+def _placement_line(d: PlanDiff) -> str | None:
+    """Where the trainer samples and updates, when that changed (a trainer config's placement or lag: the JobSet's
+    args or its config's digest show the keys, this says what they mean)."""
+    old, new = d.old.placement, d.new.placement
+    if old == new or d.old.missing or d.new.missing:
+        return None
+    if old == PLACEMENT_UNKNOWN:
+        return None if new is None else f"Trainer placement: {new} (not known at {d.ref})."
+    return f"Trainer placement: {old or DEFAULT_PLACEMENT} → {new or DEFAULT_PLACEMENT}."
+
+
 def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
     """The delta in a few sentences: chips, price, resource counts, why the image is rebuilt, warnings."""
     lines = []
@@ -442,6 +467,9 @@ def headline(d: PlanDiff, table: cost.PriceTable | None = None) -> list[str]:
                  f"({len(k8s)} of them Kubernetes objects)." if not d.empty else "Resources: no change.")
     for c in d.replaced:
         lines.append(f"Replaced: {c.name} ({c.type.rsplit(':', 1)[-1]}): {c.consequence}.")
+    trainer = _placement_line(d)
+    if trainer:
+        lines.append(trainer)
     image = _image_line(d)
     if image:
         lines.append(image)

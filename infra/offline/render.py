@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from infra.checks import grace
+from infra.checks import grace, placement
 from infra.offline import shipped
 from infra.offline.cost import EnvironmentCost, environment_cost, slice_groups, system_pool, usd
 from infra.offline.mockrun import (
@@ -400,6 +400,9 @@ def summarize(result: PlanResult) -> Summary:
             trainer = (f"JobSet {spec.queues.namespace}/{t.name}: {t.slices} x {group.name} ({group.topology}) = "
                        f"{pods}, priority {t.priority}, max {t.max_restarts} restarts, config "
                        f"{t.config or 'demo.yaml'}")
+        split = placement.line(spec)
+        if split is not None:
+            trainer += f"; {split}"
         if t.launcher == "ray":
             trainer += "; any change replaces it, resuming from its last periodic checkpoint"
         else:

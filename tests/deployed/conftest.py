@@ -73,15 +73,16 @@ HUB_MOUNT = "/hub-mirror"
 HUB_ENV = {"HF_HUB_CACHE": HUB_MOUNT, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
-def trainer_on_cpu(env: str, work: Path, folder: Path, args: list[str]) -> tuple[Rendered, Cluster]:
+def trainer_on_cpu(env: str, work: Path, folder: Path, args: list[str], *, cpu_devices: int = 1,
+                   trainer: dict[str, Any] | None = None) -> tuple[Rendered, Cluster]:
     """A user's copy of `env` whose only changes are what a team could set itself (trainer.stage: a tiny model on
-    the Hub; trainer.args: `args`), rendered, and the harness cluster to run it on one CPU device per pod, with the
-    Hub mirror."""
+    the Hub; trainer.args: `args`; any other `trainer` keys), rendered, and the harness cluster to run it on
+    `cpu_devices` CPU devices per pod, with the Hub mirror."""
     path = user_copy(env, folder, f"{env}-local", {"trainer": {
         "stage": {"model": TINY_REPO, "dataset": "openai/gsm8k", "datasetFile": "main/train-00000-of-00001.parquet"},
-        "args": args}})
+        "args": args, **(trainer or {})}})
     rendered = render(f"{env}-local", path)
-    cluster = Cluster(rendered.objects, work / "cluster", boundary=Boundary(env=dict(HUB_ENV)), cpu_devices=1,
+    cluster = Cluster(rendered.objects, work / "cluster", boundary=Boundary(env=dict(HUB_ENV)), cpu_devices=cpu_devices,
                       depends_on=rendered.depends_on, mounts={HUB_MOUNT: str(hub_mirror(work))})
     return rendered, cluster
 

@@ -234,3 +234,40 @@ def test_a_trainer_change_replaces_the_training_job(repo: Path, env: str, kind: 
         assert _jobset_update_refused(old_obj, new_obj)
     # The same tree again: nothing rebuilt, nothing replaced.
     assert diff_plan(plan(env, None, repo), "base", repo).empty
+
+
+def test_a_placement_change_replaces_the_jobset_at_the_same_cost(repo: Path) -> None:
+    """issue 43: a trainer that samples on half of each host's chips and trains on the other half, lag 1. The plan's
+    trainer line says so (text and markdown), the diff says what changed and that the JobSet is replaced (its args),
+    and the chips and the price stay as they were."""
+    from infra.offline import render
+
+    stack = repo / "environments" / "Pulumi.staging.yaml"
+    doc = yaml.safe_load(stack.read_text())
+    trainer = doc["config"]["gke-tpu-rl:trainer"]
+    trainer.update(slices=1, terminationGraceSeconds=900)  # one 4-host slice: a split within each host
+    stack.write_text(yaml.safe_dump(doc, sort_keys=False))
+    _commit(repo, "one slice")
+    trainer["args"] = ["--set", "placement.mode=split", "--set", "placement.sampler.fsdp=-1", "--set",
+                       "sampling.tensor=null", "--set", "rl.lag=1", "--set", "rl.lag_correction=decoupled"]
+    stack.write_text(yaml.safe_dump(doc, sort_keys=False))
+    try:
+        d = diff_plan(plan("staging", None, repo), "HEAD", repo)
+    finally:
+        _git(repo, "reset", "-q", "--hard", "base")
+    said = ("sampling on 2 of each host's 4 chips (mesh 1x8x1), training on the other 2 (mesh 1x2x4), weights "
+            "pushed every step, lag 1, decoupled")
+    assert d.old.placement is None and d.new.placement == said
+    assert f"Trainer placement: {diff_module.DEFAULT_PLACEMENT} → {said}." in headline(d)
+    [job] = [c for c in d.changed if c.type.endswith(":JobSet")]
+    assert job.replaced and f"Replaced: {job.name} (JobSet): {RESTARTS_TRAINING}." in headline(d)
+    assert any(p.endswith("args --set placement.mode") and b == "split" for p, _, b in job.inputs), job.inputs
+    assert "- **Trainer placement**: " in markdown(d)
+    # Same chips, same price.
+    assert not d.chips_delta and "TPU chips: no change." in headline(d)
+    old_cost, new_cost = d.cost_delta()
+    assert old_cost == new_cost and new_cost.usd_per_hour > 0
+    assert d.new.plan is not None
+    assert f"{said}; any change replaces it" in render.text(d.new.plan)
+    assert "- **Trainer**: JobSet rl/grpo-stg: 1 x v6e-stg (4x4) = 4 pods x 4 chips" in render.markdown(d.new.plan)
+    assert said in render.markdown(d.new.plan)

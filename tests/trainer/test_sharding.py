@@ -98,7 +98,7 @@ def test_split_devices_by_slice_within_processes_or_in_order() -> None:
     every process, as the cross-process push needs); else in (process, id) order."""
     from types import SimpleNamespace
 
-    from trainer.model.sharding import split_devices
+    from trainer.base.placement import split_devices
 
     def devs(n_proc: int, per: int, slices: int = 1) -> list[SimpleNamespace]:
         return [SimpleNamespace(id=p * per + i, process_index=p, slice_index=p * slices // n_proc)

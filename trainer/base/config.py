@@ -223,8 +223,9 @@ class PlacementConfig(_Strict):
     """Where sampling and the update run. colocated: both on `mesh`, one after the other (the default). split: the
     update on `mesh` and sampling on `placement.sampler`, on disjoint devices of the one job, the new weights pushed
     device to device after every update (trainer/rl/rollouts.py). Devices are split by slice where they carry a
-    slice index (multislice: the first mesh.slices slices train, the next placement.sampler.slices sample), else in
-    device order (the trainer's first). With rl.lag >= 1 the two groups run at once."""
+    slice index (multislice: the first mesh.slices slices train, the next placement.sampler.slices sample), else within
+    each process where both groups split evenly over the processes, else in device order (the trainer's first):
+    trainer/base/placement.py. With rl.lag >= 1 the two groups run at once."""
 
     mode: Literal["colocated", "split"] = Field(
         "colocated", description="colocated: sampling and the update share `mesh`; split: the update on `mesh`, "

@@ -79,35 +79,6 @@ def make_mesh(slices: int, fsdp: int, tensor: int, devices: Sequence[Any] | None
     return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
 
 
-def split_devices(devices: Sequence[Any], first: int, second: int, first_slices: int = 1
-                  ) -> tuple[list[Any], list[Any]]:
-    """Two disjoint groups of `first` and `second` devices (placement.mode=split: the trainer's, the sampler's). By
-    slice where the devices carry several slice indices (multislice: the first `first_slices` slices, then the next
-    ones); else within each process where the groups split evenly over the processes (each process holds devices of
-    both: its first ones for `first`), else in (process, id) order: the first devices, then the next ones."""
-    devices = sorted(devices, key=lambda d: (getattr(d, "slice_index", 0), d.process_index, d.id))
-    by_slice: dict[int, list[Any]] = {}
-    by_process: dict[int, list[Any]] = {}
-    for d in devices:
-        by_slice.setdefault(getattr(d, "slice_index", 0), []).append(d)
-        by_process.setdefault(d.process_index, []).append(d)
-    n_proc = len(by_process)
-    if len(by_slice) > 1:
-        slices = [by_slice[i] for i in sorted(by_slice)]
-        a = [d for s in slices[:first_slices] for d in s]
-        b = [d for s in slices[first_slices:] for d in s][:second]
-    elif n_proc > 1 and first % n_proc == 0 and second % n_proc == 0:
-        f, s = first // n_proc, second // n_proc
-        a = [d for p in sorted(by_process) for d in by_process[p][:f]]
-        b = [d for p in sorted(by_process) for d in by_process[p][f:f + s]]
-    else:
-        a, b = devices[:first], devices[first:first + second]
-    if len(a) != first or len(b) != second:
-        raise ValueError(f"cannot split {len(devices)} devices ({len(by_slice)} slice(s)) into groups of {first} and "
-                         f"{second}: with several slices each group must take whole slices")
-    return a, b
-
-
 def regroup(mesh: Mesh, tensor: int | None) -> Mesh:
     """`mesh` with each slice's fsdp x tensor devices regrouped as (fsdp x tensor / `tensor`, `tensor`): the same
     devices in the same order, so one program may take arrays on `mesh` and reshard them onto this one. The new

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from trainer.base.config import ConfigError, TrainConfig
+from trainer.base.config import TrainConfig
+from trainer.base.placement import split_groups
 from trainer.model import decoder as M
-from trainer.model.sharding import batch_sharding, make_mesh, replicated, split_devices
+from trainer.model.sharding import batch_sharding, make_mesh, replicated
 from trainer.model.transfer import Bridge
 from trainer.rl.batch import from_rows, process_rows, replicate
 from trainer.rl.sampler import Samples
@@ -48,21 +49,7 @@ def placement_meshes(cfg: TrainConfig, devices: list[Any]) -> tuple[Mesh, Mesh |
     if cfg.placement.mode == "colocated":
         return make_mesh(m.slices, m.fsdp, m.tensor, devices[:n_mesh]), None
     s = cfg.placement.sampler
-    n_sampler = s.slices * s.fsdp * s.tensor
-    try:
-        mine, theirs = split_devices(devices, n_mesh, n_sampler, m.slices)
-    except ValueError as err:
-        raise ConfigError(f"mesh / placement.sampler: {err}") from None
-    if jax.process_count() > 1:
-        # The push across processes is a Bridge (trainer/model/transfer.py): every process runs the loop on its own
-        # rows of both groups, and the weights go to a partner device of the same process.
-        procs = {d.process_index for d in mine}, {d.process_index for d in theirs}
-        if n_mesh != n_sampler or procs[0] != procs[1] or len(procs[0]) != jax.process_count():
-            raise ConfigError(
-                f"placement.mode=split in a job of {jax.process_count()} processes needs mesh and placement.sampler "
-                f"of equal size ({n_mesh} and {n_sampler} devices) with every process holding devices of both "
-                "(a split of each host's devices, not by slice or host): jax 0.10.2 moves arrays between device "
-                "groups of several processes only so; or use placement.mode=colocated")
+    mine, theirs = split_groups(cfg, devices, jax.process_count())
     return make_mesh(m.slices, m.fsdp, m.tensor, mine), make_mesh(s.slices, s.fsdp, s.tensor, theirs)
 
 

@@ -1,0 +1,105 @@
+"""Where the trainer samples and where it updates (placement, issue 43): the trainer config's split checked against
+the chips of trainer.slices, by the trainer's own rule (trainer/base/placement.py), before anything is registered;
+and the one line `plan` shows for it.
+
+The split lives in the trainer config (trainer.config, or trainer.args `--set placement.mode=split ...`): every pod
+of the one JobSet (or RayJob) runs the same `python -m trainer`, which assigns its devices itself. A pod is one host,
+one process; a job of several processes may split only within each host (docs/async-rl.md, "Multi-process"), so a
+split by slice on a multislice job, or one on a multi-host slice whose groups do not split evenly over the hosts, is
+refused here as the trainer would refuse it after the slices were bought.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
+from infra.base.pod_config import env_job
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The trainer's placement on its job, resolved: each group's mesh as slices x fsdp x tensor."""
+
+    mode: str  # colocated | split
+    mesh: tuple[int, int, int]  # the update's
+    sampler: tuple[int, int, int] | None  # split: the sampler's
+    lag: int
+    correction: str  # rl.lag_correction
+    chips: int  # of the job (at trainer.slices)
+    hosts: int  # processes of the job
+
+    @staticmethod
+    def _axes(axes: tuple[int, int, int]) -> str:
+        return "x".join(map(str, axes))
+
+    def line(self) -> str | None:
+        """How the trainer places sampling and the update, in words; None for the default (colocated, lag 0)."""
+        lag = f"lag {self.lag}, {self.correction}"
+        if self.sampler is None:
+            return None if self.lag == 0 else f"sampling and the update on the same chips (colocated), {lag}"
+        n_s, n_m = self.sampler[0] * self.sampler[1] * self.sampler[2], self.mesh[0] * self.mesh[1] * self.mesh[2]
+        if self.hosts > 1:  # a multi-process split is within each host (the only one the trainer runs)
+            where = f"{n_s // self.hosts} of each host's {self.chips // self.hosts} chips"
+            rest = f"the other {n_m // self.hosts}" if n_s + n_m == self.chips else f"{n_m // self.hosts}"
+        else:
+            where = f"{n_s} of the {self.chips} chips"
+            rest = f"the other {n_m}" if n_s + n_m == self.chips else f"{n_m} others"
+        return (f"sampling on {where} (mesh {self._axes(self.sampler)}), training on {rest} "
+                f"(mesh {self._axes(self.mesh)}), weights pushed every step, {lag}")
+
+
+def _where(spec: EnvironmentSpec, slices: int) -> str:
+    group = spec.trainer_group
+    assert group is not None  # callers check
+    shape = group.shape
+    return (f"{slices} x {group.name} ({group.topology}) = {slices * shape.hosts} host(s) x {shape.chips_per_host} "
+            f"chips = {slices * shape.chips} chips")
+
+
+def resolve(spec: EnvironmentSpec) -> Placement | None:
+    """The trainer's placement on the chips of trainer.slices (Ray: at each end of its slice range); None without a
+    trainer. Raises ConfigError naming the keys and the numbers for a split the trainer would refuse there."""
+    from trainer.base.config import ConfigError as TrainerConfigError
+    from trainer.base.config import resolve_mesh
+    from trainer.base.placement import job_devices, split_groups
+
+    t, group = spec.trainer, spec.trainer_group
+    if not t.enabled or group is None:
+        return None
+    cfg = env_job(spec).cfg
+    if cfg.placement.mode == "colocated":
+        m = cfg.mesh
+        return Placement("colocated", (m.slices, m.fsdp, m.tensor), None, cfg.rl.lag, cfg.rl.lag_correction,
+                         t.slices * group.shape.chips, t.slices * group.shape.hosts)
+    shape = group.shape
+    counts = sorted({spec.ray_min_slices, t.slices}) if t.launcher == "ray" else [t.slices]
+    found = None
+    for slices in counts:
+        # Ray sets mesh.slices from the slices each attempt gets (trainer/run/ray_train.py).
+        at = env_job(spec, overrides=[f"mesh.slices={slices}"]).cfg if t.launcher == "ray" else cfg
+        hosts = slices * shape.hosts
+        try:
+            resolved = resolve_mesh(at, slices * shape.chips, exact=hosts > 1)
+            split_groups(resolved, job_devices(slices, shape.hosts, shape.chips_per_host), hosts)
+        except TrainerConfigError as err:
+            args = " ".join(t.args)
+            raise ConfigError(
+                f"invalid stack config for environment {spec.env!r}:\n  {NAMESPACE}:trainer.config "
+                f"({t.config or 'demo.yaml'}) / trainer.args ({args or 'none'}): placement.mode=split on "
+                f"{_where(spec, slices)}: {err}") from None
+        m, s = resolved.mesh, resolved.placement.sampler
+        found = Placement("split", (m.slices, m.fsdp, m.tensor), (s.slices, s.fsdp, s.tensor), resolved.rl.lag,
+                          resolved.rl.lag_correction, slices * shape.chips, hosts)
+    return found
+
+
+def check(spec: EnvironmentSpec) -> Placement | None:
+    """Refuses a split placement the trainer could not run on the environment's slices (see resolve)."""
+    return resolve(spec)
+
+
+def line(spec: EnvironmentSpec) -> str | None:
+    """The placement in words for `plan`'s trainer line; None for the default."""
+    found = resolve(spec)
+    return None if found is None else found.line()
