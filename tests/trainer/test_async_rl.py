@@ -113,7 +113,8 @@ def test_split_by_process_equals_one_process(tmp_path: Path, tiny_train_dict: di
     from trainer.run.launch import run_local
 
     d = {**tiny_train_dict, "mesh": PAIR, "rl": {**tiny_train_dict["rl"], "lag": 1},
-         "placement": {"mode": "split", "sampler": PAIR}, "checkpoint": {"every": 1, "keep": 3}}
+         "placement": {"mode": "split", "sampler": PAIR}, "checkpoint": {"every": 1, "keep": 3},
+         "eval": {"prompts": 4, "samples": 0}}  # greedy, after the last step: its scores reach every process
     strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**d, "steps": 3}))
     args = ["--config", str(tmp_path / "cfg.yaml"), "--run-dir", str(tmp_path / "multi")]
@@ -123,7 +124,7 @@ def test_split_by_process_equals_one_process(tmp_path: Path, tiny_train_dict: di
     colocated = train(config_from_dict({**d, "steps": 3, "run_dir": str(tmp_path / "c"),
                                         "placement": {"mode": "colocated"}})).records
     assert strip(multi) == strip(one)
-    assert [r["policy_version"] for r in multi] == [0, 0, 1]
+    assert [r["policy_version"] for r in multi] == [0, 0, 1] and "eval/greedy_len" in multi[-1]
     unpushed = {"push_bytes"}
     assert [{k: v for k, v in r.items() if k not in unpushed} for r in strip(multi)] == [
         {k: v for k, v in r.items() if k not in unpushed} for r in strip(colocated)]
