@@ -4,9 +4,9 @@ and the one line `plan` shows for it.
 
 The split lives in the trainer config (trainer.config, or trainer.args `--set placement.mode=split ...`): every pod
 of the one JobSet (or RayJob) runs the same `python -m trainer`, which assigns its devices itself. A pod is one host,
-one process; a job of several processes may split only within each host (docs/async-rl.md, "Multi-process"), so a
-split by slice on a multislice job, or one on a multi-host slice whose groups do not split evenly over the hosts, is
-refused here as the trainer would refuse it after the slices were bought.
+one process; a job of several processes splits within each host or by slice (docs/async-rl.md, "Multi-process"), and
+a split the trainer cannot run there (groups of unequal size, a training group on one host beside others) is refused
+here as the trainer would refuse it after the slices were bought.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Placement:
     correction: str  # rl.lag_correction
     chips: int  # of the job (at trainer.slices)
     hosts: int  # processes of the job
+    by_host: bool = False  # each host holds devices of one group only (by slice on multislice), not of both
 
     @staticmethod
     def _axes(axes: tuple[int, int, int]) -> str:
@@ -39,7 +40,11 @@ class Placement:
         if self.sampler is None:
             return None if self.lag == 0 else f"sampling and the update on the same chips (colocated), {lag}"
         n_s, n_m = self.sampler[0] * self.sampler[1] * self.sampler[2], self.mesh[0] * self.mesh[1] * self.mesh[2]
-        if self.hosts > 1:  # a multi-process split is within each host (the only one the trainer runs)
+        if self.by_host:
+            h_s = self.hosts * n_s // self.chips
+            where = f"{h_s} host{'s' if h_s > 1 else ''} ({n_s} chips)"
+            rest = f"the other {self.hosts - h_s} host{'s' if self.hosts - h_s > 1 else ''} ({n_m} chips)"
+        elif self.hosts > 1:  # within each host
             where = f"{n_s // self.hosts} of each host's {self.chips // self.hosts} chips"
             rest = f"the other {n_m // self.hosts}" if n_s + n_m == self.chips else f"{n_m // self.hosts}"
         else:
@@ -81,7 +86,7 @@ def resolve(spec: EnvironmentSpec) -> Placement | None:
         hosts = slices * shape.hosts
         try:
             resolved = resolve_mesh(at, slices * shape.chips, exact=hosts > 1)
-            split_groups(resolved, job_devices(slices, shape.hosts, shape.chips_per_host), hosts)
+            mine, _ = split_groups(resolved, job_devices(slices, shape.hosts, shape.chips_per_host), hosts)
         except TrainerConfigError as err:
             args = " ".join(t.args)
             raise ConfigError(
@@ -89,8 +94,10 @@ def resolve(spec: EnvironmentSpec) -> Placement | None:
                 f"({t.config or 'demo.yaml'}) / trainer.args ({args or 'none'}): placement.mode=split on "
                 f"{_where(spec, slices)}: {err}") from None
         m, s = resolved.mesh, resolved.placement.sampler
+        whole_hosts = len(mine) == shape.chips_per_host * len({d.process_index for d in mine})
         found = Placement("split", (m.slices, m.fsdp, m.tensor), (s.slices, s.fsdp, s.tensor), resolved.rl.lag,
-                          resolved.rl.lag_correction, slices * shape.chips, hosts)
+                          resolved.rl.lag_correction, slices * shape.chips, hosts,
+                          by_host=hosts > 1 and whole_hosts)
     return found
 
 

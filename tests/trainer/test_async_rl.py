@@ -95,3 +95,84 @@ def test_split_across_two_processes_equals_one(tmp_path: Path, tiny_train_dict: 
                                                                         for r in one]
     assert [r["reward_mean"] for r in multi] == [r["reward_mean"] for r in one]  # the same rollouts
     assert [r["loss"] for r in multi] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-6)
+
+
+PAIR = {"slices": 1, "fsdp": 2, "tensor": 1}  # 2 devices: with 4 one-device processes, 2 train and 2 sample
+
+
+@pytest.mark.long
+def test_split_by_process_equals_one_process(tmp_path: Path, tiny_train_dict: dict) -> None:
+    """4 OS processes x 1 CPU device split by process (a host or slice stand-in): processes 0-1 train, 2-3 sample,
+    so each holds devices of one group only. The weights cross to other processes and the rollouts come back through
+    the Bridge, the trainer's metrics and checksums reach the sampler's processes, only the trainer's processes write
+    the checkpoint; the run equals the one-process split run and the colocated one, to the bit, and a roll-back to a
+    checkpoint holding a queued rollout resumes bitwise."""
+    import yaml
+
+    from trainer.rl.metrics import read_metrics
+    from trainer.run.launch import run_local
+
+    d = {**tiny_train_dict, "mesh": PAIR, "rl": {**tiny_train_dict["rl"], "lag": 1},
+         "placement": {"mode": "split", "sampler": PAIR}, "checkpoint": {"every": 1, "keep": 3},
+         "eval": {"prompts": 4, "samples": 0}}  # greedy, after the last step: its scores reach every process
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in rs]  # noqa: E731
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**d, "steps": 3}))
+    args = ["--config", str(tmp_path / "cfg.yaml"), "--run-dir", str(tmp_path / "multi")]
+    assert run_local(4, 1, args) == 0
+    multi = read_metrics(tmp_path / "multi")
+    one = train(config_from_dict({**d, "steps": 3, "run_dir": str(tmp_path / "one")})).records
+    colocated = train(config_from_dict({**d, "steps": 3, "run_dir": str(tmp_path / "c"),
+                                        "placement": {"mode": "colocated"}})).records
+    assert strip(multi) == strip(one)
+    assert [r["policy_version"] for r in multi] == [0, 0, 1] and "eval/greedy_len" in multi[-1]
+    unpushed = {"push_bytes"}
+    assert [{k: v for k, v in r.items() if k not in unpushed} for r in strip(multi)] == [
+        {k: v for k, v in r.items() if k not in unpushed} for r in strip(colocated)]
+    # Back to step 2 (its checkpoint holds step 2's rollouts, sampled on processes 2-3): the same last step.
+    assert run_local(4, 1, [*args, "--set", "checkpoint.resume_step=2"]) == 0
+    assert strip(read_metrics(tmp_path / "multi")) == strip(one)
+
+
+def test_bridge_partners_by_process() -> None:
+    """The Bridge's pairing (fake devices): within each process where both groups are there, else the k-th trainer
+    device (in process order) with the k-th sampler device, on another process."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from trainer.model.transfer import _partners
+
+    dev = namedtuple("dev", "process_index id")  # hashable, as jax's devices
+
+    def pairs(mine: list, theirs: list) -> list:
+        flat = np.empty(len(mine), dtype=object)
+        flat[:] = mine
+        grid = SimpleNamespace(devices=flat.reshape(1, len(mine) // 2, 2))
+        return [(a.process_index, a.id, b.process_index, b.id)
+                for a, b in zip(grid.devices.flat, _partners(grid, theirs).flat, strict=True)]  # type: ignore[arg-type]
+
+    assert pairs([dev(0, 0), dev(0, 1), dev(1, 4), dev(1, 5)], [dev(1, 7), dev(1, 6), dev(0, 3), dev(0, 2)]) == [
+        (0, 0, 0, 2), (0, 1, 0, 3), (1, 4, 1, 6), (1, 5, 1, 7)]
+    assert pairs([dev(1, 1), dev(0, 0)], [dev(3, 3), dev(2, 2)]) == [(1, 1, 3, 3), (0, 0, 2, 2)]
+
+
+def test_split_by_process_refusals() -> None:
+    """What still cannot run in a job of several processes is refused with the reason (fake devices: no jax job)."""
+    from types import SimpleNamespace
+
+    from trainer.base.placement import check_multiprocess_split
+
+    def devs(*procs: int) -> list:
+        return [SimpleNamespace(process_index=p, id=i) for i, p in enumerate(procs)]
+
+    check_multiprocess_split(devs(0, 1), devs(2, 3), 4)  # by process
+    check_multiprocess_split(devs(0, 1, 2, 3), devs(0, 1, 2, 3), 4)  # within each process
+    for trainer, sampler, why in [
+        (devs(0, 1), devs(2, 3, 3, 3), "of equal size"),
+        (devs(0, 0), devs(2, 2), "hold none"),
+        (devs(0, 1, 2), devs(1, 2, 3), "one group only"),
+        (devs(2, 3), devs(0, 1), "process 0 to train"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            check_multiprocess_split(trainer, sampler, 4)
+    with pytest.raises(ConfigError, match="orbax refuses"):
+        check_multiprocess_split(devs(0, 0), devs(1, 1), 2)

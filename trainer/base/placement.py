@@ -71,14 +71,41 @@ def split_groups(cfg: TrainConfig, devices: Sequence[Any], n_processes: int) -> 
     except ValueError as err:
         raise ConfigError(f"mesh / placement.sampler: {err}") from None
     if n_processes > 1:
-        # The push across processes is a Bridge (trainer/model/transfer.py): every process runs the loop on its own
-        # rows of both groups, and the weights go to a partner device of the same process.
-        procs = {d.process_index for d in mine}, {d.process_index for d in theirs}
-        if n_mesh != n_sampler or procs[0] != procs[1] or len(procs[0]) != n_processes:
-            how = "by slice" if len({getattr(d, "slice_index", 0) for d in devices}) > 1 else "unevenly"
-            raise ConfigError(
-                f"placement.mode=split in a job of {n_processes} processes needs mesh and placement.sampler "
-                f"of equal size ({n_mesh} and {n_sampler} devices) with every process holding devices of both "
-                f"(a split of each host's devices, not by slice or host; here the devices split {how}): jax 0.10.2 "
-                "moves arrays between device groups of several processes only so; or use placement.mode=colocated")
+        check_multiprocess_split(mine, theirs, n_processes)
     return mine, theirs
+
+
+def check_multiprocess_split(trainer: Sequence[Any], sampler: Sequence[Any], n_processes: int) -> None:
+    """Refuse the splits of a job of several processes that cannot run (docs/async-rl.md, "Multi-process").
+
+    Two run: within each process (every process holds devices of both groups, as many of each), and by process
+    (slice or host: each process holds devices of one group only; the first processes train). The push and the
+    rollouts' way back are a Bridge over both groups either way (trainer/model/transfer.py)."""
+    per: dict[int, list[int]] = {}
+    for group, devices in enumerate((trainer, sampler)):
+        for d in devices:
+            per.setdefault(d.process_index, [0, 0])[group] += 1
+    within = all(a == b for a, b in per.values())
+    by_process = all(a == 0 or b == 0 for a, b in per.values())
+    why = ""
+    if len(trainer) != len(sampler):
+        # The Bridge pairs each trainer device with one sampler device; unequal groups need another transfer
+        # (jax.experimental.transfer, or jax's DCN cross-host device_put: TFRT TPU runtime only in jax 0.10.2).
+        why = f"mesh and placement.sampler of equal size (now {len(trainer)} and {len(sampler)} devices)"
+    elif len(per) != n_processes:
+        why = f"every process to hold devices of one group at least ({n_processes - len(per)} hold none)"
+    elif not (within or by_process):
+        why = ("each process to hold as many devices of both groups (a split within each host) or devices of one "
+               f"group only (a split by slice or host); devices per process (trainer, sampler): {sorted(per.items())}")
+    elif by_process and per.get(0, [0, 0])[0] == 0:
+        # Process 0 writes the metrics and the run summary from the update's results.
+        why = "process 0 to train (the first slices or hosts train)"
+    elif by_process and sum(1 for a, _ in per.values() if a) < 2:
+        # orbax 0.12.8 refuses to save an array held by one process of several ("Cannot serialize host local
+        # jax.Array": serialization/jax_array_handlers.py, JaxArrayHandler.serialize), and the checkpoint holds
+        # the trainer's arrays only.
+        why = ("the trainer's devices on 2 processes at least: orbax refuses to checkpoint arrays held by one "
+               "process of several (\"host local\")")
+    if why:
+        raise ConfigError(f"placement.mode=split in a job of {n_processes} processes needs {why}; or use "
+                          "placement.mode=colocated (docs/async-rl.md, \"Multi-process\")")

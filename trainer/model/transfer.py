@@ -5,10 +5,12 @@ In one process `jax.device_put` onto the other group's sharding does it. Across 
 ("input and target sharding should have the same set of devices"), and one jitted program cannot take operands and
 give outputs on two meshes. So there a `Bridge` runs one program over the union of both groups: the source's shards
 and empty buffers on the other group form one [2, ...] array on a (group, *axes) mesh, and a jitted x[::-1] (a
-collective permute) lands each shard on its partner, the other group's device of the same process at the same place
-of the mesh; the landed shards, re-wrapped on that group's devices, then take the target layout with a device_put
-within that device set (which jax allows across processes). Needs groups of equal size with every process holding
-the same number of devices of each (bench/async_rl_push.py measures the mechanisms).
+collective permute) lands each shard on its partner, the other group's device at the same place of the mesh (of
+the same process where each process holds devices of both groups, else on another process: `_partners`); the landed
+shards, re-wrapped on that group's devices, then take the target layout with a device_put within that device set
+(which jax allows across processes). A process holding devices of one group only takes part in the permute with its
+own row and gets arrays with no shard of its own for the other group (jax allows that: they are placeholders for the
+programs it calls). Needs groups of equal size (bench/async_rl_push.py measures the mechanisms).
 """
 
 from __future__ import annotations
@@ -25,15 +27,26 @@ GROUP_AXIS = "group"
 
 
 def _partners(mesh: Mesh, others: list[Any]) -> np.ndarray:
-    """`others` laid out in `mesh`'s device shape: each at the place of a device of its own process."""
-    pool: dict[int, list[Any]] = {}
-    for d in sorted(others, key=lambda d: (d.process_index, d.id)):
-        pool.setdefault(d.process_index, []).append(d)
+    """`others` laid out in `mesh`'s device shape. Where each process holds as many devices of both groups (a split
+    within each host), each at the place of a device of its own process (no hop between hosts); else (a split by slice
+    or host: a process holds one group's devices) in order, the k-th of `others` in (process, id) order at the k-th
+    place of `mesh` in its own (process, id) order, so that each trainer host pairs with one sampler host."""
+    def by_process(devices: Any) -> dict[int, list[Any]]:
+        pool: dict[int, list[Any]] = {}
+        for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+            pool.setdefault(d.process_index, []).append(d)
+        return pool
+
     out = np.empty(mesh.devices.shape, dtype=object)
+    mine, theirs = by_process(mesh.devices.flat), by_process(others)
+    if {p: len(v) for p, v in mine.items()} == {p: len(v) for p, v in theirs.items()}:
+        for idx, d in np.ndenumerate(mesh.devices):
+            out[idx] = theirs[d.process_index].pop(0)
+        return out
+    place = {d: i for i, d in enumerate(d for p in sorted(mine) for d in mine[p])}
+    ordered = [d for p in sorted(theirs) for d in theirs[p]]
     for idx, d in np.ndenumerate(mesh.devices):
-        if not pool.get(d.process_index):
-            raise ValueError("the two device groups differ in size on some process")
-        out[idx] = pool[d.process_index].pop(0)
+        out[idx] = ordered[place[d]]
     return out
 
 

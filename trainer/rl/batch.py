@@ -7,6 +7,7 @@ a process fills the rows `local_rows` reports and `make_array_from_callback` han
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,13 +35,14 @@ def from_rows(mesh: Mesh, rows: list[int], values: np.ndarray, shape: Sequence[i
     full = np.zeros(tuple(shape), values.dtype)
     if rows:
         full[rows] = values
-    return jax.make_array_from_callback(tuple(shape), batch_sharding(mesh, len(shape)), lambda idx: full[idx])
+    return jax.make_array_from_callback(tuple(shape), batch_sharding(mesh, len(shape)), lambda idx: full[idx],
+                                        dtype=full.dtype)  # no shard here: a process without devices of `mesh`
 
 
 def replicate(mesh: Mesh, value: np.ndarray | np.generic) -> jax.Array:
     """The same host value on every device (every process must pass the same value)."""
     arr = np.asarray(value)
-    return jax.make_array_from_callback(arr.shape, replicated(mesh), lambda idx: arr[idx])
+    return jax.make_array_from_callback(arr.shape, replicated(mesh), lambda idx: arr[idx], dtype=arr.dtype)
 
 
 def read_local_rows(x: jax.Array) -> dict[int, np.ndarray]:
@@ -52,3 +54,18 @@ def read_local_rows(x: jax.Array) -> dict[int, np.ndarray]:
         for i, row in enumerate(range(*shard.index[0].indices(n))):
             out.setdefault(row, data[i])
     return out
+
+
+def host_values(tree: Any, mesh: Mesh) -> Any:
+    """The host values of a tree of arrays replicated on `mesh`, on every process (every process must call it).
+
+    With placement split by slice or host, a process holding no device of `mesh` holds no shard of them (jax runs a
+    program on its own devices only), so the first process of `mesh` sends them to every process."""
+    holders = {d.process_index for d in mesh.devices.flat}
+    if len(holders) == jax.process_count():
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    mine = jax.process_index() in holders
+    local = jax.tree.map(lambda x: np.asarray(x) if mine else np.zeros(x.shape, x.dtype), tree)
+    return multihost_utils.broadcast_one_to_all(local, is_source=jax.process_index() == min(holders))

@@ -38,9 +38,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.base.config import ConfigError
+from trainer.rl.batch import host_values
 
 # orbax (0.12) writes this into a step directory last: it publishes the step (CommitFileTemporaryPath.finalize).
 COMMIT_MARKER = "commit_success.txt"
@@ -101,30 +102,46 @@ class SetAside:
 
 
 class Checkpointer:
+    """`holders`: the processes holding the state's arrays, where not all do (placement split by slice or host: the
+    sampler's processes hold none of the trainer's). Only they run orbax (its `active_processes`): orbax 0.12.8's
+    save fails on a process holding no shard of an array (serialization/replica_slices.py, get_replica_slices:
+    `arr.addressable_shards[0]`). The others still take part in every decision (which step, its checksums), read
+    the meta, and restore placeholders: arrays of the target's shape with no shard of their own."""
+
     def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True,
-                 lag: int | None = None) -> None:
+                 lag: int | None = None, holders: set[int] | None = None) -> None:
         self.every = every
+        self.holds = holders is None or jax.process_index() in holders
         self.lag = lag  # set: a step saved with another rl.lag is refused (LagMismatch), never set aside as damaged
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=1,  # the step loop decides when to save
             enable_async_checkpointing=async_save,
-            create=True,
+            create=holders is None,  # orbax creates it only over all processes; else it is made below
             # Written in place, marker last: no directory rename (the default, AtomicRenameTemporaryPath, renames
             # `<step>.orbax-checkpoint-tmp` and each item folder). orbax then lists only steps with the marker
             # (path/step.py, is_path_finalized). cleanup_tmp_directories stays off: in this mode it would delete
             # every folder without a marker (temporary_paths.cleanup_temporary_paths), set-aside steps included.
             temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=min(holders), active_processes=set(holders)) if holders is not None else
+            ocp.options.MultiprocessingOptions(),
         )
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        if holders is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._mngr = (ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+                      if self.holds else None)
         self._in_place: set[int] = set()  # damaged steps that could not be moved aside
 
     def latest_step(self) -> int | None:
-        return self._mngr.latest_step()
+        return self._mngr.latest_step() if self._mngr is not None else max(self.steps(), default=None)
 
     def steps(self) -> list[int]:
         """The finished steps, oldest first."""
+        if self._mngr is None:  # what orbax lists: the step folders with a commit marker
+            return sorted(s for s in _step_folders(self.directory)
+                          if (self.directory / str(s) / COMMIT_MARKER).is_file())
         return sorted(self._mngr.all_steps())
 
     def due(self, step: int) -> bool:
@@ -133,18 +150,20 @@ class Checkpointer:
     def save(self, state: Any, meta: Meta) -> bool:
         # A damaged step left in place is no orbax step: orbax would delete it to save there (force=True in
         # CheckpointManager.save, AsyncCheckpointer._prepare_destination_async).
-        if meta.step in self._mngr.all_steps() or meta.step in self._in_place:
+        if meta.step in self.steps() or meta.step in self._in_place:
             return False
         # checksums before save returns: the next step donates these buffers
         record = {"step": meta.step, "data_position": meta.data_position, "rng": meta.rng, "lag": meta.lag,
                   "queued": meta.queued, "checksums": checksums(state)}
+        if self._mngr is None:
+            return False
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record))
         return self._mngr.save(meta.step, args=args, force=True)
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, Meta]:
         """`target`: tree of ShapeDtypeStruct carrying the shardings to restore onto, or a function of the step's Meta
         giving one. Raises CheckpointDamaged."""
-        step = self._mngr.latest_step() if step is None else step
+        step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError("no checkpoint to restore")
         state, meta, reason = self._attempt(target, step)
@@ -235,7 +254,8 @@ class Checkpointer:
                     f"checkpoint step {step} in {self.directory} was saved with rl.lag={meta.lag}, this run has "
                     f"rl.lag={self.lag}: its rollouts sampled ahead belong to that lag. Resume with rl.lag={meta.lag}, "
                     "or start a new run (another checkpoint.dir / run_dir)")
-            state = _read_state(path / "state", target(meta) if callable(target) else target)
+            want = target(meta) if callable(target) else target
+            state = _read_state(path / "state", want) if self.holds else jax.tree.map(_placeholder, want)
         except (jax.errors.JaxRuntimeError, MemoryError, LagMismatch):
             raise  # the device or host failed, not the files, or the config: no reason to set this step aside
         except Exception as err:  # noqa: BLE001 (orbax re-raises tensorstore read errors as a bare Exception)
@@ -276,15 +296,23 @@ class Checkpointer:
         aside = [SetAside(s, r, names[s] if ok else None, errors.get(s), suffix == ROLLED_BACK_SUFFIX)
                  for (s, r), ok in zip(damaged, moved.tolist(), strict=True)]
         self._in_place.update(a.step for a in aside if a.path is None)
-        self._mngr.reload()  # forget the moved steps, so a new save of that step is not skipped as existing
+        if self._mngr is not None:
+            self._mngr.reload()  # forget the moved steps, so a new save of that step is not skipped as existing
         return aside
 
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        if self._mngr is not None:
+            self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+        if self._mngr is not None:
+            self._mngr.wait_until_finished()
+            self._mngr.close()
+
+
+def _placeholder(x: jax.ShapeDtypeStruct) -> jax.Array:
+    """An array of `x`'s shape and sharding with no shard on this process (which holds none of its devices)."""
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, [], dtype=x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- reading a step
@@ -507,8 +535,11 @@ def checksums(tree: Any) -> list[int]:
         return []
     sharding = getattr(leaves[0], "sharding", None)
     # Replicated, so every process can read the result of a multi-process computation.
-    out = NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else None
-    return [int(x) for x in np.asarray(_sums_fn(out)(leaves))]
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
+        return [int(x) for x in np.asarray(_sums_fn(None)(leaves))]
+    # On every process, also those holding none of the mesh's devices (placement split by slice or host).
+    sums = host_values(_sums_fn(NamedSharding(sharding.mesh, PartitionSpec()))(leaves), sharding.mesh)
+    return [int(x) for x in np.asarray(sums)]
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

@@ -22,13 +22,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from trainer.base.config import TrainConfig
 from trainer.base.eval_config import EvalConfig
 from trainer.model import decoder as M
-from trainer.rl.batch import from_rows, process_rows, read_local_rows, replicate
+from trainer.model.sharding import replicated
+from trainer.rl.batch import from_rows, host_values, process_rows, read_local_rows, replicate
 from trainer.rl.step import EVAL_STREAM, Programs
 from trainer.rl.task_data import TaskData, row_slots
 from trainer.rl.tasks import Example, eval_example
@@ -61,6 +61,10 @@ class Evaluator:
         self.settings = (sc.temperature if e.temperature is None else e.temperature,
                          sc.top_k if e.top_k is None else e.top_k, sc.top_p if e.top_p is None else e.top_p)
         self.rows = process_rows(mesh, cfg.batch_size)
+
+    def _gather(self, x: jax.Array) -> jax.Array:
+        """`x` replicated on the mesh: every process then reads every row's scores (each scored its own)."""
+        return jax.jit(lambda a: a, out_shardings=replicated(self.mesh))(x)
 
     def due(self, done: int) -> bool:
         """Whether an eval follows the step that completes `done` steps."""
@@ -118,11 +122,10 @@ class Evaluator:
                 samples = program(params, *args)
             tokens, masks = read_local_rows(samples.tokens_BN), read_local_rows(samples.mask_BN)
             completions = [self.data.completion_text(tokens[r], masks[r]) for r in self.rows]
-            local = np.concatenate([self.data.score([ex for _, ex in exs], completions),
-                                    np.asarray([[masks[r].sum()] for r in self.rows], np.float32)], axis=1)
+            lengths = np.asarray([masks[r].sum() for r in self.rows], np.float32).reshape(-1, 1)
+            local = np.concatenate([self.data.score([ex for _, ex in exs], completions), lengths], axis=1)
             # Every process gets every row's scores (each scored its own), so all compute the same numbers.
-            full = np.asarray(multihost_utils.process_allgather(from_rows(self.mesh, self.rows, local, (B, R + 1)),
-                                                                tiled=True))
+            full = host_values(self._gather(from_rows(self.mesh, self.rows, local, (B, R + 1))), self.mesh)
             take = min(B, len(ids) - start)
             out[start:start + take] = full[:take]
         return out

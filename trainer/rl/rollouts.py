@@ -11,7 +11,10 @@ colocated: the sampler runs the trainer's programs on the trainer's mesh. With l
 as they are (today's programs, nothing copied); with lag >= 1 it keeps a copy of the version it samples with (the update
 donates the trainer's). split: the sampler has its own mesh (placement.sampler, its own layout) and its own programs
 from the one builder, and after every update the new weights go onto its shardings in one jax.device_put: device to
-device, never through the host or the bucket.
+device, never through the host or the bucket. In a job of several processes the push is a Bridge (one program over
+both groups), with the groups split within each process or by process (slice or host); a process holding devices of
+one group only still calls the other group's programs, which jax runs on that group's devices alone
+(docs/async-rl.md, "Multi-process").
 
 A checkpoint holds the rollouts sampled ahead (token ids, masks, log-probs, decode steps; their steps and versions in
 the Meta), not old copies of the weights, so a resumed run continues bitwise. They are kept on the trainer's mesh:

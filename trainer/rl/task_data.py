@@ -64,6 +64,8 @@ class TaskData:
         """Each completion (of example exs[i]) scored by every reward fn: [len(exs), R]."""
         from trainer.rl.rewards import compute_rewards
 
+        if not exs:  # a process holding none of the trainer's devices (placement split by slice or host)
+            return np.zeros((0, len(self.reward_names)), np.float32)
         keys = sorted({k for e in exs for k in e.fields})
         fields = {k: [e.fields.get(k) for e in exs] for k in keys}
         scores = compute_rewards(self.reward_names, [e.prompt for e in exs], completions, fields)

@@ -29,7 +29,7 @@ from envspec.pod import ENV_CHECKPOINT_DIR
 from trainer.base.config import ConfigError, LoraConfig, TrainConfig, resolve_mesh, with_model
 from trainer.model import decoder as M
 from trainer.model.sharding import replicated
-from trainer.rl.batch import from_rows, process_rows, read_local_rows, replicate
+from trainer.rl.batch import from_rows, host_values, process_rows, read_local_rows, replicate
 from trainer.rl.checkpoint import Checkpointer, Meta, SetAside, StopFlag, abstract_like, checksums
 from trainer.rl.evaluate import Evaluator
 from trainer.rl.metrics import (
@@ -61,7 +61,8 @@ class TrainResult:
 def _host_params(hf_params: M.Params, param_sh: Any) -> M.Params:
     """Imported (NumPy) weights onto the mesh; each device takes its slice."""
     return jax.tree.map(
-        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: np.asarray(x[idx])), hf_params, param_sh
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: np.asarray(x[idx]), dtype=x.dtype), hf_params,
+        param_sh
     )
 
 
@@ -194,7 +195,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
         ref_params = jax.tree.map(jnp.copy, params) if cfg.rl.kl_beta > 0 and lcfg is None else None
 
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save, lag=cfg.rl.lag)
+                        async_save=cfg.checkpoint.async_save, lag=cfg.rl.lag, holders=_holders(mesh))
     start = 0
     key_data = np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.seed)), np.uint32)
     rollouts = Pipeline(cfg, data, mesh, programs, run.sampler_mesh)
@@ -276,7 +277,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
                     times["proximal"] = _waited(batch[PROX_KEY], t)
                 t = time.perf_counter()
                 params, opt_state, m = programs.update(params, opt_state, batch, ref_logp)
-            m = jax.device_get(m)
+            # On every process, from a trainer process where this one holds none of the trainer's devices (split by
+            # slice or host): each process makes the same record, and the stop and checkpoint decisions alike.
+            m, sample_steps = host_values((m, samples.steps), mesh)
             times["update"] = time.perf_counter() - t
             push = rollouts.push(params, step + 1)
             if push.bytes:
@@ -301,7 +304,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
                 t = time.perf_counter()
                 evaluated = evaluator(params)
                 times["eval"] = time.perf_counter() - t
-            efficiency = slot_efficiency(int(m["tokens"]), int(samples.steps), cfg.sample_chunk_rows)
+            efficiency = slot_efficiency(int(m["tokens"]), int(sample_steps), cfg.sample_chunk_rows)
             record = {**_record(step, m, data.reward_names, dt, efficiency, times), **evaluated,
                       "policy_version": rollout.version, "lag": step - rollout.version, "push_bytes": push.bytes}
             records.append(record)
@@ -353,12 +356,19 @@ def _report_resume(directory: Path, step: int, set_aside: list[SetAside]) -> Non
 
 
 def _score(data: TaskData, examples: dict[int, Any], samples: Samples, rows: list[int]) -> tuple[np.ndarray, list[str]]:
-    """Decode this process's completions and score them with every reward fn: [len(rows), R]."""
+    """Decode this process's completions and score them with every reward fn: [len(rows), R] (no rows: a process
+    holding none of the trainer's devices)."""
     G = data.cfg.rl.group_size
     tokens = read_local_rows(samples.tokens_BN)
     masks = read_local_rows(samples.mask_BN)
     completions = [data.completion_text(tokens[r], masks[r]) for r in rows]
     return data.score([examples[r // G] for r in rows], completions), completions
+
+
+def _holders(mesh: Mesh) -> set[int] | None:
+    """The processes holding devices of `mesh`, where not all do (placement split by slice or host); else None."""
+    held = {d.process_index for d in mesh.devices.flat}
+    return held if len(held) < jax.process_count() else None
 
 
 def _waited(out: Any, since: float) -> float:
