@@ -119,3 +119,17 @@ def test_a_split_meshes_devices_that_are_no_box_of_the_torus() -> None:
     slice_ = F.topology_devices(v6e)
     regrouped = make_mesh(1, 2, 8, slice_)
     assert regrouped.devices.reshape(-1).tolist() == make_mesh(1, 16, 1, slice_).devices.reshape(-1).tolist()
+
+
+def test_the_colocated_layout_of_a_reference_split_config() -> None:
+    """The async reference configs (init from a Hugging Face checkpoint, whose model fit attaches) compared with one
+    mesh over all their chips, sampling at the sampler's tensor degree, rl.lag 0."""
+    from infra.offline.fit import file_job
+
+    job = file_job("trainer/configs/qwen3-8b-grpo-async-2xv6e-4x4.yaml", "v6e:4x4", 2)
+    cfg = resolve_mesh(F.resolve_model(job.cfg)[0], job.target.chips, exact=True)
+    assert cfg.mesh.axes() == {"slices": 1, "fsdp": 16, "tensor": 1} and cfg.rl.lag == 1
+    col = resolve_mesh(FS.colocated_config(cfg, job.target.slices), job.target.chips, exact=True)
+    assert (col.placement.mode, col.rl.lag, col.model_cfg) == ("colocated", 0, cfg.model_cfg)
+    assert col.mesh.axes() == {"slices": 2, "fsdp": 16, "tensor": 1}
+    assert col.sampler_mesh == {"slices": 2, "fsdp": 2, "tensor": 8}

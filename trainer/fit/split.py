@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.base.config import ConfigError, TrainConfig, config_from_dict
+from trainer.base.config import ConfigError, TrainConfig, config_from_dict, with_model
 from trainer.fit import phases as FP
 from trainer.fit.compiler import CompileCache, _compile, _tree_bytes_per_device
 from trainer.fit.report import FitReport, PhaseFit, ProgramFit, SplitFit, Target
@@ -53,8 +53,9 @@ def colocated_config(cfg: TrainConfig, n_slices: int) -> TrainConfig:
     regroup = tensor != cfg.mesh.tensor and cfg.sampling.gather_weights  # sampling.tensor needs the gathered copy
     d["sampling"] = {**d["sampling"], "tensor": tensor if regroup else None}
     d["rl"] = {**d["rl"], "lag": 0}
+    d.pop("model")  # attached by fit (resolve_model): a config of init.from hf may not name one
     try:
-        return config_from_dict(d)
+        return with_model(config_from_dict(d), cfg.model_cfg)
     except ConfigError as err:
         raise ConfigError(f"the colocated layout to compare with: {err}") from None
 
@@ -149,6 +150,7 @@ def fit_split(cfg: TrainConfig, target: Target, devices: list[Any], *, title: st
     from trainer.rl.rollouts import placement_meshes, tree_bytes
     from trainer.rl.step import abstract_args, build_programs
 
+    col_cfg = colocated_config(cfg, target.slices)  # its errors before any compile
     train_mesh, smesh = placement_meshes(cfg, devices)
     assert smesh is not None  # placement split
     t_dev, s_dev = list(train_mesh.devices.flat), list(smesh.devices.flat)
@@ -226,7 +228,7 @@ def fit_split(cfg: TrainConfig, target: Target, devices: list[Any], *, title: st
     push.seconds = max(push.compiler_seconds, dcn)
     programs.append(push)
 
-    colocated = _colocated(cfg, target, say=say, cache=cache, phases=phases, model=source)
+    colocated = _colocated(col_cfg, target, say=say, cache=cache, phases=phases)
     split = SplitFit(
         lag=cfg.rl.lag, lag_correction=cfg.rl.lag_correction, trainer_devices=len(t_dev),
         sampler_devices=len(s_dev), trainer_ids=sorted(d.id for d in t_dev), sampler_ids=sorted(d.id for d in s_dev),
@@ -245,12 +247,11 @@ def fit_split(cfg: TrainConfig, target: Target, devices: list[Any], *, title: st
     return report
 
 
-def _colocated(cfg: TrainConfig, target: Target, *, say: Callable[[str], None], cache: CompileCache | None,
-               phases: bool, model: str) -> FitReport:
-    """The colocated fit on the same chips (module docstring), reused from `cache` when fitted before in the run."""
+def _colocated(col: TrainConfig, target: Target, *, say: Callable[[str], None], cache: CompileCache | None,
+               phases: bool) -> FitReport:
+    """The colocated fit on the same chips (`colocated_config`), reused from `cache` when fitted before in the run."""
     from trainer.fit.preflight import fit
 
-    col = colocated_config(cfg, target.slices)
     key = hashlib.sha256(f"{target}\n{phases}\n{col.model_dump_json()}".encode()).hexdigest()
     if cache is not None and key in cache.reports:
         say("the colocated layout: fitted before in this run")
