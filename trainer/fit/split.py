@@ -53,7 +53,8 @@ def colocated_config(cfg: TrainConfig, n_slices: int) -> TrainConfig:
     regroup = tensor != cfg.mesh.tensor and cfg.sampling.gather_weights  # sampling.tensor needs the gathered copy
     d["sampling"] = {**d["sampling"], "tensor": tensor if regroup else None}
     d["rl"] = {**d["rl"], "lag": 0}
-    d.pop("model")  # attached by fit (resolve_model): a config of init.from hf may not name one
+    if cfg.init.from_ == "hf":
+        d.pop("model")  # attached by fit (resolve_model): a config of init.from hf may not name one
     try:
         return with_model(config_from_dict(d), cfg.model_cfg)
     except ConfigError as err:
