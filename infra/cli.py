@@ -167,7 +167,7 @@ def _console() -> Console:
 
 def _run_fit(job: FitJob, model: str | None = None) -> FitReport:
     """Compile a job (JAX and libtpu are imported here, never for a plain plan); progress goes to stderr."""
-    from trainer.fit.preflight import fit
+    from trainer.fit.split import fit  # any placement (a split config's groups and push)
 
     return fit(job.cfg, job.target, title=job.title, model=model,
                progress=lambda msg: print(f"{msg} ...", file=sys.stderr, flush=True))

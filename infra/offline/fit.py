@@ -21,11 +21,14 @@ def parse_tpu(value: str) -> tpu.SliceShape:
 
 
 def file_job(config: str, tpu_value: str, slices: int, overrides: list[str] | None = None) -> pod_config.FitJob:
-    """A trainer YAML alone on `slices` x `--tpu`, with the mesh overrides the JobSet would pass first."""
+    """A trainer YAML alone on `slices` x `--tpu`, with the mesh overrides the JobSet would pass first (not for
+    placement.mode=split, whose mesh and placement.sampler say how the slices divide)."""
     if slices < 1:
         raise ConfigError(f"--slices {slices}: must be 1 or more")
     shape = parse_tpu(tpu_value)
-    cfg = pod_config.trainer_config(config, [f"mesh.slices={slices}", "mesh.fsdp=-1", *(overrides or [])])
+    cfg = pod_config.trainer_config(config, list(overrides or []))
+    if cfg.placement.mode != "split":  # a split config's mesh is the update's group: it names its own slices
+        cfg = pod_config.trainer_config(config, [f"mesh.slices={slices}", "mesh.fsdp=-1", *(overrides or [])])
     title = f"{config} on {slices} x {shape.generation.name} {shape.topology}"
     return pod_config.FitJob(title, cfg, pod_config.target(shape, slices))
 

@@ -470,6 +470,8 @@ def print_fit(report: FitReport, console: Console) -> None:
         table.add_row(*row[:-1], Text(row[-1], style=styles.get(report.status(p), "")))
     console.print(table)
     console.print(Text(report.summary_line(), style="bold"))
+    for line in report.split_lines():
+        console.print(line, highlight=False)
     for w in report.warnings():
         console.print(Text.assemble(("warning: ", "bold yellow"), w))
     for e in report.errors():

@@ -123,6 +123,8 @@ class CompileCache:
     compiles: int = 0
     compile_seconds: float = 0.0
     results: dict[str, ProgramFit] = field(default_factory=dict)
+    # Whole fits by config and target (a split fit's colocated layout to compare: one fit for every split tried).
+    reports: dict[str, Any] = field(default_factory=dict)
 
     @property
     def left(self) -> int | None:

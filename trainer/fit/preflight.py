@@ -228,6 +228,8 @@ def fit(
 
     devices = topology_devices(target)
     cfg = _resolve_mesh(cfg, devices, target)
+    if cfg.placement.mode == "split":  # trainer/fit/split.py builds on this module: its `fit` takes both layouts
+        raise FitError("placement.mode=split: fit it with trainer.fit.split.fit (each group's programs, the push)")
     mesh = make_mesh(cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
     programs = build_programs(cfg, mesh, 0, 1)  # any valid pad / eos ids compile the same programs
     n_rewards = len(cfg.rewards) if cfg.rewards else 1
@@ -274,23 +276,31 @@ def fit(
                          "update": bounds.update}[p.name] if p.skipped is None else 0.0
         if 0 < p.seconds < p.lower_bound:  # no estimate below physics (libtpu under-counts some reads)
             p.below_bound, p.seconds = p.seconds, p.lower_bound
+    report = _report(cfg, target, title=title, source=source, devices=devices, programs=report_programs,
+                     phase_fits=phase_fits, bounds=bounds)
+    report.sampler_mesh = cfg.sampler_mesh if cfg.sampling.tensor not in (None, cfg.mesh.tensor) else None
+    return report
+
+
+def _report(cfg: TrainConfig, target: Target, *, title: str, source: str, devices: list[Any],
+            programs: list[ProgramFit], phase_fits: list[PhaseFit], bounds: FP.Bounds) -> FitReport:
+    """The report of the trainer's programs compiled for `target`, with the memory advice of each."""
     m = cfg.model_cfg
     st = E.state(cfg)
     report = FitReport(
         title=title, target=target, model=source, params=param_count(m), param_dtype=m.param_dtype,
         compute_dtype=cfg.compute_dtype, mesh={k: getattr(cfg.mesh, k) for k in ("slices", "fsdp", "tensor")},
         batch=cfg.batch_size, prompt_len=cfg.prompt_len, new_tokens=cfg.sampling.max_new_tokens,
-        devices=len(devices), programs=report_programs, hbm_usable=usable_hbm(target),
+        devices=len(devices), programs=programs, hbm_usable=usable_hbm(target),
         state=StateFit(base=int(st.base), adapters=int(st.adapters), optimizer=int(st.optimizer),
                        gradients=int(st.gradients), accumulator=int(st.accumulator), reference=int(st.reference),
                        lora=None if cfg.lora is None else f"rank {cfg.lora.rank}, {cfg.lora.slots} slot"
                        f"{'s' if cfg.lora.slots != 1 else ''}, {', '.join(cfg.lora.targets)}",
                        lora_params=E.lora_param_count(m, cfg.lora) if cfg.lora is not None else 0),
         phases=phase_fits, sample_bounds={"prefill": bounds.prefill, "decode": bounds.decode},
-        sampler_mesh=cfg.sampler_mesh if cfg.sampling.tensor not in (None, cfg.mesh.tensor) else None,
         depths=FP.depths(m.n_layers))
-    for p in report_programs:
-        if p.skipped is None:
+    for p in programs:
+        if p.skipped is None and p.name in PROGRAMS:
             report.suggestions[p.name] = estimate_savings(p, cfg, suggestions(p.name, cfg))
     return report
 
@@ -372,7 +382,7 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
     layers = cfg.model_cfg.n_layers
     at = FP.depths(layers)
     for p in programs:
-        if p.name not in ("ref_logprobs", "update") or not p.compiled or p.seconds <= 0:
+        if p.name not in ("ref_logprobs", "proximal", "update") or not p.compiled or p.seconds <= 0:
             continue
         base, runs = (FP.one_micro_batch(cfg, micro), minibatches * n_micro) if p.name == "update" else (cfg, 1)
         kernel = _kernel_attention_flops(base, mesh, p.name) / n_devices  # per layer, per device
@@ -383,7 +393,10 @@ def _price_passes(cfg: TrainConfig, target: Target, mesh: Any, programs: list[Pr
             built = build_programs(c, mesh, 0, 1)
             t0 = time.perf_counter()
             with jax.set_mesh(mesh):
-                lowered = getattr(built, p.name).lower(*abstract_args(c, built, n_rewards)[p.name])
+                # the proximal pass (rl.lag_correction: decoupled) takes ref_logprobs' arguments
+                program, args = (built.logprobs, "ref_logprobs") if p.name == "proximal" else (
+                    getattr(built, p.name), p.name)
+                lowered = program.lower(*abstract_args(c, built, n_rewards)[args])
                 compiled = lowered.compile(compiler_options=PRICING_OPTIONS)
             p.compile_seconds += time.perf_counter() - t0
             # The log-prob chunks' loops at their trip counts; the kernel's FLOPs (libtpu prices it at its bytes
@@ -417,7 +430,8 @@ def _kernel_attention_flops(cfg: TrainConfig, mesh: Any, program: str, rows: int
     if no_cache_attention(cfg.compute.on_platform(mesh.devices.flat[0].platform), T) != "flash":
         return 0.0
     # As flops.step_flops counts a pass: each mu iteration a forward, a backward (2x) and, with remat, a recomputation
-    passes = 1 if program == "ref_logprobs" or prefill else cfg.rl.mu_iterations * (3 + (cfg.compute.remat != "none"))
+    forward_only = program in ("ref_logprobs", "proximal") or prefill
+    passes = 1 if forward_only else cfg.rl.mu_iterations * (3 + (cfg.compute.remat != "none"))
     return (cfg.batch_size if rows is None else rows) * passes * attention_flops(cfg.model_cfg, T * T)
 
 

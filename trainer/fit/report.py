@@ -105,10 +105,16 @@ class ProgramFit:
     below_bound: float = 0.0  # the compiled estimate where it fell below lower_bound (then seconds = the bound)
     compile_seconds: float = 0.0
     reused: bool = False  # the same lowered program was compiled before (fit's CompileCache): figures copied
+    # placement split (trainer/fit/split.py): the device group it runs on, "sampler", "trainer" or "both" (the push)
+    group: str = ""
 
     @property
     def compiled(self) -> bool:
         return self.skipped is None and self.oom_message is None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.group})" if self.group else self.name
 
     @property
     def program_peak(self) -> int:
@@ -210,6 +216,34 @@ class ServiceFit:
 
 
 @dataclass
+class SplitFit:
+    """placement.mode=split (trainer/fit/split.py): the two groups, the push, the overlap, the colocated layout."""
+
+    lag: int
+    lag_correction: str
+    trainer_devices: int
+    sampler_devices: int
+    trainer_ids: list[int]
+    sampler_ids: list[int]
+    push_bytes: int  # the sampler's copy of the weights, each array once: the trainer's `push_bytes`
+    push_bytes_per_device: int  # what each trainer device sends (its shards)
+    push_links: str  # "ICI (within a slice)" or "DCN (across slices)"
+    push_compiler_seconds: float  # the Bridge's two programs' optimal_seconds
+    push_dcn_seconds: float  # across slices: the bytes per chip over DCN (split.DCN_GBPS_PER_CHIP); 0 within
+    push_reshard_peak: int  # bytes per device of the reshard on the sampler's devices
+    refused: str  # why the trainer refuses this split in a job of several processes; "" where it runs it
+    colocated_mesh: dict[str, int]
+    colocated_sampler_mesh: dict[str, int]
+    colocated_step_seconds: float | None  # None: the colocated layout does not fit (colocated_why)
+    colocated_why: str = ""
+
+    def step(self, sampling: float, training: float, push: float) -> float:
+        """One step: with lag >= 1 both groups at once, then the push (one program over both groups waits for the
+        two); with lag 0 one after the other."""
+        return max(sampling, training) + push if self.lag >= 1 else sampling + training + push
+
+
+@dataclass
 class FitReport:
     title: str  # what was fitted: an environment, or a config file
     target: Target
@@ -234,6 +268,7 @@ class FitReport:
     sampler_mesh: dict[str, int] | None = None  # set: the sampler runs on the chips regrouped (sampling.tensor)
     # The layers the programs priced by depth were compiled at (phases.depths; set by preflight.fit, which prices so).
     depths: tuple[int, ...] = ()
+    split: SplitFit | None = None  # set: placement split, each program's group in ProgramFit.group
 
     @property
     def devices_per_chip(self) -> int:
@@ -291,13 +326,71 @@ class FitReport:
         missing = [p.name for p in self.programs if self.status(p) == "not compiled"]
         return f"{', '.join(missing)} not compiled" if missing else None
 
+    def group_seconds(self, group: str, bound: bool = False) -> float:
+        return sum(p.lower_bound if bound else p.seconds for p in self.programs if p.skipped is None
+                   and p.group == group)
+
+    def _step(self, bound: bool) -> float:
+        if self.split is None:
+            return self.group_seconds("", bound)
+        return self.split.step(*(self.group_seconds(g, bound) for g in ("sampler", "trainer", "both")))
+
     @property
     def step_seconds(self) -> float:
-        return sum(p.seconds for p in self.programs if p.skipped is None)
+        return self._step(False)
 
     @property
     def step_lower_bound(self) -> float:
-        return sum(p.lower_bound for p in self.programs if p.skipped is None)
+        return self._step(True)
+
+    @property
+    def throughput_ratio(self) -> float | None:
+        """Split: the colocated layout's step time on the same chips / this one's (None: either cannot run)."""
+        sp = self.split
+        if sp is None or sp.colocated_step_seconds is None or self.not_applicable() or self.step_seconds <= 0:
+            return None
+        return sp.colocated_step_seconds / self.step_seconds
+
+    def split_lines(self) -> list[str]:
+        """placement split: the groups, the push, the overlap and the ratio to colocated ([] when colocated)."""
+        sp = self.split
+        if sp is None:
+            return []
+        axes = " x ".join(f"{k}={v}" for k, v in (self.sampler_mesh or {}).items())
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        s, t, push = (self.group_seconds(g) for g in ("sampler", "trainer", "both"))
+        trainer = " + ".join(f"{p.name} {_secs(p.seconds)}" for p in self.programs
+                             if p.group == "trainer" and p.skipped is None)
+        dcn = f", its bytes per chip over DCN {_secs(sp.push_dcn_seconds)}" if sp.push_dcn_seconds else ""
+        how = ("max(sampling, trainer) + push: both groups at once (rl.lag >= 1); the push, one program over both "
+               "groups, waits for the two" if sp.lag >= 1 else "sampling + trainer + push: one after the other "
+               "(rl.lag 0)")
+        lines = [
+            f"split placement: the update on {sp.trainer_devices} devices ({mesh}), sampling on "
+            f"{sp.sampler_devices} ({axes}), disjoint; rl.lag {sp.lag}, rl.lag_correction {sp.lag_correction}",
+            f"per group: sampling {_secs(s)}; trainer {_secs(t)} ({trainer})",
+            f"push: {size(sp.push_bytes)} per step (push_bytes), {size(sp.push_bytes_per_device)} per trainer device "
+            f"over {sp.push_links}: the compiled Bridge {_secs(sp.push_compiler_seconds)}{dcn} -> {_secs(push)}",
+        ]
+        why = self.not_applicable()
+        if why is not None:
+            lines.append(f"step: — (not applicable: {why})")
+        else:
+            lines.append(f"step: {_secs(self.step_seconds)} = {how}")
+        col = (" x ".join(f"{k}={v}" for k, v in sp.colocated_mesh.items())
+               + (", sampling on " + " x ".join(f"{k}={v}" for k, v in sp.colocated_sampler_mesh.items())
+                  if sp.colocated_sampler_mesh != sp.colocated_mesh else ""))
+        ratio = self.throughput_ratio
+        if sp.colocated_step_seconds is None:
+            lines.append(f"colocated on the same {self.target.chips} chips ({col}, rl.lag 0): does not run "
+                         f"({sp.colocated_why})")
+        else:
+            lines.append(f"colocated on the same {self.target.chips} chips ({col}, rl.lag 0): step "
+                         f"{_secs(sp.colocated_step_seconds)}" + (f"; split throughput {ratio:.2f}x colocated"
+                                                                   if ratio is not None else ""))
+        if sp.refused:
+            lines.append(f"note: {sp.refused}")
+        return lines
 
     @property
     def bound_ratio(self) -> float | None:
@@ -351,7 +444,7 @@ class FitReport:
         for p in self.programs:
             if p.skipped is not None:
                 note = p.skipped if p.skipped == BUDGET_SPENT else f"skipped: {p.skipped}"
-                out.append([p.name, *["-"] * (width - 2), note])
+                out.append([p.label, *["-"] * (width - 2), note])
                 continue
             status = self.status(p)
             # No time for a program that cannot run: it would read as achievable.
@@ -359,12 +452,12 @@ class FitReport:
             if self.service is None:
                 secs.append(_bound(p, status))
             if p.oom_message is not None:
-                out.append([p.name, "-", "-", "-", "-", _gib(p.resident), _gib(p.peak),
+                out.append([p.label, "-", "-", "-", "-", _gib(p.resident), _gib(p.peak),
                             f"{self.share(p):.0%}", f"{p.flops:.3g}", *secs,
                             f"{status} (compiler: {_gib(p.oom_required or 0)} needed, "
                             f"{_gib(p.oom_available or 0)} available)"])
                 continue
-            out.append([p.name, _gib(p.argument), _gib(p.temp), _gib(p.output), _gib(p.alias), _gib(p.resident),
+            out.append([p.label, _gib(p.argument), _gib(p.temp), _gib(p.output), _gib(p.alias), _gib(p.resident),
                         _gib(p.peak), f"{self.share(p):.0%}", f"{p.flops:.3g}", *secs, status])
         return out
 
@@ -442,7 +535,8 @@ class FitReport:
     def _passes_note(self) -> str:
         by_depth = [f"{p.name} {p.runs} x {_secs(p.seconds / p.runs)}" for p in self.programs
                     if p.compiled and p.depth_seconds]
-        scaled = [p.name for p in self.programs if p.compiled and p.name != "sample" and not p.depth_seconds]
+        scaled = [p.name for p in self.programs
+                  if p.compiled and p.name not in ("sample", "push") and not p.depth_seconds]
         out = ""
         if by_depth:
             out += (f"compiled again with their layers unrolled at {self._depths} layers and "
@@ -537,7 +631,7 @@ class FitReport:
         """Plain text (the CLI renders the same content with rich)."""
         lines = [f"fit: {self.title}", *self.headline(), ""]
         lines += _plain_table(self.headers(), self.rows())
-        lines += ["", self.summary_line()]
+        lines += ["", self.summary_line(), *self.split_lines()]
         lines += [f"warning: {w}" for w in self.warnings()]
         lines += [f"error: {e}" if not e.startswith("  ") else e for e in self.errors()]
         lines += ["", *self.notes()]
@@ -550,6 +644,8 @@ class FitReport:
         lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.rows()]
         lines += ["", f"**{self.summary_line()}**", ""]
+        if self.split is not None:
+            lines += [f"- {line}" for line in self.split_lines()] + [""]
         lines += [f"> **Warning:** {w}" for w in self.warnings()]
         errs = self.errors()
         if errs:
@@ -589,6 +685,9 @@ class FitReport:
             "state": asdict(self.state) if self.state is not None else None,
             "service": (asdict(self.service) | {"resident": self.service.resident})
             if self.service is not None else None,
+            "split": None if self.split is None else asdict(self.split) | {
+                "sampling_seconds": self.group_seconds("sampler"), "trainer_seconds": self.group_seconds("trainer"),
+                "push_seconds": self.group_seconds("both"), "throughput_ratio": self.throughput_ratio},
         }
 
     def json(self) -> str:

@@ -76,7 +76,17 @@ def make_mesh(slices: int, fsdp: int, tensor: int, devices: Sequence[Any] | None
         return Mesh(arr, MESH_AXES, axis_types=types)
     # Process-major order, so on CPU/GPU multi-process the leading (slices) axis follows processes.
     devices.sort(key=lambda d: (d.process_index, d.id))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    except NotImplementedError:
+        # A tensor axis no product of the torus's axes (placement.sampler tensor 8 on a 4x4 slice): the devices in
+        # jax's order for (slices, fsdp x tensor), regrouped as `regroup` does (tensor over neighbouring fsdp rows).
+        flat = jax.make_mesh((slices, fsdp * tensor, 1), MESH_AXES, axis_types=types, devices=devices)
+        return Mesh(flat.devices.reshape(shape), MESH_AXES, axis_types=types)
+    except AssertionError:
+        # TPU devices that are no box of the slice's torus (placement split: some chips of every host), which
+        # jax's physical-mesh ordering asserts against: laid out in that (process, id) order instead.
+        return Mesh(np.array(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=types)
 
 
 def regroup(mesh: Mesh, tensor: int | None) -> Mesh:
