@@ -46,10 +46,22 @@ def test_split_lag0_equals_colocated(tmp_path: Path, tiny_train_dict: dict) -> N
 
 
 @pytest.mark.slow
-def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_dict: dict) -> None:
+def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_dict: dict,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """rl.lag 1 colocated (the sampler keeps its own copy of the version it samples with: the update donates the
-    trainer's) equals split, and a split run interrupted after step 0 and resumed equals both."""
+    trainer's) equals split, and a split run interrupted after step 0 and resumed equals both. Each step takes its
+    rollouts before it dispatches the next sampling: across processes their way back is a program on the sampler's
+    devices, which would otherwise wait for that sampling to end."""
+    from trainer.rl.rollouts import Pipeline
+
+    calls: list[tuple[str, int]] = []
+    for name in ("pop", "dispatch"):
+        def logged(self: Pipeline, step: int, _name: str = name, _f: object = getattr(Pipeline, name)) -> object:
+            calls.append((_name, step))
+            return _f(self, step)  # type: ignore[operator]
+        monkeypatch.setattr(Pipeline, name, logged)
     straight = _run(tiny_train_dict, tmp_path / "a", split=False, lag=1, steps=3, lag_correction="decoupled")
+    assert calls == [("dispatch", 0), ("pop", 0), ("dispatch", 1), ("pop", 1), ("dispatch", 2), ("pop", 2)]
     # Rollouts of step t from the weights after update max(0, t - 1); the copy is the whole model every step.
     assert [(r["policy_version"], r["lag"], r["push_bytes"]) for r in straight.records] == [
         (0, 0, tree_bytes(straight.params)), (0, 1, tree_bytes(straight.params)), (1, 1, tree_bytes(straight.params))]
@@ -71,8 +83,10 @@ def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_di
     state, meta = ckpt.restore(run.saved_target, 1)
     ckpt.close()
     assert meta.queued == [[1, 0]] and state["rollouts"]["0"]["tokens_BN"].shape == (8, 6)
+    calls.clear()
     resumed = _run(tiny_train_dict, tmp_path / "b", split=True, lag=1, steps=3, lag_correction="decoupled")
     assert [r["step"] for r in resumed.records] == [1, 2]
+    assert calls == [("pop", 1), ("dispatch", 2), ("pop", 2)]  # step 1's rollouts came with the checkpoint
     _same(straight, TrainResult(resumed.run_dir, 3, False, resumed.params, first.records + resumed.records))
 
 

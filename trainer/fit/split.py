@@ -18,10 +18,13 @@ link it crosses, so across slices the push is at least its bytes per chip over D
 
 The step: the union program runs on both groups, so it waits for the sampling in flight and the sampler's next
 sampling waits for it. With rl.lag >= 1 (both groups at once): max(sample, update + ref_logprobs + proximal) + push;
-with lag 0, everything one after the other. The colocated layout on the same chips is the same config with
-placement colocated, a mesh over every device (slices of the target, fsdp -1, the trainer's tensor), sampling at the
-sampler's tensor degree (sampling.tensor, with sampling.gather_weights) and rl.lag 0 (colocated, a lag adds a copy
-of the weights and no overlap), fitted in the same run (CompileCache: a config fitted before in the run is not
+with lag 0, everything one after the other. That assumes the loop takes each step's rollouts (across processes a
+Bridge program on the sampler's devices too) before it dispatches the next sampling, as trainer/rl/train.py does:
+launched after it, their way back would wait for that sampling, and the update with it. The way back is not priced
+(token ids, masks, log-probs: small next to the weights). The colocated layout on the same chips is the same config
+with placement colocated, a mesh over every device (slices of the target, fsdp -1, the trainer's tensor), sampling at
+the sampler's tensor degree (sampling.tensor, with sampling.gather_weights) and rl.lag 0 (colocated, a lag adds a
+copy of the weights and no overlap), fitted in the same run (CompileCache: a config fitted before in the run is not
 compiled again).
 """
 
