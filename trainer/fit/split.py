@@ -9,12 +9,13 @@ Memory is per device against the same chip's HBM (both groups are the same gener
 
 The push: after every update the trainer's weights go to the sampler in the trainer's layout, then take the sampler's.
 In a job of several processes (every multi-host TPU slice) that is trainer/model/transfer.py's Bridge: one program
-over the union of both groups, a collective permute of each trainer shard onto its partner device (`x[::-1]` on a
-[2, ...] array over a (group, slices, fsdp, tensor) mesh), then a reshard within the sampler's devices. Both are
-compiled here for the topology and the compiler's optimal_seconds taken. Partners are the Bridge's (a device of the
-same host) where every host holds devices of both groups; by slice, each trainer device's partner is the sampler
-device at the same place of its slice, over DCN. libtpu's cost model prices a collective by bytes alone, whatever
-link it crosses, so across slices the push is at least its bytes per chip over DCN_GBPS_PER_CHIP.
+over the union of both groups, a collective permute of each trainer shard onto its partner device (transfer.py
+`swap`: the two halves of an array with its first dimension doubled, over a (group, slices, fsdp, tensor) mesh),
+then a reshard within the sampler's devices. Both are compiled here for the topology and the compiler's
+optimal_seconds taken. Partners are the Bridge's (a device of the same host) where every host holds devices of both
+groups; by slice, each trainer device's partner is the sampler device at the same place of its slice, over DCN.
+libtpu's cost model prices a collective by bytes alone, whatever link it crosses, so across slices the push is at
+least its bytes per chip over DCN_GBPS_PER_CHIP.
 
 The step: the union program runs on both groups, so it waits for the sampling in flight and the sampler's next
 sampling waits for it. With rl.lag >= 1 (both groups at once): max(sample, update + ref_logprobs + proximal) + push;
@@ -117,21 +118,21 @@ def _union(train_mesh: Any, sampler: list[Any]) -> tuple[Any, Any, str]:
 
 
 def _push_programs(t_params: Any, s_sh: Any, union: Any, twin: Any) -> tuple[Any, Any]:
-    """The Bridge's two programs, lowered: the collective permute over the union (donating its input, as the Bridge
-    does) and the reshard from the trainer's layout to the sampler's, within the sampler's devices."""
+    """The Bridge's two programs, lowered: its own collective permute over the union (transfer.py `swap`) and the
+    reshard from the trainer's layout to the sampler's, within the sampler's devices."""
     import jax
     from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from trainer.model.transfer import GROUP_AXIS
+    from trainer.model.transfer import swap, union_layout
 
-    def on(mesh: Any, x: Any, lead: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
-        spec = x.sharding.spec
-        return jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype,
-                                    sharding=NamedSharding(mesh, P(GROUP_AXIS, *spec) if lead else spec))
+    def on(mesh: Any, x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec))
 
-    stacked = jax.tree.map(lambda x: on(union, x, (2,)), t_params)
-    flip = jax.jit(lambda tree: jax.tree.map(lambda x: x[::-1], tree), donate_argnums=0)
+    def doubled(x: Any) -> jax.ShapeDtypeStruct:
+        shape, sharding = union_layout(x.shape, x.sharding.spec, union)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+    stacked = [doubled(x) for x in jax.tree.leaves(t_params)]
     # The landed shards in the trainer's layout on the sampler's devices, numbered in the sampler mesh's order (jit
     # takes one device order; the Bridge's device_put, any): a reshard of the same bytes between the same layouts.
     s_mesh = jax.tree.leaves(s_sh)[0].mesh
@@ -139,7 +140,7 @@ def _push_programs(t_params: Any, s_sh: Any, union: Any, twin: Any) -> tuple[Any
     landed = jax.tree.map(lambda x: on(ordered, x), t_params)
     reshard = jax.jit(lambda tree: tree, out_shardings=s_sh)
     with jax.set_mesh(union):
-        flipped = flip.lower(stacked)
+        flipped = swap.lower(stacked, tuple(x.sharding for x in stacked))
     with jax.set_mesh(s_mesh):
         resharded = reshard.lower(landed)
     return flipped, resharded
