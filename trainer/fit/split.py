@@ -15,7 +15,8 @@ then a reshard within the sampler's devices. Both are compiled here for the topo
 optimal_seconds taken. Partners are the Bridge's (a device of the same host) where every host holds devices of both
 groups; by slice, each trainer device's partner is the sampler device at the same place of its slice, over DCN.
 libtpu's cost model prices a collective by bytes alone, whatever link it crosses, so across slices the push is at
-least its bytes per chip over DCN_GBPS_PER_CHIP.
+least its bytes per chip over the generation's DCN bandwidth per chip (the TPU catalog's, envspec/tpu.py; where it
+has none, the compiler's figure alone).
 
 The step: the union program runs on both groups, so it waits for the sampling in flight and the sampler's next
 sampling waits for it. With rl.lag >= 1 (both groups at once): max(sample, update + ref_logprobs + proximal) + push;
@@ -41,11 +42,6 @@ from trainer.base.config import ConfigError, TrainConfig, config_from_dict, with
 from trainer.fit import phases as FP
 from trainer.fit.compiler import CompileCache, _compile, _tree_bytes_per_device
 from trainer.fit.report import FitReport, PhaseFit, ProgramFit, SplitFit, Target
-
-# The TPU catalog (envspec/tpu.py) has no data-center-network figure. Cloud TPU's v5p page: "Data center network (DCN)
-# bandwidth per chip (Gbps): 50" (https://cloud.google.com/tpu/docs/v5p); assumed for every generation (v5e's page
-# gives 2 x 100 Gbps NICs per 8-chip host, 25 Gbps per chip: the figure is of this order).
-DCN_GBPS_PER_CHIP = 50.0
 
 
 def colocated_config(cfg: TrainConfig, n_slices: int) -> TrainConfig:
@@ -229,7 +225,8 @@ def fit_split(cfg: TrainConfig, target: Target, devices: list[Any], *, title: st
     _compile(again, resharded, smesh, target, len(devices), cache, say, "the push's reshard on the sampler's devices")
     push.compiler_seconds = max(push.compiler_seconds, 0.0) + max(again.compiler_seconds, 0.0)
     push.compile_seconds += again.compile_seconds
-    dcn = params_b / (DCN_GBPS_PER_CHIP * 1e9 / 8) if links.startswith("DCN") else 0.0
+    dcn_bps = target.dcn_bits_per_s_per_chip  # the catalog's (envspec/tpu.py); None: no figure, no bound
+    dcn = params_b * 8 / dcn_bps if links.startswith("DCN") and dcn_bps else 0.0
     push.lower_bound = dcn
     push.seconds = max(push.compiler_seconds, dcn)
     programs.append(push)
