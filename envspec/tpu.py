@@ -18,6 +18,11 @@ class TpuGeneration:
     hbm_gib_per_chip: int
     hbm_gbps_per_chip: float  # HBM bandwidth, GB/s (Cloud TPU docs' per-chip figure)
     ray_accelerator: str  # Ray's accelerator type for ScalingConfig (ray.util.accelerators GOOGLE_TPU_*)
+    # Data-center network (DCN: between slices) bandwidth per chip, Gbit/s, from Cloud TPU's system architecture pages
+    # (https://cloud.google.com/tpu/docs/<generation>): v5p gives it per chip; v5e and v6e give each 8-chip host's
+    # NICs and the Pod's DCN bandwidth, which agree (v5e: 2 x 100 Gbps per host, 6.4 Tbps per 256-chip Pod: 25; v6e:
+    # 4 x 200 Gbps, 25.6 Tbps: 100). None: the docs give no figure (v4, tpu7x).
+    dcn_gbps_per_chip: float | None = None
     # Ironwood (tpu7x) places multi-host slices with a workload policy instead of tpu_topology.
     uses_workload_policy: bool = False
     # Physical NICs GKE managed DRANET can hand to pods on a multi-host VM; 0 = not a managed-DRANET machine
@@ -64,6 +69,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             peak_bf16_tflops_per_chip=197.0,
             hbm_gib_per_chip=16,
             hbm_gbps_per_chip=819.0,
+            dcn_gbps_per_chip=25.0,
         ),
         TpuGeneration(
             name="v5p",
@@ -77,6 +83,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             peak_bf16_tflops_per_chip=459.0,
             hbm_gib_per_chip=95,
             hbm_gbps_per_chip=2765.0,
+            dcn_gbps_per_chip=50.0,
         ),
         TpuGeneration(
             name="v6e",
@@ -90,6 +97,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             hbm_gib_per_chip=32,
             dranet_nics=2,  # a ct6e host has 2 physical NICs
             hbm_gbps_per_chip=1638.0,
+            dcn_gbps_per_chip=100.0,
         ),
         TpuGeneration(
             name="tpu7x",

@@ -53,6 +53,9 @@ class TrainerRefs:
     service_account: str
     hf_secret: str | None = None
     claim_template: str | None = None
+    # The trainer config (with trainer.args) places sampling apart (placement.mode: split): its pods get no job mesh
+    # (job_mesh). Read from the config by infra/base/pod_config.py placement_split: workloads/ loads no config.
+    split: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,13 +231,22 @@ def config_args(spec: EnvironmentSpec) -> list[str]:
     return ["--config", f"{USER_CODE_DIR}/{t.config}" if t.config_in_code else t.config]
 
 
-def trainer_args(spec: EnvironmentSpec) -> list[str]:
-    """The trainer config (bundled, or in trainer.code), metrics next to the checkpoints in the bucket, and a mesh that
-    spans every slice; the config's args come last so they can override any of it."""
+def job_mesh(slices: int, split: bool) -> list[str]:
+    """The mesh overrides a job of `slices` slices applies before the config's own arguments: one mesh over every
+    slice (mesh.slices, fsdp -1), except for a config that places sampling apart (placement.mode: split), whose mesh
+    and placement.sampler say how the job's chips divide (the pods run that layout as written, as `gke-tpu-rl fit
+    --config` prices it: infra/offline/fit.py file_job)."""
+    return [] if split else [f"mesh.slices={slices}", "mesh.fsdp=-1"]
+
+
+def trainer_args(spec: EnvironmentSpec, split: bool) -> list[str]:
+    """The trainer config (bundled, or in trainer.code), metrics next to the checkpoints in the bucket, and the job's
+    mesh (job_mesh; `split`: the config with trainer.args has placement.mode split); the config's args come last so
+    they can override any of it."""
     t = spec.trainer
     config = config_args(spec)
-    return [*config, "--run-dir", f"{checkpoint_dir(spec)}/run", "--set", f"mesh.slices={t.slices}",
-            "--set", "mesh.fsdp=-1", *t.args]
+    mesh = [a for kv in job_mesh(t.slices, split) for a in ("--set", kv)]
+    return [*config, "--run-dir", f"{checkpoint_dir(spec)}/run", *mesh, *t.args]
 
 
 def trainer_job(spec: EnvironmentSpec, refs: TrainerRefs) -> TpuJob:
@@ -244,4 +256,4 @@ def trainer_job(spec: EnvironmentSpec, refs: TrainerRefs) -> TpuJob:
     return TpuJob(name=t.name, group=trainer_group(spec), service_account=refs.service_account, priority=t.priority,
                   max_restarts=t.max_restarts, termination_grace_seconds=t.termination_grace_seconds,
                   checkpoint_dir=checkpoint_dir(spec), slices=t.slices, container="trainer",
-                  args=tuple(trainer_args(spec)))
+                  args=tuple(trainer_args(spec, refs.split)))

@@ -61,7 +61,8 @@ def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[st
     if not t.enabled or group is None:
         raise ConfigError(f"environment {spec.env!r}: trainer.enabled is false and there is no service; there is "
                           "no trainer to fit")
-    pod, unknown = build_parser().parse_known_args(trainer_args(spec))
+    split = placement_split(spec, config)
+    pod, unknown = build_parser().parse_known_args(trainer_args(spec, split))
     if unknown:
         raise ConfigError(f"environment {spec.env!r}: trainer.args has arguments the trainer does not take: {unknown}")
     name = config or user_code.local_config(spec, pod.config)
@@ -74,6 +75,20 @@ def env_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[st
     at = f", at Ray's minimum of {slices} slice{'s' if slices > 1 else ''}" if resized else ""
     title = f"{spec.env} (trainer {t.name}, config {config or t.config or 'demo.yaml'}{at})"
     return FitJob(title, cfg, target(group.shape, slices))
+
+
+def placement_split(spec: EnvironmentSpec, config: str | None = None) -> bool:
+    """Whether the environment's trainer config with trainer.args (`config` in place of trainer.config) places
+    sampling apart (placement.mode: split): its pods then get no job mesh (workloads/trainer_pod.py job_mesh, which
+    can change neither). False without a trainer."""
+    from trainer.run.cli import build_parser
+    from workloads.trainer_pod import config_args
+
+    t = spec.trainer
+    if not t.enabled or spec.trainer_group is None:
+        return False
+    own, _ = build_parser().parse_known_args([*config_args(spec), *t.args])  # env_job reports unknown arguments
+    return trainer_config(config or user_code.local_config(spec, own.config), own.overrides).placement.mode == "split"
 
 
 def service_job(spec: EnvironmentSpec, config: str | None = None, overrides: list[str] | None = None) -> FitJob:

@@ -10,7 +10,7 @@ import pulumi
 
 from envspec.config import NAMESPACE, ConfigError, EnvironmentSpec
 from envspec.sections.trainer import StageSpec
-from infra.base.pod_config import env_job, hub_splits
+from infra.base.pod_config import env_job, hub_splits, placement_split
 from infra.components.k8s import apply
 from workloads import core, dra, jobset, rayjob, stage, trainer_pod
 from workloads.labels import MANAGED_BY
@@ -95,7 +95,8 @@ class TrainerJob(pulumi.ComponentResource):
             claim = f"{t.name}-netdev"
             deps.append(apply(dra.netdev_claim_template(claim, ns, nics), child))
         refs = trainer_pod.TrainerRefs(image=args.image, bucket=spec.bucket_name,
-                                       service_account=t.service_account, hf_secret=hf_secret, claim_template=claim)
+                                       service_account=t.service_account, hf_secret=hf_secret, claim_template=claim,
+                                       split=placement_split(spec))
         if (targets := stage_targets(spec)) is not None:
             # Created, and completed, before the trainer: `pulumi up` waits on the Job (pulumi-kubernetes awaits a
             # batch/v1 Job's Complete condition) up to trainer.stage.timeoutMinutes (its default without a stage).

@@ -6,6 +6,7 @@ from __future__ import annotations
 from envspec import tpu
 from envspec.config import ConfigError
 from infra.base import pod_config
+from workloads.trainer_pod import job_mesh
 
 
 def parse_tpu(value: str) -> tpu.SliceShape:
@@ -21,14 +22,15 @@ def parse_tpu(value: str) -> tpu.SliceShape:
 
 
 def file_job(config: str, tpu_value: str, slices: int, overrides: list[str] | None = None) -> pod_config.FitJob:
-    """A trainer YAML alone on `slices` x `--tpu`, with the mesh overrides the JobSet would pass first (not for
-    placement.mode=split, whose mesh and placement.sampler say how the slices divide)."""
+    """A trainer YAML alone on `slices` x `--tpu`, with the mesh overrides a JobSet of that many slices passes first
+    (workloads/trainer_pod.py job_mesh: none for placement.mode=split, whose mesh and placement.sampler say how the
+    slices divide)."""
     if slices < 1:
         raise ConfigError(f"--slices {slices}: must be 1 or more")
     shape = parse_tpu(tpu_value)
     cfg = pod_config.trainer_config(config, list(overrides or []))
-    if cfg.placement.mode != "split":  # a split config's mesh is the update's group: it names its own slices
-        cfg = pod_config.trainer_config(config, [f"mesh.slices={slices}", "mesh.fsdp=-1", *(overrides or [])])
+    if mesh := job_mesh(slices, cfg.placement.mode == "split"):
+        cfg = pod_config.trainer_config(config, [*mesh, *(overrides or [])])
     title = f"{config} on {slices} x {shape.generation.name} {shape.topology}"
     return pod_config.FitJob(title, cfg, pod_config.target(shape, slices))
 

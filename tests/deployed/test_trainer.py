@@ -81,9 +81,11 @@ def test_the_trainer_as_deployed(harness_lock: None, work: Path, tmp_path: Path)
 
 
 # Asynchronous RL as a team sets it (docs/async-rl.md, "In the stack"): one 4-host slice of the staging group, each
-# host's chips split between sampling and the update (the only split the trainer runs across processes), lag 1. The
-# stack counts it against 16 chips (mesh 1x8x1 + sampler 1x8x1); here 2 CPU devices per pod: 1 samples, 1 trains.
-SPLIT_ARGS = [a for kv in ("mesh.tensor=1", "compute.param_dtype=float32", "compute.dtype=float32",
+# host's chips split between sampling and the update (a split by slice or host runs too, in
+# test_split_by_process_equals_one_process), lag 1. A split config names its mesh (the pods set none), so mesh.slices=1
+# here. The stack counts it against 16 chips (mesh 1x8x1 + sampler 1x8x1); here 2 CPU devices per pod: 1 samples, 1
+# trains.
+SPLIT_ARGS = [a for kv in ("mesh.slices=1", "mesh.tensor=1", "compute.param_dtype=float32", "compute.dtype=float32",
                            "compute.train_micro_batch_size=8", "compute.grad_accum_dtype=float32", "rl.group_size=2",
                            "rl.prompts_per_step=4", "sampling.max_prompt_len=128", "sampling.max_new_tokens=8",
                            "sampling.tensor=null", "sampling.max_num_sequences=8", "steps=4", "checkpoint.every=1",

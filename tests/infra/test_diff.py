@@ -248,8 +248,8 @@ def test_a_placement_change_replaces_the_jobset_at_the_same_cost(repo: Path) -> 
     trainer.update(slices=1, terminationGraceSeconds=900)  # one 4-host slice: a split within each host
     stack.write_text(yaml.safe_dump(doc, sort_keys=False))
     _commit(repo, "one slice")
-    trainer["args"] = ["--set", "placement.mode=split", "--set", "placement.sampler.fsdp=-1", "--set",
-                       "sampling.tensor=null", "--set", "rl.lag=1", "--set", "rl.lag_correction=decoupled"]
+    trainer["args"] = ["--set", "placement.mode=split", "--set", "mesh.slices=1", "--set", "placement.sampler.fsdp=-1",
+                       "--set", "sampling.tensor=null", "--set", "rl.lag=1", "--set", "rl.lag_correction=decoupled"]
     stack.write_text(yaml.safe_dump(doc, sort_keys=False))
     try:
         d = diff_plan(plan("staging", None, repo), "HEAD", repo)

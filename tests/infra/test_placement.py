@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from envspec.config import ConfigError
+from infra.base.pod_config import env_job
 from infra.checks.placement import Placement
 from infra.offline.mockrun import PlanMocks, RecordingMonitor, run_stack
 from tests.infra.conftest import stack_config
@@ -54,7 +56,7 @@ def test_the_split_rule_on_a_jobs_hosts() -> None:
 
 @pytest.mark.parametrize(("slices", "args", "message"), [
     # One slice, groups of unequal size (8 + 8 of 16 chips is what a multi-host split needs).
-    (1, [*SPLIT, "--set", "mesh.fsdp=1", "--set", "placement.sampler.fsdp=4"],
+    (1, [*SPLIT, "--set", "mesh.slices=1", "--set", "mesh.fsdp=1", "--set", "placement.sampler.fsdp=4"],
      r"placement\.mode=split on 1 x v6e-stg \(4x4\) = 4 host\(s\) x 4 chips = 16 chips: "
      r"placement\.mode=split needs mesh \(1 x 1 x 4 = 4\) \+ "
      r"placement\.sampler \(1 x 4 x 1 = 4\) = 8 devices, which must equal the 16 available devices"),
@@ -65,3 +67,28 @@ def test_a_split_the_trainer_would_refuse_registers_nothing(slices: int, args: l
                                           r"trainer\.args \(--set placement\.mode=split .*\): " + message):
         run_stack("staging", _staging(slices, args), monitor=monitor)
     assert monitor.registrations == []
+
+
+def test_a_split_config_runs_as_fit_prices_it(tmp_path: Path) -> None:
+    """A config that places sampling apart names its own layout (mesh + placement.sampler): the JobSet's pods get no
+    job mesh (workloads/trainer_pod.py job_mesh), so they run what `fit --config` prices, and plan says where
+    sampling runs."""
+    import json
+
+    import yaml
+
+    from infra.offline.fit import file_job
+    from infra.offline.plan import plan
+    from infra.offline.render import summarize
+
+    name = "qwen3-8b-grpo-async-2xv6e-4x4.yaml"
+    config = stack_config("staging")
+    config["gke-tpu-rl:trainer"].update(config=name, terminationGraceSeconds=900)
+    path = tmp_path / "Pulumi.staging.yaml"
+    path.write_text(yaml.safe_dump({"config": config}))
+    result = plan("staging", path)
+    assert ("sampling on 4 hosts (16 chips) (mesh 1x2x8), training on the other 4 hosts (16 chips) (mesh 1x16x1), "
+            "weights pushed every step, lag 1, clip") in summarize(result).trainer
+    [jobset] = result.of_type("kubernetes:jobset.x-k8s.io/v1alpha2:JobSet")
+    assert "mesh.slices" not in json.dumps(jobset.inputs) and "mesh.fsdp" not in json.dumps(jobset.inputs)
+    assert env_job(result.spec).cfg == file_job(name, "v6e:4x4", 2).cfg  # what the pods load is what fit prices

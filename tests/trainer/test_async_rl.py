@@ -46,10 +46,22 @@ def test_split_lag0_equals_colocated(tmp_path: Path, tiny_train_dict: dict) -> N
 
 
 @pytest.mark.slow
-def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_dict: dict) -> None:
+def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_dict: dict,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """rl.lag 1 colocated (the sampler keeps its own copy of the version it samples with: the update donates the
-    trainer's) equals split, and a split run interrupted after step 0 and resumed equals both."""
+    trainer's) equals split, and a split run interrupted after step 0 and resumed equals both. Each step takes its
+    rollouts before it dispatches the next sampling: across processes their way back is a program on the sampler's
+    devices, which would otherwise wait for that sampling to end."""
+    from trainer.rl.rollouts import Pipeline
+
+    calls: list[tuple[str, int]] = []
+    for name in ("pop", "dispatch"):
+        def logged(self: Pipeline, step: int, _name: str = name, _f: object = getattr(Pipeline, name)) -> object:
+            calls.append((_name, step))
+            return _f(self, step)  # type: ignore[operator]
+        monkeypatch.setattr(Pipeline, name, logged)
     straight = _run(tiny_train_dict, tmp_path / "a", split=False, lag=1, steps=3, lag_correction="decoupled")
+    assert calls == [("dispatch", 0), ("pop", 0), ("dispatch", 1), ("pop", 1), ("dispatch", 2), ("pop", 2)]
     # Rollouts of step t from the weights after update max(0, t - 1); the copy is the whole model every step.
     assert [(r["policy_version"], r["lag"], r["push_bytes"]) for r in straight.records] == [
         (0, 0, tree_bytes(straight.params)), (0, 1, tree_bytes(straight.params)), (1, 1, tree_bytes(straight.params))]
@@ -71,8 +83,10 @@ def test_lag1_is_deterministic_and_resumes_bitwise(tmp_path: Path, tiny_train_di
     state, meta = ckpt.restore(run.saved_target, 1)
     ckpt.close()
     assert meta.queued == [[1, 0]] and state["rollouts"]["0"]["tokens_BN"].shape == (8, 6)
+    calls.clear()
     resumed = _run(tiny_train_dict, tmp_path / "b", split=True, lag=1, steps=3, lag_correction="decoupled")
     assert [r["step"] for r in resumed.records] == [1, 2]
+    assert calls == [("pop", 1), ("dispatch", 2), ("pop", 2)]  # step 1's rollouts came with the checkpoint
     _same(straight, TrainResult(resumed.run_dir, 3, False, resumed.params, first.records + resumed.records))
 
 
@@ -176,3 +190,47 @@ def test_split_by_process_refusals() -> None:
             check_multiprocess_split(trainer, sampler, 4)
     with pytest.raises(ConfigError, match="orbax refuses"):
         check_multiprocess_split(devs(0, 0), devs(1, 1), 2)
+
+
+def test_the_bridge_lands_shards_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Bridge in one process (devices 0-3 and 4-7): there and back to the bit, one collective permute, and each
+    landed shard is the permute's own output buffer (no copy after it), as each source shard is its input buffer."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from trainer.model import transfer
+    from trainer.model.sharding import make_mesh
+
+    mesh, other = make_mesh(1, 2, 2, jax.devices()[:4]), make_mesh(1, 2, 2, jax.devices()[4:])
+    bridge = transfer.Bridge(mesh, list(other.devices.flat))
+    on = lambda m, spec: NamedSharding(m, spec)  # noqa: E731
+    specs = {"w": P("fsdp", "tensor"), "v": P(("slices", "fsdp")), "b": P(), "s": P()}
+    tree = {"w": jnp.arange(32.0).reshape(8, 4), "v": jnp.arange(4, dtype=jnp.int32) - 2,
+            "b": jnp.array([1.5, -0.0, 3.0, -2.0]), "s": jnp.float32(7.0)}
+    tree = {k: jax.device_put(x, on(mesh, specs[k])) for k, x in tree.items()}
+    seen: list[tuple[list[jax.Array], list[jax.Array]]] = []
+    real = transfer.swap
+
+    def spy(xs: list[jax.Array], shardings: tuple) -> list[jax.Array]:
+        out = real(xs, shardings)
+        seen.append((xs, out))
+        return out
+
+    monkeypatch.setattr(transfer, "swap", spy)
+    target = {"w": on(other, P(None, "fsdp")), "v": on(other, P()), "b": on(other, P("tensor")), "s": on(other, P())}
+    there = bridge.there(tree, target)
+    landed = bridge._cross(tree, bridge.mesh, bridge.twin)
+    back = bridge.back(there, {k: on(mesh, specs[k]) for k in tree})
+    for k, x in tree.items():
+        assert there[k].sharding == target[k] and back[k].sharding == x.sharding
+        np.testing.assert_array_equal(np.asarray(there[k]), np.asarray(x))
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(x))
+    (xs, out) = seen[1]  # the _cross call above
+    for x, u, m, got in zip(jax.tree.leaves(tree), xs, out, jax.tree.leaves(landed), strict=True):
+        ptr = lambda a: {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}  # noqa: E731
+        if x.ndim:  # a 0-d array is reshaped to [1] and back: a few bytes
+            assert {d: p for d, p in ptr(u).items() if d in set(mesh.devices.flat)} == ptr(x)
+            assert {d: p for d, p in ptr(m).items() if d in set(other.devices.flat)} == ptr(got)
+    hlo = real.lower(xs, tuple(u.sharding for u in xs)).compile().as_text()
+    assert "collective-permute" in hlo and "all-gather" not in hlo and "all-to-all" not in hlo

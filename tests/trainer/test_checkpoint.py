@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from trainer.base.config import ModelConfig, OptimConfig
 from trainer.model import decoder as M
@@ -77,3 +78,26 @@ def test_stop_flag_set_by_sigterm_and_repeated_signals_change_nothing() -> None:
     finally:
         flag.uninstall()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_whether_a_step_is_saved_is_process_0s_answer_everywhere(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process holding none of the state's arrays (placement split by slice or host) lists the folder where process
+    0 asks orbax: should they disagree on a step being saved already, one would skip the checksums' collective that
+    the others enter, and the job would hang. So every process takes process 0's answer (a broadcast)."""
+    from trainer.rl import checkpoint as C
+
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / C.COMMIT_MARKER).write_text("")  # this process sees step 2 finished
+    ckpt = Checkpointer(tmp_path, every=1, keep=2, holders={1})  # process 0 here plays one holding no array
+    assert ckpt.steps() == [2]
+    sent: list[int] = []
+    entered: list[object] = []
+    with monkeypatch.context() as m:
+        m.setattr(C.jax, "process_count", lambda: 2)
+        m.setattr(C.multihost_utils, "broadcast_one_to_all",
+                  lambda x: sent.append(int(x)) or np.asarray(0, np.int32))  # process 0: not saved yet
+        m.setattr(C, "checksums", lambda state: entered.append(state) or [])
+        assert not ckpt.save({"x": jax.numpy.arange(4.0)}, Meta(2, 2, [0, 0]))  # no orbax on this process
+    assert sent == [1] and len(entered) == 1  # it asked, then went on with the others
+    ckpt.close()

@@ -149,7 +149,9 @@ def test_split_placement_resolves_and_names_the_keys(tiny_train_dict: dict) -> N
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("lag", -1, r"rl\.lag: Input should be greater than or equal to 0"),
     ("lag_correction", "is", r"rl\.lag_correction: Input should be 'clip' or 'decoupled'"),
-    ("behavior_weight_cap", 0, r"rl\.behavior_weight_cap: Input should be greater than 0"),
+    # A cap below 1 would weigh down tokens where both policies agree (w = 1); AReaL's cap must be > 1 too.
+    ("behavior_weight_cap", 1, r"rl\.behavior_weight_cap: Input should be greater than 1"),
+    ("behavior_weight_cap", 0.5, r"rl\.behavior_weight_cap: Input should be greater than 1"),
 ])
 def test_lag_keys_are_checked(tiny_train_dict: dict, key: str, value: object, match: str) -> None:
     tiny_train_dict["rl"][key] = value

@@ -23,6 +23,7 @@ def test_a_target_of_every_catalog_shape_has_the_catalogs_figures(tpu_type: str,
     assert t.hbm_bytes_per_chip == gen.hbm_gib_per_chip << 30
     assert t.peak_flops_per_chip == gen.peak_bf16_tflops_per_chip * 1e12
     assert t.hbm_bytes_per_s_per_chip == gen.hbm_gbps_per_chip * 1e9
+    assert t.dcn_bits_per_s_per_chip == (None if gen.dcn_gbps_per_chip is None else gen.dcn_gbps_per_chip * 1e9)
     assert t.generation is gen
     # The slice's TensorCores: the catalog's count per chip.
     assert int(t.accelerator_type.rsplit("-", 1)[1]) == shape.chips * gen.tensorcores_per_chip

@@ -95,16 +95,19 @@ def test_trainer_args_span_the_slices_and_keep_user_overrides_last() -> None:
     from trainer.run.cli import build_parser
 
     spec = _spec("staging")
-    args = jobset.trainer_args(spec)
+    args = jobset.trainer_args(spec, split=False)
     assert args[:4] == ["--config", "llama3-70b-grpo-2xv6e-4x4.yaml", "--run-dir", "/checkpoints/grpo-stg/run"]
     pod = build_parser().parse_args(args)  # the trainer's own parser, as in the container
     cfg = load_config(pod.config, pod.overrides)  # a bare name: the config bundled in the image's package
     assert (cfg.mesh.slices, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, -1, 4)
     assert cfg.init.path == "/checkpoints/models/Llama-3.1-70B"
-    dev = jobset.trainer_args(_spec("dev"))
+    dev = jobset.trainer_args(_spec("dev"), split=False)
     assert dev[-len(_spec("dev").trainer.args):] == list(_spec("dev").trainer.args)
     no_config = _spec("dev").model_copy(update={"trainer": _spec("dev").trainer.model_copy(update={"config": None})})
-    assert "--config" not in jobset.trainer_args(no_config)  # the image's embedded demo config
+    assert "--config" not in jobset.trainer_args(no_config, split=False)  # the image's embedded demo config
+    # A config that places sampling apart names how the chips divide (mesh, placement.sampler): no job mesh.
+    assert args[4:8] == ["--set", "mesh.slices=2", "--set", "mesh.fsdp=-1"]
+    assert jobset.trainer_args(spec, split=True) == args[:4] + args[8:]
 
 
 @pytest.mark.parametrize(("group", "tolerated"), [("v5p-prod", set()), ("v6e-burst", {"cloud.google.com/gke-queued"})])

@@ -208,7 +208,7 @@ def test_entrypoint_is_the_trainers_own_cli() -> None:
     assert args.ray_max_failures == spec.trainer.max_failures
     assert args.config == spec.trainer.config
     assert args.run_dir == f"{trainer_pod.CHECKPOINT_MOUNT}/{spec.trainer.name}/run"
-    job_args = build_parser().parse_args(jobset.trainer_args(spec))
+    job_args = build_parser().parse_args(jobset.trainer_args(spec, split=False))
     assert (args.config, args.run_dir) == (job_args.config, job_args.run_dir)
     assert args.overrides == [o for o in job_args.overrides if not o.startswith("mesh.slices=")]
 

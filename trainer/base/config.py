@@ -288,10 +288,15 @@ class RLConfig(_Strict):
                      "split, on other devices at once)")
     lag_correction: Literal["clip", "decoupled"] = Field(
         "clip", description="the off-policy correction: clip = PPO's clipped ratio against the sampler's "
-        "log-probs; decoupled = AReaL's decoupled PPO (ratio clipped against the weights before this update, times "
-        "the behaviour weight pi_prox / pi_sampler truncated at behavior_weight_cap; one extra forward pass)")
-    behavior_weight_cap: float | None = Field(2.0, gt=0, description="decoupled: the behaviour importance weight "
-                                              "is truncated at this value (truncated IS); unset: not truncated")
+        "log-probs; decoupled = AReaL's decoupled PPO objective (ratio clipped against the weights before this "
+        "update, times the behaviour weight pi_prox / pi_sampler, truncated at behavior_weight_cap; one extra "
+        "forward pass)")
+    # Truncated (min(w, cap)) as in Yao et al.'s truncated importance sampling, where AReaL's code drops the tokens
+    # with w > cap (docs/async-rl.md, "The off-policy correction").
+    behavior_weight_cap: float | None = Field(2.0, gt=1, description="decoupled: the behaviour importance weight "
+                                              "w is truncated to min(w, cap) (truncated importance sampling; AReaL "
+                                              "instead drops the tokens with w > cap); must be > 1; unset: not "
+                                              "truncated")
 
 
 class SamplingConfig(_Strict):

@@ -34,6 +34,7 @@ class Target:
     # Chips per host as (x, y, z) for a single-host slice: libtpu assumes a 2x2x1 host otherwise, which a 1x1
     # slice does not divide. None for multi-host slices (libtpu's default host shape).
     host_bounds: tuple[int, int, int] | None = None
+    dcn_bits_per_s_per_chip: float | None = None  # between slices; None: the catalog has no figure
 
     def __post_init__(self) -> None:
         if self.tpu_type not in tpu.GENERATIONS:  # the catalog's per-chip facts are looked up by this name
@@ -51,6 +52,7 @@ class Target:
             hbm_bytes_per_s_per_chip=gen.hbm_gbps_per_chip * 1e9,
             # 1 to 3 dims, padded to 3: a tuple of 3 ints that mypy sees as tuple[int, ...].
             host_bounds=None if shape.multi_host else (*dims, *(1,) * (3 - len(dims))),  # type: ignore[arg-type]
+            dcn_bits_per_s_per_chip=None if gen.dcn_gbps_per_chip is None else gen.dcn_gbps_per_chip * 1e9,
         )
 
     @property
@@ -229,7 +231,7 @@ class SplitFit:
     push_bytes_per_device: int  # what each trainer device sends (its shards)
     push_links: str  # "ICI (within a slice)" or "DCN (across slices)"
     push_compiler_seconds: float  # the Bridge's two programs' optimal_seconds
-    push_dcn_seconds: float  # across slices: the bytes per chip over DCN (split.DCN_GBPS_PER_CHIP); 0 within
+    push_dcn_seconds: float  # across slices: the bytes per chip over DCN (Target.dcn_bits_per_s_per_chip); 0 within
     push_reshard_peak: int  # bytes per device of the reshard on the sampler's devices
     refused: str  # why the trainer refuses this split in a job of several processes; "" where it runs it
     colocated_mesh: dict[str, int]
@@ -361,7 +363,10 @@ class FitReport:
         s, t, push = (self.group_seconds(g) for g in ("sampler", "trainer", "both"))
         trainer = " + ".join(f"{p.name} {_secs(p.seconds)}" for p in self.programs
                              if p.group == "trainer" and p.skipped is None)
-        dcn = f", its bytes per chip over DCN {_secs(sp.push_dcn_seconds)}" if sp.push_dcn_seconds else ""
+        bps = self.target.dcn_bits_per_s_per_chip
+        dcn = (f", its bytes per chip over DCN at {bps / 1e9:g} Gbit/s per chip {_secs(sp.push_dcn_seconds)}"
+               if sp.push_dcn_seconds and bps else ", no DCN figure for this generation in the TPU catalog: the "
+               "compiler's alone" if sp.push_links.startswith("DCN") else "")
         how = ("max(sampling, trainer) + push: both groups at once (rl.lag >= 1); the push, one program over both "
                "groups, waits for the two" if sp.lag >= 1 else "sampling + trainer + push: one after the other "
                "(rl.lag 0)")

@@ -9,19 +9,24 @@ Memory is per device against the same chip's HBM (both groups are the same gener
 
 The push: after every update the trainer's weights go to the sampler in the trainer's layout, then take the sampler's.
 In a job of several processes (every multi-host TPU slice) that is trainer/model/transfer.py's Bridge: one program
-over the union of both groups, a collective permute of each trainer shard onto its partner device (`x[::-1]` on a
-[2, ...] array over a (group, slices, fsdp, tensor) mesh), then a reshard within the sampler's devices. Both are
-compiled here for the topology and the compiler's optimal_seconds taken. Partners are the Bridge's (a device of the
-same host) where every host holds devices of both groups; by slice, each trainer device's partner is the sampler
-device at the same place of its slice, over DCN. libtpu's cost model prices a collective by bytes alone, whatever
-link it crosses, so across slices the push is at least its bytes per chip over DCN_GBPS_PER_CHIP.
+over the union of both groups, a collective permute of each trainer shard onto its partner device (transfer.py
+`swap`: the two halves of an array with its first dimension doubled, over a (group, slices, fsdp, tensor) mesh),
+then a reshard within the sampler's devices. Both are compiled here for the topology and the compiler's
+optimal_seconds taken. Partners are the Bridge's (a device of the same host) where every host holds devices of both
+groups; by slice, each trainer device's partner is the sampler device at the same place of its slice, over DCN.
+libtpu's cost model prices a collective by bytes alone, whatever link it crosses, so across slices the push is at
+least its bytes per chip over the generation's DCN bandwidth per chip (the TPU catalog's, envspec/tpu.py; where it
+has none, the compiler's figure alone).
 
 The step: the union program runs on both groups, so it waits for the sampling in flight and the sampler's next
 sampling waits for it. With rl.lag >= 1 (both groups at once): max(sample, update + ref_logprobs + proximal) + push;
-with lag 0, everything one after the other. The colocated layout on the same chips is the same config with
-placement colocated, a mesh over every device (slices of the target, fsdp -1, the trainer's tensor), sampling at the
-sampler's tensor degree (sampling.tensor, with sampling.gather_weights) and rl.lag 0 (colocated, a lag adds a copy
-of the weights and no overlap), fitted in the same run (CompileCache: a config fitted before in the run is not
+with lag 0, everything one after the other. That assumes the loop takes each step's rollouts (across processes a
+Bridge program on the sampler's devices too) before it dispatches the next sampling, as trainer/rl/train.py does:
+launched after it, their way back would wait for that sampling, and the update with it. The way back is not priced
+(token ids, masks, log-probs: small next to the weights). The colocated layout on the same chips is the same config
+with placement colocated, a mesh over every device (slices of the target, fsdp -1, the trainer's tensor), sampling at
+the sampler's tensor degree (sampling.tensor, with sampling.gather_weights) and rl.lag 0 (colocated, a lag adds a
+copy of the weights and no overlap), fitted in the same run (CompileCache: a config fitted before in the run is not
 compiled again).
 """
 
@@ -37,11 +42,6 @@ from trainer.base.config import ConfigError, TrainConfig, config_from_dict, with
 from trainer.fit import phases as FP
 from trainer.fit.compiler import CompileCache, _compile, _tree_bytes_per_device
 from trainer.fit.report import FitReport, PhaseFit, ProgramFit, SplitFit, Target
-
-# The TPU catalog (envspec/tpu.py) has no data-center-network figure. Cloud TPU's v5p page: "Data center network (DCN)
-# bandwidth per chip (Gbps): 50" (https://cloud.google.com/tpu/docs/v5p); assumed for every generation (v5e's page
-# gives 2 x 100 Gbps NICs per 8-chip host, 25 Gbps per chip: the figure is of this order).
-DCN_GBPS_PER_CHIP = 50.0
 
 
 def colocated_config(cfg: TrainConfig, n_slices: int) -> TrainConfig:
@@ -114,21 +114,21 @@ def _union(train_mesh: Any, sampler: list[Any]) -> tuple[Any, Any, str]:
 
 
 def _push_programs(t_params: Any, s_sh: Any, union: Any, twin: Any) -> tuple[Any, Any]:
-    """The Bridge's two programs, lowered: the collective permute over the union (donating its input, as the Bridge
-    does) and the reshard from the trainer's layout to the sampler's, within the sampler's devices."""
+    """The Bridge's two programs, lowered: its own collective permute over the union (transfer.py `swap`) and the
+    reshard from the trainer's layout to the sampler's, within the sampler's devices."""
     import jax
     from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from trainer.model.transfer import GROUP_AXIS
+    from trainer.model.transfer import swap, union_layout
 
-    def on(mesh: Any, x: Any, lead: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
-        spec = x.sharding.spec
-        return jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype,
-                                    sharding=NamedSharding(mesh, P(GROUP_AXIS, *spec) if lead else spec))
+    def on(mesh: Any, x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec))
 
-    stacked = jax.tree.map(lambda x: on(union, x, (2,)), t_params)
-    flip = jax.jit(lambda tree: jax.tree.map(lambda x: x[::-1], tree), donate_argnums=0)
+    def doubled(x: Any) -> jax.ShapeDtypeStruct:
+        shape, sharding = union_layout(x.shape, x.sharding.spec, union)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+    stacked = [doubled(x) for x in jax.tree.leaves(t_params)]
     # The landed shards in the trainer's layout on the sampler's devices, numbered in the sampler mesh's order (jit
     # takes one device order; the Bridge's device_put, any): a reshard of the same bytes between the same layouts.
     s_mesh = jax.tree.leaves(s_sh)[0].mesh
@@ -136,7 +136,7 @@ def _push_programs(t_params: Any, s_sh: Any, union: Any, twin: Any) -> tuple[Any
     landed = jax.tree.map(lambda x: on(ordered, x), t_params)
     reshard = jax.jit(lambda tree: tree, out_shardings=s_sh)
     with jax.set_mesh(union):
-        flipped = flip.lower(stacked)
+        flipped = swap.lower(stacked, tuple(x.sharding for x in stacked))
     with jax.set_mesh(s_mesh):
         resharded = reshard.lower(landed)
     return flipped, resharded
@@ -225,7 +225,8 @@ def fit_split(cfg: TrainConfig, target: Target, devices: list[Any], *, title: st
     _compile(again, resharded, smesh, target, len(devices), cache, say, "the push's reshard on the sampler's devices")
     push.compiler_seconds = max(push.compiler_seconds, 0.0) + max(again.compiler_seconds, 0.0)
     push.compile_seconds += again.compile_seconds
-    dcn = params_b / (DCN_GBPS_PER_CHIP * 1e9 / 8) if links.startswith("DCN") else 0.0
+    dcn_bps = target.dcn_bits_per_s_per_chip  # the catalog's (envspec/tpu.py); None: no figure, no bound
+    dcn = params_b * 8 / dcn_bps if links.startswith("DCN") and dcn_bps else 0.0
     push.lower_bound = dcn
     push.seconds = max(push.compiler_seconds, dcn)
     programs.append(push)

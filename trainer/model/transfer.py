@@ -4,11 +4,13 @@ device to device.
 In one process `jax.device_put` onto the other group's sharding does it. Across processes jax 0.10.2 refuses that
 ("input and target sharding should have the same set of devices"), and one jitted program cannot take operands and
 give outputs on two meshes. So there a `Bridge` runs one program over the union of both groups: the source's shards
-and empty buffers on the other group form one [2, ...] array on a (group, *axes) mesh, and a jitted x[::-1] (a
-collective permute) lands each shard on its partner, the other group's device at the same place of the mesh (of
-the same process where each process holds devices of both groups, else on another process: `_partners`); the landed
-shards, re-wrapped on that group's devices, then take the target layout with a device_put within that device set
-(which jax allows across processes). A process holding devices of one group only takes part in the permute with its
+and zeros on the other group form one array on a (group, *axes) mesh, twice as long in its first dimension (the
+group is that dimension's major sharding axis, so the source's shards are its buffers as they are: `union_layout`),
+and a jitted swap of its halves (a collective permute, `swap`) lands each shard on its partner, the other group's
+device at the same place of the mesh (of the same process where each process holds devices of both groups, else on
+another process: `_partners`), as a buffer of the shard's own shape; the landed shards, re-wrapped on that group's
+devices with no copy, then take the target layout with a device_put within that device set (which jax allows
+across processes). A process holding devices of one group only takes part in the permute with its
 own row and gets arrays with no shard of its own for the other group (jax allows that: they are placeholders for the
 programs it calls). Needs groups of equal size (bench/async_rl_push.py measures the mechanisms).
 """
@@ -56,6 +58,31 @@ def _spec(x: jax.Array) -> P:
     return sharding.spec
 
 
+def union_layout(shape: tuple[int, ...], spec: P, union: Mesh) -> tuple[tuple[int, ...], NamedSharding]:
+    """The shape and sharding on the (group, *axes) `union` mesh of an array of `shape` laid out by `spec`, with one
+    copy per group: its first dimension doubled, the group its major sharding axis, so that each device's buffer is
+    the shard it holds in its own group (a 0-d array: [2])."""
+    if not shape:
+        return (2,), NamedSharding(union, P(GROUP_AXIS))
+    first = spec[0] if len(spec) else None
+    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    return (2 * shape[0], *shape[1:]), NamedSharding(union, P((GROUP_AXIS, *axes), *spec[1:]))
+
+
+def _swap(xs: list[jax.Array], shardings: tuple[NamedSharding, ...]) -> list[jax.Array]:
+    """Each array's two halves (union_layout's groups) swapped, in the same layout: a collective permute."""
+    out = []
+    for x, sharding in zip(xs, shardings, strict=True):
+        halves = x.reshape(2, x.shape[0] // 2, *x.shape[1:])
+        out.append(jax.lax.with_sharding_constraint(halves[::-1].reshape(x.shape), sharding))
+    return out
+
+
+# Not donating: the input's buffers in the source's half are the source arrays' own. One compile per tree of shapes
+# and layouts.
+swap = jax.jit(_swap, static_argnums=1)
+
+
 class Bridge:
     """Moves trees of arrays between `mesh` and `others` (a device group of the same size), across processes."""
 
@@ -66,7 +93,6 @@ class Bridge:
         self.twin = Mesh(_partners(mesh, others), mesh.axis_names, axis_types=mesh.axis_types)  # `others`, shaped
         self.union = Mesh(np.stack([mesh.devices, self.twin.devices]), (GROUP_AXIS, *mesh.axis_names),
                           axis_types=(AxisType.Auto, *mesh.axis_types))
-        self._flip = jax.jit(lambda tree: jax.tree.map(lambda x: x[::-1], tree), donate_argnums=0)
 
     def there(self, tree: Any, target: Any) -> Any:
         """`tree` (arrays on `mesh`) onto the other group's shardings `target`."""
@@ -82,25 +108,26 @@ class Bridge:
         """Arrays on `src` (one row of the union) to the same spec on `dst` (the other row)."""
         leaves, treedef = jax.tree.flatten(tree)
         unions = [self._union_array(x, src) for x in leaves]
-        moved = self._flip(unions)
+        moved = swap(unions, tuple(u.sharding for u in unions))
         dst_set = set(dst.devices.flat)
         out = []
         for x, m in zip(leaves, moved, strict=True):
-            shards = [jnp.squeeze(s.data, 0) for s in m.addressable_shards if s.device in dst_set]
+            # Each landed buffer is the shard itself (a 0-d array's: of shape [1], reshaped: a scalar).
+            shards = [s.data if x.ndim else s.data.reshape(()) for s in m.addressable_shards if s.device in dst_set]
             out.append(jax.make_array_from_single_device_arrays(
                 x.shape, NamedSharding(dst, _spec(x)), shards, dtype=x.dtype))
         return jax.tree.unflatten(treedef, out)
 
     def _union_array(self, x: jax.Array, src: Mesh) -> jax.Array:
-        """[2, *x.shape] on the union mesh: `x`'s shards in `src`'s row, zeros (made on the device) in the other."""
-        shape = (2, *x.shape)
-        sharding = NamedSharding(self.union, P(GROUP_AXIS, *_spec(x)))
-        mine = {s.device: s.data for s in x.addressable_shards}
+        """`x` on the union mesh (union_layout): its shards, as they are, in `src`'s half, zeros (made on the device)
+        in the other."""
+        shape, sharding = union_layout(x.shape, _spec(x), self.union)
+        mine = {s.device: s.data if x.ndim else s.data.reshape(1) for s in x.addressable_shards}
         src_set = set(src.devices.flat)
         bufs = []
         for d, idx in sharding.addressable_devices_indices_map(shape).items():
             if d in src_set:
-                bufs.append(jnp.expand_dims(mine[d], 0))
+                bufs.append(mine[d])
             else:
                 assert idx is not None  # typed Optional in jax; a device of the sharding always has an index
                 piece = tuple(len(range(*i.indices(n))) for i, n in zip(idx, shape, strict=True))

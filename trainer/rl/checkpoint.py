@@ -149,8 +149,10 @@ class Checkpointer:
 
     def save(self, state: Any, meta: Meta) -> bool:
         # A damaged step left in place is no orbax step: orbax would delete it to save there (force=True in
-        # CheckpointManager.save, AsyncCheckpointer._prepare_destination_async).
-        if meta.step in self.steps() or meta.step in self._in_place:
+        # CheckpointManager.save, AsyncCheckpointer._prepare_destination_async). Process 0's answer for all: the
+        # others read the folder where it asks orbax (holders), and a process that went on alone would wait in
+        # checksums' collective for the rest.
+        if _process0(meta.step in self.steps() or meta.step in self._in_place):
             return False
         # checksums before save returns: the next step donates these buffers
         record = {"step": meta.step, "data_position": meta.data_position, "rng": meta.rng, "lag": meta.lag,
@@ -211,10 +213,7 @@ class Checkpointer:
 
     def _rolled_back(self, step: int) -> bool:
         """Process 0's view of the record, so that every process decides alike."""
-        seen = (self.directory / rollback_record(step)).is_file()
-        if jax.process_count() == 1:
-            return seen
-        return bool(multihost_utils.broadcast_one_to_all(np.asarray(seen, np.int32)))
+        return _process0((self.directory / rollback_record(step)).is_file())
 
     def _roll_back(self, target: Any, step: int) -> tuple[Any, Meta, list[SetAside]]:
         steps = sorted(_step_folders(self.directory))
@@ -504,6 +503,13 @@ def _free_name(directory: Path, step: int, suffix: str = DAMAGED_SUFFIX) -> Path
     while path.exists():
         path, n = directory / f"{step}{suffix}.{n}", n + 1
     return path
+
+
+def _process0(flag: bool) -> bool:
+    """Process 0's `flag` on every process (a collective: every process calls it), so that all decide alike."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
 
 
 def _barrier(name: str) -> None:

@@ -140,7 +140,9 @@ def policy_loss(
     Reasoning", arXiv:2505.24298, eq. 5): the ratio pi / pi_prox clipped, times the behaviour weight
     w = pi_prox / pi_behaviour (a constant), truncated at `rl.behavior_weight_cap` as in truncated importance sampling
     (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"):
-    -min(w, cap) * min(r A, clip(r) A), r = pi / pi_prox. With pi_prox = pi_behaviour (w = 1) it is clip's loss.
+    -min(w, cap) * min(r A, clip(r) A), r = pi / pi_prox. AReaL's code caps differently: it drops the tokens with
+    w > cap (weight 0; `ppo_actor_loss_fn`, behav_imp_weight_cap), where this keeps them at weight cap. With
+    pi_prox = pi_behaviour (w = 1) it is clip's loss.
     gspo takes both ratios per sequence (the geometric mean of the token ratios).
     """
     mask = mask_BN.astype(jnp.float32)

@@ -1,9 +1,11 @@
 """The rollouts' pipeline: where sampling runs (`placement`), the weights it samples with, and the rollouts sampled
 ahead of the update (`rl.lag`).
 
-Rollouts for step t are sampled with the weights after update max(0, t - lag): at step t the loop first dispatches
-the sampling of step t + lag (with the weights just pushed, version t), then trains on the queued rollouts of step t.
-lag 0 is the synchronous loop; with lag >= 1 the sampling of step t + lag and the update of step t are both in flight
+Rollouts for step t are sampled with the weights after update max(0, t - lag): at step t the loop takes step t's
+queued rollouts (`pop`; across processes their way back is a program on the sampler's devices, so it is launched
+before the next sampling, not queued behind it), dispatches the sampling of step t + lag (with the weights just
+pushed, version t), then trains on step t's rollouts. lag 0 is the synchronous loop (step t's sampling is dispatched,
+then taken); with lag >= 1 the sampling of step t + lag and the update of step t are both in flight
 at once (JAX's async dispatch), on disjoint devices with placement split. Each rollout keeps the version (updates
 applied) of the weights that sampled it and the sampler's log-probs (the loss's off-policy correction reads them).
 

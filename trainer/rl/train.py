@@ -244,9 +244,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, stop: StopFlag | N
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
-            if step + cfg.rl.lag < cfg.steps:  # sampled with the weights just pushed: version `step`
-                rollouts.dispatch(step + cfg.rl.lag)
+            if cfg.rl.lag == 0:  # the synchronous loop: this step's own rollouts, with the weights just pushed
+                rollouts.dispatch(step)
+            # Popped before the next sampling is dispatched: across processes the rollouts' way back is a program on
+            # the sampler's devices too, which would otherwise queue behind that sampling (each device runs its
+            # programs in launch order) and hold the update until it ends.
             rollout = rollouts.pop(step)
+            if cfg.rl.lag and step + cfg.rl.lag < cfg.steps:  # with the weights just pushed: version `step`
+                rollouts.dispatch(step + cfg.rl.lag)
             samples = rollout.samples
             # Each phase is waited for, so its time is its own (a few ms of dispatch are no longer overlapped). With
             # rl.lag >= 1 this is the wait for rollouts sampled while earlier steps trained.
