@@ -63,11 +63,11 @@ def _where(spec: EnvironmentSpec, slices: int) -> str:
 
 
 def resolve(spec: EnvironmentSpec) -> Placement | None:
-    """The trainer's placement on the chips of trainer.slices (Ray: at each end of its slice range); None without a
-    trainer. Raises ConfigError naming the keys and the numbers for a split the trainer would refuse there."""
+    """The trainer's placement on the chips of trainer.slices; None without a trainer. Raises ConfigError naming the
+    keys and the numbers for a split the trainer would refuse there (a split under the Ray launcher: always)."""
     from trainer.base.config import ConfigError as TrainerConfigError
     from trainer.base.config import resolve_mesh
-    from trainer.base.placement import job_devices, split_groups
+    from trainer.base.placement import RAY_SPLIT_REFUSED, job_devices, split_groups
 
     t, group = spec.trainer, spec.trainer_group
     if not t.enabled or group is None:
@@ -77,28 +77,25 @@ def resolve(spec: EnvironmentSpec) -> Placement | None:
         m = cfg.mesh
         return Placement("colocated", (m.slices, m.fsdp, m.tensor), None, cfg.rl.lag, cfg.rl.lag_correction,
                          t.slices * group.shape.chips, t.slices * group.shape.hosts)
-    shape = group.shape
-    counts = sorted({spec.ray_min_slices, t.slices}) if t.launcher == "ray" else [t.slices]
-    found = None
-    for slices in counts:
-        # Ray sets mesh.slices from the slices each attempt gets (trainer/run/ray_train.py).
-        at = env_job(spec, overrides=[f"mesh.slices={slices}"]).cfg if t.launcher == "ray" else cfg
-        hosts = slices * shape.hosts
-        try:
-            resolved = resolve_mesh(at, slices * shape.chips, exact=hosts > 1)
-            mine, _ = split_groups(resolved, job_devices(slices, shape.hosts, shape.chips_per_host), hosts)
-        except TrainerConfigError as err:
-            args = " ".join(t.args)
-            raise ConfigError(
-                f"invalid stack config for environment {spec.env!r}:\n  {NAMESPACE}:trainer.config "
-                f"({t.config or 'demo.yaml'}) / trainer.args ({args or 'none'}): placement.mode=split on "
-                f"{_where(spec, slices)}: {err}") from None
-        m, s = resolved.mesh, resolved.placement.sampler
-        whole_hosts = len(mine) == shape.chips_per_host * len({d.process_index for d in mine})
-        found = Placement("split", (m.slices, m.fsdp, m.tensor), (s.slices, s.fsdp, s.tensor), resolved.rl.lag,
-                          resolved.rl.lag_correction, slices * shape.chips, hosts,
-                          by_host=hosts > 1 and whole_hosts)
-    return found
+    if t.launcher == "ray":
+        raise ConfigError(f"invalid stack config for environment {spec.env!r}:\n  {NAMESPACE}:trainer.launcher is "
+                          f"'ray' and trainer.config ({t.config or 'demo.yaml'}) / trainer.args: {RAY_SPLIT_REFUSED} "
+                          "(trainer.launcher: jobset)")
+    shape, slices = group.shape, t.slices
+    hosts = slices * shape.hosts
+    try:
+        resolved = resolve_mesh(cfg, slices * shape.chips, exact=hosts > 1)
+        mine, _ = split_groups(resolved, job_devices(slices, shape.hosts, shape.chips_per_host), hosts)
+    except TrainerConfigError as err:
+        args = " ".join(t.args)
+        raise ConfigError(
+            f"invalid stack config for environment {spec.env!r}:\n  {NAMESPACE}:trainer.config "
+            f"({t.config or 'demo.yaml'}) / trainer.args ({args or 'none'}): placement.mode=split on "
+            f"{_where(spec, slices)}: {err}") from None
+    m, s = resolved.mesh, resolved.placement.sampler
+    whole_hosts = len(mine) == shape.chips_per_host * len({d.process_index for d in mine})
+    return Placement("split", (m.slices, m.fsdp, m.tensor), (s.slices, s.fsdp, s.tensor), resolved.rl.lag,
+                     resolved.rl.lag_correction, slices * shape.chips, hosts, by_host=hosts > 1 and whole_hosts)
 
 
 def check(spec: EnvironmentSpec) -> Placement | None:

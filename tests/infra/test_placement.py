@@ -69,6 +69,18 @@ def test_a_split_the_trainer_would_refuse_registers_nothing(slices: int, args: l
     assert monitor.registrations == []
 
 
+def test_a_split_under_the_ray_launcher_is_refused_before_anything_is_registered() -> None:
+    """dev runs its trainer as a RayJob: each attempt gets its own count of slices, which a split's groups depend on,
+    so the stack refuses a split there as the trainer's Ray driver does (trainer/run/ray_train.py check_mesh)."""
+    config = stack_config("dev")
+    config["gke-tpu-rl:trainer"]["args"] = [*SPLIT, "--set", "mesh.slices=1"]
+    monitor = RecordingMonitor(PlanMocks())
+    with pytest.raises(ConfigError, match=r"gke-tpu-rl:trainer\.launcher is 'ray' .*placement\.mode=split: not with "
+                                          r"--ray .*allowed with --ray: placement\.mode=colocated"):
+        run_stack("dev", config, monitor=monitor)
+    assert monitor.registrations == []
+
+
 def test_a_split_config_runs_as_fit_prices_it(tmp_path: Path) -> None:
     """A config that places sampling apart names its own layout (mesh + placement.sampler): the JobSet's pods get no
     job mesh (workloads/trainer_pod.py job_mesh), so they run what `fit --config` prices, and plan says where

@@ -105,6 +105,13 @@ def test_mesh_must_fit_every_slice_count(tiny_train_dict: dict) -> None:
         R.check_mesh(cfg, R.RayOptions(min_slices=1, max_slices=3, cpu_devices=4))
     with pytest.raises(ConfigError, match="mesh.tensor=-1"):
         R.slice_config(config_from_dict({**tiny_train_dict, "mesh": {"tensor": -1, "fsdp": 2}}), 1)
+    # A split placement's groups would change with the slices each attempt gets: refused, on TPU as on CPU.
+    split = config_from_dict({**tiny_train_dict, "placement": {"mode": "split", "sampler": {"fsdp": 2}},
+                              "mesh": {"fsdp": 2, "tensor": 1},
+                              "sampling": {**tiny_train_dict["sampling"], "tensor": None}})
+    for opts in (ok, R.RayOptions(min_slices=1, max_slices=2)):
+        with pytest.raises(ConfigError, match=r"placement\.mode=split: not with --ray .*placement\.mode=colocated"):
+            R.check_mesh(split, opts)
 
 
 def test_bad_flags_and_a_mesh_that_does_not_fit_exit_2_before_ray_init(

@@ -109,3 +109,11 @@ def check_multiprocess_split(trainer: Sequence[Any], sampler: Sequence[Any], n_p
     if why:
         raise ConfigError(f"placement.mode=split in a job of {n_processes} processes needs {why}; or use "
                           "placement.mode=colocated (docs/async-rl.md, \"Multi-process\")")
+
+
+# Why --ray refuses a split placement: each attempt gets its own count of slices, and a split by slice or host would
+# change its groups (or become impossible) with it; no split has run under Ray Train. The trainer's Ray driver and the
+# stack's check both say this.
+RAY_SPLIT_REFUSED = ("placement.mode=split: not with --ray (an elastic run changes its slices between attempts, and "
+                     "the split's groups with them); allowed with --ray: placement.mode=colocated (rl.lag works "
+                     "colocated too); a split runs under the JobSet launcher")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from trainer.base.config import ConfigError, TrainConfig, config_from_dict, resolve_mesh
+from trainer.base.placement import RAY_SPLIT_REFUSED
 
 EXIT_RAY_FAILED = 1  # Ray Train gave up (more worker-group failures than --ray-max-failures)
 DEFAULT_MAX_FAILURES = 3
@@ -186,7 +187,10 @@ def slice_config(cfg: TrainConfig, slices: int) -> TrainConfig:
 
 
 def check_mesh(cfg: TrainConfig, opts: RayOptions) -> None:
-    """CPU stand-in: the mesh and batch must fit every slice count the run may shrink or grow to."""
+    """The placement (colocated only), and on the CPU stand-in the mesh and batch on every slice count the run may
+    shrink or grow to."""
+    if cfg.placement.mode != "colocated":
+        raise ConfigError(RAY_SPLIT_REFUSED)
     if opts.cpu_devices is None:
         return  # TPU: devices per slice depend on the chip generation; train() checks at start
     for slices in range(opts.min_slices, opts.max_slices + 1):
