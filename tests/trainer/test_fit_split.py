@@ -137,3 +137,44 @@ def test_the_colocated_layout_of_a_reference_split_config() -> None:
     assert (col.placement.mode, col.rl.lag, col.model_cfg) == ("colocated", 0, cfg.model_cfg)
     assert col.mesh.axes() == {"slices": 2, "fsdp": 16, "tensor": 1}
     assert col.sampler_mesh == {"slices": 2, "fsdp": 2, "tensor": 8}
+
+
+def test_the_advice_names_each_groups_own_settings(fitted: tuple[F.FitReport, F.CompileCache]) -> None:
+    """Sampling runs on placement.sampler's devices, which hold no optimizer state: its advice names neither mesh.*,
+    the colocated sampler's sampling.tensor, nor the optimizer; the update's keeps them."""
+    report, _ = fitted
+    sample = [s.setting or s.text for s in report.suggestions["sample"]]
+    update = [s.setting or s.text for s in report.suggestions["update"]]
+    assert not [s for s in sample if s.startswith(("mesh.", "sampling.tensor", "optim."))], sample
+    assert sample[-1].startswith("more chips for sampling: a larger placement.sampler"), sample
+    assert update[-1].startswith("more chips for the update: a smaller placement.sampler"), update
+    assert "mesh.tensor=2" in update
+
+
+def test_the_samplers_tensor_advice_keeps_its_chips() -> None:
+    """placement.sampler.tensor doubled halves its fsdp (the same chips), and its saving is estimated on the
+    sampler's layout (estimate.Layout.running), not the update's."""
+    from trainer.fit import estimate as E
+    from trainer.fit.advice import suggestions, with_settings
+
+    d = _cfg().model_dump(by_alias=True)
+    d["placement"]["sampler"] = {"slices": 1, "fsdp": 4, "tensor": 1}
+    cfg = resolve_mesh(config_from_dict(d), 8, exact=True)
+    found = [s.setting for s in suggestions("sample", cfg)]
+    assert "placement.sampler.tensor=2" in found, found
+    changed = resolve_mesh(with_settings(cfg, ["placement.sampler.tensor=2"]), E.Layout.job_devices(cfg), exact=True)
+    assert changed.placement.sampler.axes() == {"slices": 1, "fsdp": 2, "tensor": 2} and changed.mesh == cfg.mesh
+    assert E.Layout.running(cfg, "sample") == E.Layout(4, 4, 1, 4) and E.Layout.job_devices(cfg) == 8
+    assert E.Layout.running(cfg, "update") == E.Layout.of(cfg)
+    # Half the KV cache's heads per device: the sampler's programs shrink by the change, the update's does not move.
+    assert E.memory(changed, "sample", E.Layout.running(changed, "sample")).temp < E.memory(
+        cfg, "sample", E.Layout.running(cfg, "sample")).temp
+
+
+def test_fit_search_refuses_a_split_config_before_any_compile() -> None:
+    from trainer.base.config import ConfigError
+    from trainer.fit.search import search
+
+    with pytest.raises(ConfigError, match=r"fit --search searches a colocated trainer's settings; placement\.mode="
+                                          r"split: run fit without --search"):
+        search(_cfg(), TWO_SLICES, title="split", budget=2)

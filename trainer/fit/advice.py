@@ -93,6 +93,9 @@ def suggestions(program: str, cfg: TrainConfig) -> list[Suggestion]:
     estimate yet: `estimate_savings` adds it)."""
     c, rl, mesh, m = cfg.compute, cfg.rl, cfg.mesh, cfg.model_cfg
     data = mesh.slices * mesh.fsdp
+    # placement.mode=split: sampling runs on placement.sampler's own devices, which hold no optimizer state; its
+    # layout is the sampler's keys, not mesh.* or sampling.tensor (the colocated sampler's regroup).
+    split_sample = program == "sample" and cfg.placement.mode == "split"
     out: list[Suggestion] = []
 
     def add(setting: str, text: str) -> None:
@@ -113,12 +116,20 @@ def suggestions(program: str, cfg: TrainConfig) -> list[Suggestion]:
             add(f"rl.minibatches={2 * rl.minibatches}", f" (now {rl.minibatches}): smaller minibatches (more "
                 "optimizer steps per RL step: changes the algorithm)")
     if program == "sample":
+        sm = cfg.sampler_mesh
+        if split_sample:
+            data = sm["slices"] * sm["fsdp"]  # the sampler's rows split over its own data shards
         ns = halves(cfg.sample_chunk_rows, cfg.batch_size)
         if ns:
             add(f"sampling.max_num_sequences={ns}", f" (now {cfg.sample_chunk_rows}): a KV cache for fewer "
                 "sequences at once")
-        st, within = cfg.sampler_mesh["tensor"], mesh.fsdp * mesh.tensor
-        if cfg.sampling.gather_weights and within % (2 * st) == 0:
+        st, within = sm["tensor"], mesh.fsdp * mesh.tensor
+        t2 = 2 * st
+        if split_sample and sm["fsdp"] % 2 == 0 and m.n_heads % t2 == 0 and m.n_kv_heads % t2 == 0:
+            add(f"placement.sampler.tensor={t2}", f" (now {st}, placement.sampler.fsdp {sm['fsdp']} -> "
+                f"{sm['fsdp'] // 2}): the sampler's heads, KV cache, MLP and vocab over twice the chips, on the "
+                "same chips")
+        if not split_sample and cfg.sampling.gather_weights and within % (2 * st) == 0:
             add(f"sampling.tensor={2 * st}", f" (now {st}): the sampler's copy of the weights split over twice the "
                 "chips (each slice's chips regrouped for sampling), not gathered per token")
         if cfg.sampling.gather_weights:
@@ -127,7 +138,7 @@ def suggestions(program: str, cfg: TrainConfig) -> list[Suggestion]:
     if program in ("update", "ref_logprobs") and c.logprob_chunk > 128 and cfg.sampling.max_new_tokens > 128:
         add(f"compute.logprob_chunk={max(128, min(c.logprob_chunk, cfg.sampling.max_new_tokens) // 2)}",
             f" (now {c.logprob_chunk}): fewer fp32 [batch, chunk, vocab] logits at once")
-    if program in ("sample", "update") and getattr(cfg.optim, "name", None) == "adamw":
+    if program in ("sample", "update") and not split_sample and getattr(cfg.optim, "name", None) == "adamw":
         add("optim.name=adafactor", ": factored second moments and no first moment instead of Adam's two "
             "param-sized moments" + (" (resident while sampling)" if program == "sample" else "")
             + " (a different optimizer: changes the algorithm)")
@@ -135,13 +146,18 @@ def suggestions(program: str, cfg: TrainConfig) -> list[Suggestion]:
         add("compute.dtype=bfloat16", ": bf16 activations" + (" and KV cache" if program == "sample" else ""))
     if m.param_dtype != "bfloat16":
         add("compute.param_dtype=bfloat16", ": halves the master weights and Adam state")
-    if mesh.slices > 1 and getattr(mesh, "fsdp_across_slices", None) is False:
+    if mesh.slices > 1 and not split_sample and getattr(mesh, "fsdp_across_slices", None) is False:
         add("mesh.fsdp_across_slices=true", ": shard the weights and optimizer state over the slices too "
             "(an all-gather over DCN every pass)")
     t = next((t for t in (2, 4, 8) if t > mesh.tensor and m.n_kv_heads % t == 0 and m.n_heads % t == 0), None)
-    if t:
+    if t and not split_sample:
         add(f"mesh.tensor={t}", f" (now {mesh.tensor}): shard heads, MLP and vocab, not only the batch")
-    out.append(Suggestion("more chips: a larger topology or more slices (trainer.slices / --slices)"))
+    if cfg.placement.mode == "split":
+        group = "sampling: a larger placement.sampler" if split_sample else "the update: a smaller placement.sampler"
+        out.append(Suggestion(f"more chips for {group} (the other group's chips), a larger topology or more slices "
+                              "(trainer.slices / --slices)"))
+    else:
+        out.append(Suggestion("more chips: a larger topology or more slices (trainer.slices / --slices)"))
     return out
 
 
@@ -149,6 +165,10 @@ def with_settings(cfg: TrainConfig, settings: list[str]) -> TrainConfig:
     """`cfg` with `--set KEY=VALUE` settings applied the way the CLI applies them (resolved mesh axes kept, except
     that a mesh.tensor setting re-derives fsdp, as the JobSet's mesh.fsdp=-1 would)."""
     extra = ["mesh.fsdp=-1"] if any(s.startswith("mesh.tensor=") for s in settings) else []
+    for s in settings:  # the sampler's tensor on the same chips: its fsdp gives way
+        if s.startswith("placement.sampler.tensor="):
+            sm = cfg.placement.sampler
+            extra.append(f"placement.sampler.fsdp={sm.fsdp * sm.tensor // int(s.split('=', 1)[1])}")
     data = apply_overrides(cfg.model_dump(by_alias=True), [*settings, *extra])
     if cfg.model is not None and cfg.init.from_ == "hf":  # a model attached by resolve_model: as with_model does
         data["init"] = {"from": "random", "path": None}
@@ -159,7 +179,7 @@ def with_settings(cfg: TrainConfig, settings: list[str]) -> TrainConfig:
 def estimate_savings(p: ProgramFit, cfg: TrainConfig, found: list[Suggestion]) -> list[Suggestion]:
     """Fill each suggestion's estimated saving for compiled program `p` of the resolved config `cfg`: the
     analytic memory model (trainer/fit/estimate.py) calibrated on what the compiler measured for `p`."""
-    lay = E.Layout.of(cfg)
+    lay = E.Layout.running(cfg, p.name)
     base = E.memory(cfg, p.name, lay)
     k = E.calibration(base, E.measured_temp(p))
     for s in found:
@@ -170,8 +190,8 @@ def estimate_savings(p: ProgramFit, cfg: TrainConfig, found: list[Suggestion]) -
             else:
                 changed = with_settings(cfg, [s.setting])
                 if s.setting.startswith("mesh."):
-                    changed = resolve_mesh(changed, lay.devices, exact=True)
-                other = E.memory(changed, p.name)
+                    changed = resolve_mesh(changed, E.Layout.job_devices(cfg), exact=True)
+                other = E.memory(changed, p.name, E.Layout.running(changed, p.name))
         except ConfigError as err:
             s.estimate_note = str(err)
             continue

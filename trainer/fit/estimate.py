@@ -68,6 +68,19 @@ class Layout:
         across = m.slices if m.fsdp_across_slices else 1
         return cls(m.slices * m.fsdp, m.fsdp * across * m.tensor, m.tensor, m.slices * m.fsdp * m.tensor)
 
+    @classmethod
+    def running(cls, cfg: TrainConfig, program: str) -> Layout:
+        """The layout `program` runs on: with placement.mode=split, sampling runs on placement.sampler's devices."""
+        if program != "sample" or cfg.placement.mode != "split":
+            return cls.of(cfg)
+        s = cfg.placement.sampler
+        return cls(s.slices * s.fsdp, s.fsdp * s.tensor, s.tensor, s.slices * s.fsdp * s.tensor)
+
+    @classmethod
+    def job_devices(cls, cfg: TrainConfig) -> int:
+        """Every device of the job: the update's mesh, and the sampler's when split."""
+        return cls.of(cfg).devices + (cls.running(cfg, "sample").devices if cfg.placement.mode == "split" else 0)
+
     def regrouped(self, tensor: int | None) -> Layout:
         """The sampler's layout: each slice's devices regrouped to a tensor axis of `tensor` (sampling.tensor)."""
         if tensor is None or tensor == self.tensor:

@@ -372,4 +372,9 @@ def search(cfg: TrainConfig, target: Target, *, title: str, budget: int, model: 
             "fit --search searches the RL trainer's settings; a service config's programs are sized by lora.slots, "
             "lora.rank and service.max_batch_tokens (the service's capacity), compute.remat and "
             "compute.logprob_chunk: run fit without --search for its suggestions and their estimated savings")
+    if cfg.placement.mode == "split":
+        raise ConfigError(
+            "fit --search searches a colocated trainer's settings; placement.mode=split: run fit without --search: it "
+            "compiles each group's programs, prices the push and the colocated layout, and its advice names each "
+            "group's settings (placement.sampler.* for sampling)")
     return _Search(cfg, target, title, model, budget, progress or (lambda _msg: None)).run()
