@@ -38,6 +38,7 @@ MULTI_PROCESS_FILES = frozenset({
     "tests/service_engine/test_multihost.py",
     "tests/service_engine/test_preemption.py",
     "tests/service_engine/test_real_clients.py",
+    "tests/trainer/test_agree.py",
     "tests/trainer/test_checkpoint_damage.py",
     "tests/trainer/test_distributed.py",
     "tests/trainer/test_quiet.py",

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from trainer.model.sharding import batch_sharding, replicated
+from trainer.rl import agree
 
 
 def local_rows(sharding: NamedSharding, n_rows: int) -> list[int]:
@@ -60,12 +61,10 @@ def host_values(tree: Any, mesh: Mesh) -> Any:
     """The host values of a tree of arrays replicated on `mesh`, on every process (every process must call it).
 
     With placement split by slice or host, a process holding no device of `mesh` holds no shard of them (jax runs a
-    program on its own devices only), so the first process of `mesh` sends them to every process."""
+    program on its own devices only), so the first process of `mesh` sends them to every process (trainer/rl/agree.py:
+    through the coordination service, not a device program)."""
     holders = {d.process_index for d in mesh.devices.flat}
     if len(holders) == jax.process_count():
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-
-    mine = jax.process_index() in holders
-    local = jax.tree.map(lambda x: np.asarray(x) if mine else np.zeros(x.shape, x.dtype), tree)
-    return multihost_utils.broadcast_one_to_all(local, is_source=jax.process_index() == min(holders))
+    source = min(holders)
+    return agree.broadcast(jax.device_get(tree) if jax.process_index() == source else None, source=source)

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.base.config import ConfigError
+from trainer.rl import agree
 from trainer.rl.batch import host_values
 
 # orbax (0.12) writes this into a step directory last: it publishes the step (CommitFileTemporaryPath.finalize).
@@ -114,21 +114,25 @@ class Checkpointer:
         self.holds = holders is None or jax.process_index() in holders
         self.lag = lag  # set: a step saved with another rl.lag is refused (LagMismatch), never set aside as damaged
         self.directory = Path(directory).absolute()
+        # Several processes: orbax's barriers through the coordination service (its barrier for `active_processes`),
+        # not its default jax.experimental.multihost_utils.sync_global_devices, a device program that can interleave
+        # with the trainer's own on CPU (trainer/rl/agree.py says how).
+        active = holders if holders is not None or jax.process_count() == 1 else set(range(jax.process_count()))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=1,  # the step loop decides when to save
             enable_async_checkpointing=async_save,
-            create=holders is None,  # orbax creates it only over all processes; else it is made below
+            create=active is None,  # orbax creates it only without active_processes; else it is made below
             # Written in place, marker last: no directory rename (the default, AtomicRenameTemporaryPath, renames
             # `<step>.orbax-checkpoint-tmp` and each item folder). orbax then lists only steps with the marker
             # (path/step.py, is_path_finalized). cleanup_tmp_directories stays off: in this mode it would delete
             # every folder without a marker (temporary_paths.cleanup_temporary_paths), set-aside steps included.
             temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath,
             multiprocessing_options=ocp.options.MultiprocessingOptions(
-                primary_host=min(holders), active_processes=set(holders)) if holders is not None else
+                primary_host=min(active), active_processes=set(active)) if active is not None else
             ocp.options.MultiprocessingOptions(),
         )
-        if holders is not None:
+        if active is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._mngr = (ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
                       if self.holds else None)
@@ -269,7 +273,7 @@ class Checkpointer:
         """A step read fine on this process may have failed on another (each reads only its own shards)."""
         if jax.process_count() == 1:
             return reason
-        votes = multihost_utils.process_allgather(np.asarray([step, reason is None], np.int32))
+        votes = agree.allgather(np.asarray([step, reason is None], np.int32))
         if len(set(votes[:, 0].tolist())) > 1:
             raise RuntimeError(f"processes see different checkpoint steps in {self.directory}: {votes[:, 0]}")
         failed = [i for i, ok in enumerate(votes[:, 1].tolist()) if not ok]
@@ -291,7 +295,7 @@ class Checkpointer:
                 except OSError as err:  # e.g. gcsfuse refuses directory renames without rename-dir-limit
                     errors[s] = str(err)
         # Process 0's outcome, so every process skips the same saves (and waits here until its renames are done).
-        moved = multihost_utils.broadcast_one_to_all(np.asarray([s not in errors for s, _ in damaged], np.int32))
+        moved = np.asarray(agree.broadcast([s not in errors for s, _ in damaged], source=0), np.int32)
         aside = [SetAside(s, r, names[s] if ok else None, errors.get(s), suffix == ROLLED_BACK_SUFFIX)
                  for (s, r), ok in zip(damaged, moved.tolist(), strict=True)]
         self._in_place.update(a.step for a in aside if a.path is None)
@@ -506,15 +510,13 @@ def _free_name(directory: Path, step: int, suffix: str = DAMAGED_SUFFIX) -> Path
 
 
 def _process0(flag: bool) -> bool:
-    """Process 0's `flag` on every process (a collective: every process calls it), so that all decide alike."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
+    """Process 0's `flag` on every process (every process calls it, as a collective), so that all decide alike."""
+    return bool(agree.broadcast(flag, source=0))
 
 
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
+        agree.barrier(name)
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -590,5 +592,4 @@ class StopFlag:
         """True on every process once any process was signalled (all must save the same step together)."""
         if jax.process_count() == 1:
             return self._set
-        flags = multihost_utils.process_allgather(np.asarray(self._set, np.int32))
-        return bool(np.any(flags))
+        return bool(np.any(agree.allgather(np.asarray(self._set, np.int32))))
