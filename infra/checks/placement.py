@@ -93,6 +93,14 @@ def resolve(spec: EnvironmentSpec) -> Placement | None:
             f"({t.config or 'demo.yaml'}) / trainer.args ({args or 'none'}): placement.mode=split on "
             f"{_where(spec, slices)}: {err}") from None
     m, s = resolved.mesh, resolved.placement.sampler
+    if not (m.slices == s.slices == slices or m.slices + s.slices == slices):
+        # A group's slices axis crosses DCN: it must be the group's own slices, not a number the config kept.
+        raise ConfigError(
+            f"invalid stack config for environment {spec.env!r}:\n  {NAMESPACE}:trainer.config "
+            f"({t.config or 'demo.yaml'}) / trainer.args ({' '.join(t.args) or 'none'}): placement.mode=split on "
+            f"{_where(spec, slices)}: mesh.slices ({m.slices}) and placement.sampler.slices ({s.slices}) must both be "
+            f"{slices} (each group on every slice: a split within each host) or add up to {slices} (a split by "
+            "slice); set them in trainer.args (--set mesh.slices=N)")
     whole_hosts = len(mine) == shape.chips_per_host * len({d.process_index for d in mine})
     return Placement("split", (m.slices, m.fsdp, m.tensor), (s.slices, s.fsdp, s.tensor), resolved.rl.lag,
                      resolved.rl.lag_correction, slices * shape.chips, hosts, by_host=hosts > 1 and whole_hosts)

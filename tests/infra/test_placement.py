@@ -104,3 +104,13 @@ def test_a_split_config_runs_as_fit_prices_it(tmp_path: Path) -> None:
     [jobset] = result.of_type("kubernetes:jobset.x-k8s.io/v1alpha2:JobSet")
     assert "mesh.slices" not in json.dumps(jobset.inputs) and "mesh.fsdp" not in json.dumps(jobset.inputs)
     assert env_job(result.spec).cfg == file_job(name, "v6e:4x4", 2).cfg  # what the pods load is what fit prices
+
+
+def test_a_split_whose_slices_axes_are_not_the_jobs_slices_is_refused() -> None:
+    """The staging config's mesh keeps slices 2: a split set through trainer.args on one slice without
+    mesh.slices=1 would run a 'slices' axis of 2 inside one slice; refused, naming the keys and trainer.slices."""
+    monitor = RecordingMonitor(PlanMocks())
+    with pytest.raises(ConfigError, match=r"mesh\.slices \(2\) and placement\.sampler\.slices \(1\) must both be 1 "
+                                          r"\(each group on every slice: a split within each host\) or add up to 1"):
+        run_stack("staging", _staging(1, SPLIT), monitor=monitor)
+    assert monitor.registrations == []

@@ -20,8 +20,10 @@ it before writing call n).
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
-import pickle
+import json
 import zlib
 from typing import Any, Final
 
@@ -29,9 +31,11 @@ import jax
 import numpy as np
 
 PREFIX: Final = "gke-tpu-rl/agree"
-# As long as a device collective waits for a late process (XLA CPU's collective timeout). A process that died is
-# reported sooner: the coordination service's heartbeats then end every process.
-TIMEOUT_MS: Final = 30 * 60 * 1000
+# Processes may reach an agreement far apart: with placement split the sampler's processes wait while the trainer's
+# compile and run a 70B update, and at a resume the processes holding no state wait while the others read it. A
+# device collective on TPU has no deadline either. A process that died is reported much sooner: the coordination
+# service's heartbeats end every process (SIGABRT, which the pod failure policy restarts).
+TIMEOUT_MS: Final = 24 * 3600 * 1000
 
 _calls = itertools.count()
 
@@ -51,12 +55,52 @@ def _exchange(value: Any) -> list[Any]:
         return [value]
     client = _client()
     n, me = next(_calls), jax.process_index()
-    client.key_value_set_bytes(f"{PREFIX}/{n}/{me}", pickle.dumps(value))
+    client.key_value_set_bytes(f"{PREFIX}/{n}/{me}", encode(value))
     client.wait_at_barrier(f"{PREFIX}/{n}", TIMEOUT_MS)
     got = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get_bytes(f"{PREFIX}/{n}/")}
     if n:
         client.key_value_delete(f"{PREFIX}/{n - 1}/{me}")
-    return [pickle.loads(got[p]) for p in range(jax.process_count())]
+    return [decode(got[p]) for p in range(jax.process_count())]
+
+
+def encode(value: Any) -> bytes:
+    """`value` (None, bools, numbers, strings, arrays, and lists, tuples and string-keyed dicts of them) as JSON with
+    arrays in numpy's .npy format: no pickle, since the coordination service's port is a network port."""
+
+    def enc(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (np.ndarray, np.generic)):
+            buf = io.BytesIO()
+            np.save(buf, np.asarray(v), allow_pickle=False)
+            return {"s" if isinstance(v, np.generic) else "a": base64.b64encode(buf.getvalue()).decode()}
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                raise TypeError(f"agree: dict keys must be strings, got {list(v)[:4]}")
+            return {"d": {k: enc(x) for k, x in v.items()}}
+        if isinstance(v, (list, tuple)):
+            return {"t" if isinstance(v, tuple) else "l": [enc(x) for x in v]}
+        raise TypeError(f"agree: cannot send a {type(v).__name__}")
+
+    return json.dumps(enc(value)).encode()
+
+
+def decode(data: bytes) -> Any:
+    """The value `encode` wrote."""
+
+    def dec(v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        [(kind, body)] = v.items()
+        if kind in ("a", "s"):
+            a = np.load(io.BytesIO(base64.b64decode(body)), allow_pickle=False)
+            return a if kind == "a" else a[()]  # a numpy scalar stays one
+        if kind == "d":
+            return {k: dec(x) for k, x in body.items()}
+        items = [dec(x) for x in body]
+        return tuple(items) if kind == "t" else items
+
+    return dec(json.loads(data))
 
 
 def allgather(value: Any) -> np.ndarray:
