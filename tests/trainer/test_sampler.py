@@ -179,6 +179,26 @@ def test_continuous_batching_with_one_slot_per_row_and_greedy() -> None:
     assert int(one.steps) == int(whole[2].sum())  # one slot: a step per generated token
 
 
+def _block_sampled(block: int, attention: str, **kw: object) -> tuple[np.ndarray, ...]:
+    """Tokens, log-probs and mask of the block tests' case: float32, 8 rows of 16-token prompts, 48 new tokens."""
+    from trainer.base.config import ComputeConfig
+
+    B, P, n_new = 8, 16, 48
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32))
+    valid = jnp.asarray(np.arange(P)[None, :] >= rng.integers(0, 6, (B, 1)))
+    cc = ComputeConfig(dtype="float32", decode_block=block, decode_attention=attention)
+    f = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=n_new, eos_id=tuple(range(10, 14)), pad_id=PAD,
+                                  cc=cc, **kw))
+    out = f(_params(), prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5))
+    return tuple(np.asarray(x) for x in out[:3])
+
+
+# The whole-cache einsum's samples, once for every parametrization (decode_block 0 takes no block path: the
+# decode_attention setting is not read).
+_whole_cache = functools.cache(lambda: _block_sampled(0, "xla"))
+
+
 @pytest.mark.parametrize(("block", "attention"), [(8, "xla"), (5, "xla"), (5, "unrolled"),
                                                  pytest.param(8, "unrolled", marks=pytest.mark.long)])
 def test_block_attention_decodes_as_the_whole_cache(block: int, attention: str) -> None:
@@ -187,24 +207,10 @@ def test_block_attention_decodes_as_the_whole_cache(block: int, attention: str) 
     or continuously batched (rows then sit at different slots), blocks dividing the cache (48 + 16 = 64 slots) or
     not (the last block overlaps the one before); the blocks in a loop (xla) or the step compiled per live-block
     count (unrolled, GPU's default)."""
-    from trainer.base.config import ComputeConfig
-
-    B, P, n_new = 8, 16, 48
-    rng = np.random.default_rng(1)
-    prompt = jnp.asarray(rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32))
-    valid = jnp.asarray(np.arange(P)[None, :] >= rng.integers(0, 6, (B, 1)))
-
-    def run(decode_block: int, **kw: object) -> tuple[np.ndarray, ...]:
-        cc = ComputeConfig(dtype="float32", decode_block=decode_block, decode_attention=attention)
-        f = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=n_new, eos_id=tuple(range(10, 14)), pad_id=PAD,
-                                      cc=cc, **kw))
-        out = f(_params(), prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5))
-        return tuple(np.asarray(x) for x in out[:3])
-
-    ref = run(0)
-    assert len(set(ref[2].sum(axis=1))) > 3 and ref[2].sum(axis=1).max() == n_new  # rows end at different steps
+    ref = _whole_cache()
+    assert len(set(ref[2].sum(axis=1))) > 3 and ref[2].sum(axis=1).max() == 48  # rows end at different steps
     for kw in ({}, {"max_num_sequences": 4}):
-        out = run(block, **kw)
+        out = _block_sampled(block, attention, **kw)
         np.testing.assert_array_equal(out[0], ref[0])
         np.testing.assert_array_equal(out[2], ref[2])
         np.testing.assert_allclose(out[1], ref[1], atol=2e-5)
