@@ -227,19 +227,22 @@ def test_block_attention_never_reads_past_the_live_block(attention: str) -> None
 
     P, S, block = 8, 40, 8
     prompt, valid = _padded(left=True)
+    slot = jnp.array([P + 3, P + 9, P + 1, P])  # rows at their own slots; the furthest live one in block 2
+    live = jnp.array([True, True, True, False])
+    tok = jnp.array([5, 6, 7, 8], jnp.int32)
+    pos = jnp.sum(valid, axis=1) + slot - P
     for dtype, atol in (("float32", 2e-5), ("bfloat16", 0.1)):
         whole, blocks = (ComputeConfig(dtype=dtype, decode_block=b, decode_attention=attention) for b in (0, block))
-        _, cache = prefill(_params(), CFG, prompt, valid, S, whole, None)
-        slot = jnp.array([P + 3, P + 9, P + 1, P])  # rows at their own slots; the furthest live one in block 2
-        live = jnp.array([True, True, True, False])
-        tok = jnp.array([5, 6, 7, 8], jnp.int32)
-        pos = jnp.sum(valid, axis=1) + slot - P
-        want, _ = decode_step(_params(), CFG, tok, live, pos, slot, cache, whole, None)
+        _, cache = jax.jit(lambda p, t, v, cc=whole: prefill(p, CFG, t, v, S, cc, None))(_params(), prompt, valid)
+        # Compiled, as the sampler runs them (one program each, not a compile per operation).
+        step_whole, step_blocks = (jax.jit(lambda p, c, cc=cc: decode_step(p, CFG, tok, live, pos, slot, c, cc, None))
+                                   for cc in (whole, blocks))
+        want, _ = step_whole(_params(), cache)
         poisoned = cache._replace(v_LBSKE=cache.v_LBSKE.at[:, :, 3 * block:].set(jnp.nan))
-        got, _ = decode_step(_params(), CFG, tok, live, pos, slot, poisoned, blocks, None)
+        got, _ = step_blocks(_params(), poisoned)
         assert bool(jnp.all(jnp.isfinite(got[:3])))
         np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(want[:3]), atol=atol)
-        spoiled, _ = decode_step(_params(), CFG, tok, live, pos, slot, poisoned, whole, None)
+        spoiled, _ = step_whole(_params(), poisoned)
         assert not bool(jnp.all(jnp.isfinite(spoiled[:3])))
 
 
