@@ -291,7 +291,8 @@ def test_a_prefill_attends_its_own_tokens_in_the_flash_kernel() -> None:
     # A 128-token prompt batch (one flash block), left-padded as the sampler hands prompts to `prefill`.
     prompt = jnp.asarray(np.random.default_rng(4).integers(3, cfg.vocab_size, (4, 128)).astype(np.int32))
     valid = jnp.asarray(np.stack([np.arange(128) >= s for s in (0, 30, 100, 127)]))
-    run = lambda cc: prefill(params, cfg, prompt, valid, 160, cc, None)  # noqa: E731
+    # Compiled, as the sampler runs it (one program, not a compile per operation).
+    run = lambda cc: jax.jit(lambda p: prefill(p, cfg, prompt, valid, 160, cc, None))(params)  # noqa: E731
     want, want_cache = run(ComputeConfig(attention="xla"))
     flash = ComputeConfig(attention="flash")
     with pltpu.force_tpu_interpret_mode():
