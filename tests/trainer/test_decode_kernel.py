@@ -46,12 +46,15 @@ def test_the_kernel_computes_the_block_loop_and_reads_no_block_past_the_live_one
     q, k, v, (kp, vp), valid, q_slot, live, block = _case(T, K=K)
     rows = np.asarray(live[:, 0])
     assert 0 < rows.sum() < len(rows)
+    # Each compiled once, the layer an argument as in the sampler's layer loop (not a compile per operation).
+    block_loop, einsum_path = jax.jit(A.block_attention, static_argnums=(6, 7)), jax.jit(A.attention)
+    kernel = jax.jit(D.decode_attention, static_argnums=(7,))
     for layer in range(3):
-        want = A.block_attention(q, k, v, layer, valid, q_slot, block, k.shape[2] // block)
+        want = block_loop(q, k, v, layer, valid, q_slot, block, k.shape[2] // block)
         mask = valid[:, None, :] & (jnp.arange(k.shape[2])[None, None, :] <= q_slot[:, :, None])
-        einsum = A.attention(q, k[layer], v[layer], mask)
+        einsum = einsum_path(q, k[layer], v[layer], mask)
         with pltpu.force_tpu_interpret_mode():
-            got = D.decode_attention(q, kp, vp, layer, valid, q_slot, live, block)
+            got = kernel(q, kp, vp, layer, valid, q_slot, live, block)
         assert bool(jnp.all(jnp.isfinite(got[rows])))  # nothing past the live blocks was read
         np.testing.assert_allclose(np.asarray(got[rows]), np.asarray(want[rows]), atol=2e-5)
         np.testing.assert_allclose(np.asarray(got[rows]), np.asarray(einsum[rows]), atol=2e-5)

@@ -179,6 +179,26 @@ def test_continuous_batching_with_one_slot_per_row_and_greedy() -> None:
     assert int(one.steps) == int(whole[2].sum())  # one slot: a step per generated token
 
 
+def _block_sampled(block: int, attention: str, **kw: object) -> tuple[np.ndarray, ...]:
+    """Tokens, log-probs and mask of the block tests' case: float32, 8 rows of 16-token prompts, 48 new tokens."""
+    from trainer.base.config import ComputeConfig
+
+    B, P, n_new = 8, 16, 48
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32))
+    valid = jnp.asarray(np.arange(P)[None, :] >= rng.integers(0, 6, (B, 1)))
+    cc = ComputeConfig(dtype="float32", decode_block=block, decode_attention=attention)
+    f = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=n_new, eos_id=tuple(range(10, 14)), pad_id=PAD,
+                                  cc=cc, **kw))
+    out = f(_params(), prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5))
+    return tuple(np.asarray(x) for x in out[:3])
+
+
+# The whole-cache einsum's samples, once for every parametrization (decode_block 0 takes no block path: the
+# decode_attention setting is not read).
+_whole_cache = functools.cache(lambda: _block_sampled(0, "xla"))
+
+
 @pytest.mark.parametrize(("block", "attention"), [(8, "xla"), (5, "xla"), (5, "unrolled"),
                                                  pytest.param(8, "unrolled", marks=pytest.mark.long)])
 def test_block_attention_decodes_as_the_whole_cache(block: int, attention: str) -> None:
@@ -187,24 +207,10 @@ def test_block_attention_decodes_as_the_whole_cache(block: int, attention: str) 
     or continuously batched (rows then sit at different slots), blocks dividing the cache (48 + 16 = 64 slots) or
     not (the last block overlaps the one before); the blocks in a loop (xla) or the step compiled per live-block
     count (unrolled, GPU's default)."""
-    from trainer.base.config import ComputeConfig
-
-    B, P, n_new = 8, 16, 48
-    rng = np.random.default_rng(1)
-    prompt = jnp.asarray(rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32))
-    valid = jnp.asarray(np.arange(P)[None, :] >= rng.integers(0, 6, (B, 1)))
-
-    def run(decode_block: int, **kw: object) -> tuple[np.ndarray, ...]:
-        cc = ComputeConfig(dtype="float32", decode_block=decode_block, decode_attention=attention)
-        f = jax.jit(functools.partial(sample, cfg=CFG, max_new_tokens=n_new, eos_id=tuple(range(10, 14)), pad_id=PAD,
-                                      cc=cc, **kw))
-        out = f(_params(), prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5))
-        return tuple(np.asarray(x) for x in out[:3])
-
-    ref = run(0)
-    assert len(set(ref[2].sum(axis=1))) > 3 and ref[2].sum(axis=1).max() == n_new  # rows end at different steps
+    ref = _whole_cache()
+    assert len(set(ref[2].sum(axis=1))) > 3 and ref[2].sum(axis=1).max() == 48  # rows end at different steps
     for kw in ({}, {"max_num_sequences": 4}):
-        out = run(block, **kw)
+        out = _block_sampled(block, attention, **kw)
         np.testing.assert_array_equal(out[0], ref[0])
         np.testing.assert_array_equal(out[2], ref[2])
         np.testing.assert_allclose(out[1], ref[1], atol=2e-5)
@@ -221,19 +227,22 @@ def test_block_attention_never_reads_past_the_live_block(attention: str) -> None
 
     P, S, block = 8, 40, 8
     prompt, valid = _padded(left=True)
+    slot = jnp.array([P + 3, P + 9, P + 1, P])  # rows at their own slots; the furthest live one in block 2
+    live = jnp.array([True, True, True, False])
+    tok = jnp.array([5, 6, 7, 8], jnp.int32)
+    pos = jnp.sum(valid, axis=1) + slot - P
     for dtype, atol in (("float32", 2e-5), ("bfloat16", 0.1)):
         whole, blocks = (ComputeConfig(dtype=dtype, decode_block=b, decode_attention=attention) for b in (0, block))
-        _, cache = prefill(_params(), CFG, prompt, valid, S, whole, None)
-        slot = jnp.array([P + 3, P + 9, P + 1, P])  # rows at their own slots; the furthest live one in block 2
-        live = jnp.array([True, True, True, False])
-        tok = jnp.array([5, 6, 7, 8], jnp.int32)
-        pos = jnp.sum(valid, axis=1) + slot - P
-        want, _ = decode_step(_params(), CFG, tok, live, pos, slot, cache, whole, None)
+        _, cache = jax.jit(lambda p, t, v, cc=whole: prefill(p, CFG, t, v, S, cc, None))(_params(), prompt, valid)
+        # Compiled, as the sampler runs them (one program each, not a compile per operation).
+        step_whole, step_blocks = (jax.jit(lambda p, c, cc=cc: decode_step(p, CFG, tok, live, pos, slot, c, cc, None))
+                                   for cc in (whole, blocks))
+        want, _ = step_whole(_params(), cache)
         poisoned = cache._replace(v_LBSKE=cache.v_LBSKE.at[:, :, 3 * block:].set(jnp.nan))
-        got, _ = decode_step(_params(), CFG, tok, live, pos, slot, poisoned, blocks, None)
+        got, _ = step_blocks(_params(), poisoned)
         assert bool(jnp.all(jnp.isfinite(got[:3])))
         np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(want[:3]), atol=atol)
-        spoiled, _ = decode_step(_params(), CFG, tok, live, pos, slot, poisoned, whole, None)
+        spoiled, _ = step_whole(_params(), poisoned)
         assert not bool(jnp.all(jnp.isfinite(spoiled[:3])))
 
 
@@ -282,7 +291,8 @@ def test_a_prefill_attends_its_own_tokens_in_the_flash_kernel() -> None:
     # A 128-token prompt batch (one flash block), left-padded as the sampler hands prompts to `prefill`.
     prompt = jnp.asarray(np.random.default_rng(4).integers(3, cfg.vocab_size, (4, 128)).astype(np.int32))
     valid = jnp.asarray(np.stack([np.arange(128) >= s for s in (0, 30, 100, 127)]))
-    run = lambda cc: prefill(params, cfg, prompt, valid, 160, cc, None)  # noqa: E731
+    # Compiled, as the sampler runs it (one program, not a compile per operation).
+    run = lambda cc: jax.jit(lambda p: prefill(p, cfg, prompt, valid, 160, cc, None))(params)  # noqa: E731
     want, want_cache = run(ComputeConfig(attention="xla"))
     flash = ComputeConfig(attention="flash")
     with pltpu.force_tpu_interpret_mode():

@@ -160,13 +160,14 @@ def test_chunked_logprobs_match_full_logits_and_gradients() -> None:
         return (jnp.take_along_axis(logp_all, t[..., None], -1)[..., 0],
                 -jnp.sum(jnp.exp(logp_all) * logp_all, -1))
 
-    want = full(params)
+    # Each compiled as one program, as the trainer runs them (not a compile per operation).
+    want = jax.jit(full)(params)
     for chunk in (1, 4, 11, 64):
-        got = M.chunked_logprobs(params, cfg, x, t, 0.7, chunk)
+        got = jax.jit(lambda p, chunk=chunk: M.chunked_logprobs(p, cfg, x, t, 0.7, chunk))(params)
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
-    g_want = jax.grad(lambda p: jnp.sum(full(p)[0]))(params)
-    g_got = jax.grad(lambda p: jnp.sum(M.chunked_logprobs(p, cfg, x, t, 0.7, 4)[0]))(params)
+    g_want = jax.jit(jax.grad(lambda p: jnp.sum(full(p)[0])))(params)
+    g_got = jax.jit(jax.grad(lambda p: jnp.sum(M.chunked_logprobs(p, cfg, x, t, 0.7, 4)[0])))(params)
     _close(g_got, g_want, rtol=1e-4, atol=1e-6)
 
 
