@@ -597,23 +597,37 @@ def _train_process(command: str, cwd: Path) -> tuple[list[str], subprocess.Popen
 
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainRun]:
-    """Every documented training command, started together (2 cores: the compiles overlap) and awaited."""
+    """Every documented training command, run in two lanes (2 cores): my.yaml's runs one after the other, so the
+    later one reads the programs the earlier one compiled (the per-worker compile cache, tests/conftest.py; started
+    together, both compiled them), and the other commands beside them."""
     owners = {"test_readme_train_commands", "test_own_tasks_commands"}
     commands = [c for doc in DOCS for c in doc_commands(doc) if RUN.get(c) in owners or CHECKED.get(c, ("",))[0]
                 in owners]
-    started = {c: (cwd, *_train_process(c, cwd)) for c in commands
-               for cwd in [tmp_path_factory.mktemp("train")]}
-    runs = {}
-    try:
-        for command, (cwd, argv, process) in started.items():
+    lanes = [[c for c in commands if "my.yaml" in c], [c for c in commands if "my.yaml" not in c]]
+    started: list[subprocess.Popen[str]] = []
+    runs: dict[str, TrainRun] = {}
+
+    def run_lane(lane: list[str]) -> None:
+        for command in lane:
+            cwd = tmp_path_factory.mktemp("train")
+            argv, process = _train_process(command, cwd)
+            started.append(process)
             output, _ = process.communicate(timeout=600)
             run_dirs = list((cwd / "runs").glob("*")) if (cwd / "runs").is_dir() else []
             runs[command] = TrainRun(argv, process.returncode, output, run_dirs[0] if len(run_dirs) == 1 else cwd)
+
+    threads = [threading.Thread(target=run_lane, args=(lane,), daemon=True) for lane in lanes]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=1300)
     finally:
-        for _, _, process in started.values():
+        for process in started:
             if process.poll() is None:  # only after a failure above: ours, by their own handles
                 process.kill()
                 process.wait()
+    assert set(runs) == set(commands), sorted(set(commands) - set(runs))  # a lane that failed says so here
     return runs
 
 
