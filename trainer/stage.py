@@ -35,6 +35,10 @@ Exit codes (the trainer's, trainer/run/cli.py): 0 staged or already staged; 2 fo
 revision or file that is not there, a gated repo or a refused token, a checkpoint or dataset the trainer would
 refuse), one line naming the flag; 42 for transient failures (connection errors, timeouts, HTTP 408/429/5xx) so the
 Job's backoff retries. Anything else is a bug: a traceback and exit 1.
+
+Over 600 lines as one module on purpose: it is the staging Job's one command, and its three sources (a model, a GSM8K
+file, a dataset's splits) share the Hub error classification, the placement by rename and the journal; the tests
+replace those shared pieces on this module. A fourth source should move each into a package of its own.
 """
 
 from __future__ import annotations
