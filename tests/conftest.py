@@ -1,9 +1,9 @@
-"""How `make test` spreads the suite over 2 pytest-xdist workers (`-n 2`).
+"""How `make test` spreads the suite over 3 pytest-xdist workers (`-n 3`, on 2 cores: the Makefile says why).
 
 Each test file is one group, so a file's module fixtures (compiles, servers) are built once, on one worker. The
 files whose tests start several processes each (local multi-host trainer runs, Ray clusters, servers killed
 mid-request) share one group and go first: they run one after another on one worker, never two of them against
-each other for the machine's 2 cores, while the other worker takes the in-process files. Without xdist (a plain
+each other for the machine's 2 cores, while the other workers take the in-process files. Without xdist (a plain
 `pytest`) only the order changes.
 """
 
@@ -92,7 +92,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     """With GTR_TEST_CPU=<file>, appends each test's wall and CPU seconds (this process and the children it reaped)
-    to <file> as JSON lines: under -n 2 the wall figures mostly measure contention, the CPU ones what a test costs."""
+    to <file> as JSON lines: under -n 3 the wall figures mostly measure contention, the CPU ones what a test costs."""
     path = os.environ.get("GTR_TEST_CPU")
     if not path:
         yield

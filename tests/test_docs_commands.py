@@ -546,7 +546,9 @@ def test_readme_make_targets(clone: Path) -> None:
             assert f"python3 -m venv {clone}/fresh-venv" in fresh
             assert "uv pip install" in fresh and "-e '.[dev]'" in fresh
         else:
-            assert steps == ["ruff check .", "mypy", 'pytest -q -n 2 -m "not long"']
+            # ruff, mypy and the suite at once, in a make of their own (-j3; -o: install has just run).
+            assert steps == [f"make --no-print-directory -j3 -o {venv}/.installed-stamp lint typecheck suite",
+                             "ruff check .", "mypy", 'pytest -q -n 3 -m "not long"'], steps
         ledger.checked(command)
     ledger.close()
 
@@ -960,7 +962,7 @@ def test_readme_inline_commands(clone: Path, capsys: pytest.CaptureFixture[str],
             dry = subprocess.run(["make", "-n", "-o", f"{VENV_BIN.parent}/.installed-stamp",
                                   f"VENV={VENV_BIN.parent}", argv[1]], cwd=clone, check=True, capture_output=True,
                                  text=True).stdout
-            want = {"golden": ["UPDATE_GOLDEN=1", "tests/infra/test_plan.py"], "test-long": ["pytest -q -n 2 -m long"],
+            want = {"golden": ["UPDATE_GOLDEN=1", "tests/infra/test_plan.py"], "test-long": ["pytest -q -n 3 -m long"],
                     "bench-ray": ["bench/ray_elastic.py"]}[argv[1]]
             assert all(w in dry for w in want), dry
         else:  # what the pods run: the dev plan's staging Job, RayJob entrypoint and Ray head
