@@ -27,32 +27,28 @@ if CPU_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAG}".strip()
 
 PROCESSES = "processes"
-# In the order they run: the ones that mostly wait on their processes (Ray's controller and nodes, servers, restarts)
-# first, while the other workers keep the cores busy; the busiest last (the deployed trainer's 8 pods), since by then
-# the other workers may be done and only these can use both cores (ci21's ledger: CPU over wall 0.1-0.5 first,
-# 0.9-1.0 last).
-MULTI_PROCESS_FILES = (
-    "tests/workloads/test_ray_upstream.py",
-    "tests/deployed/test_ray.py",
-    "tests/trainer/test_ray_elastic.py",
-    "tests/trainer/test_startup.py",
-    "tests/service/test_crash.py",
-    "tests/service_engine/test_preemption.py",
-    "tests/service_engine/test_crash.py",
+MULTI_PROCESS_FILES = frozenset({
     "tests/deployed/test_gcp.py",
-    "tests/trainer/test_sigkill.py",
-    "tests/service_engine/test_cookbook_recipes.py",
-    "tests/service_engine/test_real_clients.py",
-    "tests/trainer/test_resume_fewer_slices.py",
-    "tests/trainer/test_checkpoint_damage.py",
-    "tests/trainer/test_quiet.py",
-    "tests/trainer/test_agree.py",
-    "tests/trainer/test_distributed.py",
-    "tests/service_engine/test_multihost.py",
-    "tests/trainer/test_signals.py",
+    "tests/deployed/test_ray.py",
     "tests/deployed/test_service.py",
     "tests/deployed/test_trainer.py",
-)
+    "tests/service/test_crash.py",
+    "tests/service_engine/test_cookbook_recipes.py",
+    "tests/service_engine/test_crash.py",
+    "tests/service_engine/test_multihost.py",
+    "tests/service_engine/test_preemption.py",
+    "tests/service_engine/test_real_clients.py",
+    "tests/trainer/test_agree.py",
+    "tests/trainer/test_checkpoint_damage.py",
+    "tests/trainer/test_distributed.py",
+    "tests/trainer/test_quiet.py",
+    "tests/trainer/test_ray_elastic.py",
+    "tests/trainer/test_resume_fewer_slices.py",
+    "tests/trainer/test_sigkill.py",
+    "tests/trainer/test_signals.py",
+    "tests/trainer/test_startup.py",
+    "tests/workloads/test_ray_upstream.py",
+})
 
 
 def _group(nodeid: str) -> str:
@@ -89,12 +85,8 @@ def subprocess_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The longest group first: it bounds the run, so it should not start last; within it, MULTI_PROCESS_FILES' order.
-    def key(item: pytest.Item) -> tuple[bool, int]:
-        path = item.nodeid.split("::")[0]
-        return _group(item.nodeid) != PROCESSES, MULTI_PROCESS_FILES.index(path) if path in MULTI_PROCESS_FILES else 0
-
-    items.sort(key=key)
+    # The longest group first: it bounds the run, so it should not start last.
+    items.sort(key=lambda item: _group(item.nodeid) != PROCESSES)
 
 
 @pytest.hookimpl(hookwrapper=True)
