@@ -50,7 +50,7 @@ def _client() -> Any:
 
 
 def _exchange(value: Any) -> list[Any]:
-    """Every process's `value` (any picklable host value), in process order."""
+    """Every process's `value` (any value `encode` takes), in process order."""
     if jax.process_count() == 1:
         return [value]
     client = _client()
