@@ -26,6 +26,12 @@ CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 if CPU_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAG}".strip()
 
+# The processes the tests start read, on every process of a multi-process run, what process 0 compiled (as a TPU
+# slice's hosts do; tests/hosts_share_compiles/sitecustomize.py says why and how).
+SHARE_COMPILES = str(Path(__file__).parent / "hosts_share_compiles")
+if SHARE_COMPILES not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SHARE_COMPILES, os.environ.get("PYTHONPATH")) if p)
+
 PROCESSES = "processes"
 MULTI_PROCESS_FILES = frozenset({
     "tests/deployed/test_gcp.py",
