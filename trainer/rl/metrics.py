@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,22 @@ def slot_efficiency(tokens: int, steps: int, slots: int) -> float:
 CLOCK_KEYS = frozenset({"step_time_s", "tokens_per_s", *(phase_key(p) for p in PHASES)})
 
 
+def _summary_writer() -> Any:
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch whenever it is installed (a
+    laptop's environment, not the trainer's image), only to accept torch tensors, which this logger never writes; that
+    import is about a CPU-second of every start. A None in sys.modules makes `import torch` fail for that one import."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
@@ -57,8 +74,7 @@ class MetricsLogger:
         self.console = Console(stderr=False)
         self._board: Any = None
         if enabled:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer()
             # purge_step: on a resume, TensorBoard drops what an earlier writer logged from this step on (the steps
             # redone after the last checkpoint), as truncate_metrics does for the JSONL. The suffix keeps a writer
             # started in the same second as the last one (its file is named by the second and the host) from
