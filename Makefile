@@ -63,7 +63,11 @@ PYTEST_WORKERS ?= 3
 test: install
 	$(MAKE) --no-print-directory -j3 -o $(STAMP) lint typecheck suite
 
+# The repo's modules compiled once first: where PYTHONDONTWRITEBYTECODE is set (this machine kind's environment, and
+# the harness's pods, as in the image), each of the suite's few hundred Python processes otherwise compiled every module
+# of the repo it imported (the installed packages are compiled at install: UV_INSTALL's --compile-bytecode).
 suite: install
+	$(PY) -m compileall -q envspec infra workloads trainer tests bench
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m "not long"
 
 test-long: install

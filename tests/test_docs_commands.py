@@ -548,7 +548,9 @@ def test_readme_make_targets(clone: Path) -> None:
         else:
             # ruff, mypy and the suite at once, in a make of their own (-j3; -o: install has just run).
             assert steps == [f"make --no-print-directory -j3 -o {venv}/.installed-stamp lint typecheck suite",
-                             "ruff check .", "mypy", 'pytest -q -n 3 -m "not long"'], steps
+                             "ruff check .", "mypy",
+                             "python -m compileall -q envspec infra workloads trainer tests bench",
+                             'pytest -q -n 3 -m "not long"'], steps
         ledger.checked(command)
     ledger.close()
 
