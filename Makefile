@@ -65,9 +65,10 @@ test: install
 
 # The repo's modules compiled once first: where PYTHONDONTWRITEBYTECODE is set (this machine kind's environment, and
 # the harness's pods, as in the image), each of the suite's few hundred Python processes otherwise compiled every module
-# of the repo it imported (the installed packages are compiled at install: UV_INSTALL's --compile-bytecode).
+# of the repo it imported (the installed packages are compiled at install: UV_INSTALL's --compile-bytecode). Not the
+# fixtures: scripts that made them, which no test imports (and test_hf_reference lists their folders).
 suite: install
-	$(PY) -m compileall -q envspec infra workloads trainer tests bench
+	$(PY) -m compileall -q -x tests/fixtures/ envspec infra workloads trainer tests bench
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m "not long"
 
 test-long: install

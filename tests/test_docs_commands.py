@@ -549,7 +549,7 @@ def test_readme_make_targets(clone: Path) -> None:
             # ruff, mypy and the suite at once, in a make of their own (-j3; -o: install has just run).
             assert steps == [f"make --no-print-directory -j3 -o {venv}/.installed-stamp lint typecheck suite",
                              "ruff check .", "mypy",
-                             "python -m compileall -q envspec infra workloads trainer tests bench",
+                             "python -m compileall -q -x tests/fixtures/ envspec infra workloads trainer tests bench",
                              'pytest -q -n 3 -m "not long"'], steps
         ledger.checked(command)
     ledger.close()
