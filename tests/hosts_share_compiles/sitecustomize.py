@@ -7,7 +7,11 @@ program's devices. On TPU that is the slice's, the same on every host, so every 
 (what `checkpoint.compile_cache` and `service.compile_cache` rely on after a preemption). On CPU the topology's
 fingerprint differs per process, so every process but 0 compiled every program at every start: about half the CPU of
 a restarted local 2-process run. Here a CPU program's key names its devices (global id and process) in place of that
-fingerprint: the same on every process, and still different for another layout of processes and devices.
+fingerprint: the same on every process, and still different for another layout of processes and devices. What the
+fingerprint held and this key drops: the process's local device count (a program over some devices, one device say,
+is shared by runs with more or fewer devices: the same compile inputs but the intra-op thread count, which changes no
+result) and the host's CPU features (an entry never travels to another machine: the cache is per test session, and
+XLA refuses an executable built for features the host lacks; jax then warns and compiles).
 Checked: a 2-process run whose process 1 reads process 0's programs gives the same metrics, bit for bit, as one
 compiled from scratch.
 

@@ -4,9 +4,10 @@ them again, which on a real model and slice is minutes. Every program is cached 
 one is read back faster than it compiles, and reading back never changes what it computes.
 
 Only process 0 of a group writes entries (jax's compiler._cache_write); every process reads them, as every host's
-key is the same. A damaged entry is never replaced (jax skips a key whose file exists) and costs a warning and a
-compile at each start: delete the folder to reset it, which is always safe. Nothing evicts entries: each new
-jax/libtpu version adds its own set."""
+key is the same on TPU. On CPU (`--local-processes`) jax keys a program by the process's own topology, so there only
+process 0 reads them back (the tests re-key them: tests/hosts_share_compiles/sitecustomize.py). A damaged entry is
+never replaced (jax skips a key whose file exists) and costs a warning and a compile at each start: delete the folder
+to reset it, which is always safe. Nothing evicts entries: each new jax/libtpu version adds its own set."""
 
 from __future__ import annotations
 
