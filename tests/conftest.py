@@ -29,8 +29,15 @@ if CPU_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 # The processes the tests start read, on every process of a multi-process run, what process 0 compiled (as a TPU
 # slice's hosts do; tests/hosts_share_compiles/sitecustomize.py says why and how).
 SHARE_COMPILES = str(Path(__file__).parent / "hosts_share_compiles")
-if SHARE_COMPILES not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SHARE_COMPILES, os.environ.get("PYTHONPATH")) if p)
+
+
+def sharing_compiles(pythonpath: str | None) -> str:
+    """`pythonpath` with SHARE_COMPILES first (once): for this process's children and the harness's slice pods."""
+    rest = [p for p in (pythonpath or "").split(os.pathsep) if p and p != SHARE_COMPILES]
+    return os.pathsep.join([SHARE_COMPILES, *rest])
+
+
+os.environ["PYTHONPATH"] = sharing_compiles(os.environ.get("PYTHONPATH"))
 
 PROCESSES = "processes"
 MULTI_PROCESS_FILES = frozenset({

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import SHARE_COMPILES
+from tests.conftest import sharing_compiles
 from tests.deployed import kuberay as K
 from tests.deployed import sandbox as S
 
@@ -556,7 +556,7 @@ class Cluster:
         if TPU_RESOURCE in requests and os.environ.get("XLA_FLAGS"):
             env["XLA_FLAGS"] = os.environ["XLA_FLAGS"]  # the test machine's CPU compile flags (tests/conftest.py)
         if TPU_RESOURCE in requests:  # CPU hosts read what process 0 compiled, as a slice's hosts do (conftest.py)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (SHARE_COMPILES, env.get("PYTHONPATH")) if p)
+            env["PYTHONPATH"] = sharing_compiles(env.get("PYTHONPATH"))
         mounts: list[tuple[str, str, bool]] = []
         layer = folder / f"layer-{c['name']}"
         for sub in ("home", "tmp"):
